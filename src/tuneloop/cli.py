@@ -1,0 +1,166 @@
+"""Command line: `tuneloop train|plan|preprocess|setup CONFIG`.
+
+A user error (bad key, bad row, missing file) prints one message on stderr and exits 2,
+never a traceback. Heavy imports (torch, transformers) happen inside the commands, so
+`--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from tuneloop.errors import UserError
+
+TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
+
+
+def _config(args):
+    from tuneloop.config import load_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(args.config, args.set)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    return cfg
+
+
+def _prepared(cfg, force: bool = False):
+    from tuneloop.data.prepare import prepare
+    from tuneloop.model import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg)
+    return tokenizer, prepare(cfg, tokenizer, force=force)
+
+
+def _plan(cfg, prepared, world_size: int):
+    import numpy as np
+
+    from tuneloop.plan import make_plan
+
+    return make_plan(cfg, np.asarray(prepared.train["length"]), np.asarray(prepared.train["n_targets"]),
+                     prepared.stats.eval_rows, prepared.stats.dropped_too_long, world_size)
+
+
+def command_plan(args) -> int:
+    from tuneloop.plan import describe, world_size_from_env
+
+    cfg = _config(args)
+    _, prepared = _prepared(cfg)
+    plan = _plan(cfg, prepared, args.world_size or world_size_from_env())
+    print(json.dumps(plan.to_json(), indent=2) if args.json else describe(plan))
+    return 0
+
+
+def command_preprocess(args) -> int:
+    cfg = _config(args)
+    tokenizer, prepared = _prepared(cfg, force=args.force)
+    stats = prepared.stats
+    print(f"prepared {stats.train_rows} train and {stats.eval_rows} eval rows from {stats.rows_read} read "
+          f"({stats.dropped_too_long} longer than sequence_len={cfg.sequence_len} dropped, "
+          f"{stats.dropped_no_trained_tokens} with no trained tokens dropped) into {prepared.cache_dir}")
+    for index in range(min(args.show, stats.train_rows)):
+        row = prepared.train[index]
+        print(f"\n--- row {index} ({row['length']} tokens, {row['n_targets']} trained; trained text "
+              f"between {TRAINED_OPEN} {TRAINED_CLOSE}) ---")
+        print(marked_text(row["input_ids"], row["labels"], tokenizer))
+    return 0
+
+
+def marked_text(input_ids: list[int], labels: list[int], tokenizer) -> str:
+    """The row's text with each run of trained tokens wrapped in ⟦ ⟧."""
+    pieces, start = [], 0
+    for end in range(1, len(input_ids) + 1):
+        if end == len(input_ids) or (labels[end] != -100) != (labels[start] != -100):
+            text = tokenizer.decode(input_ids[start:end])
+            pieces.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if labels[start] != -100 else text)
+            start = end
+    return "".join(pieces)
+
+
+def command_train(args) -> int:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    from tuneloop.model import load_model, mixed_precision
+    from tuneloop.plan import describe
+    from tuneloop.train.loop import train
+
+    cfg = _config(args)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(cfg))
+    if cfg.tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    set_seed(cfg.seed)
+    output_dir = Path(cfg.output_dir)
+    with accelerator.main_process_first():  # rank 0 fills the data cache, the others read it
+        tokenizer, prepared = _prepared(cfg)
+    plan = _plan(cfg, prepared, accelerator.num_processes)
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        (output_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
+        print(describe(plan), flush=True)
+    accelerator.wait_for_everyone()
+    model = load_model(cfg, tokenizer)
+    summary = train(cfg, plan, prepared, tokenizer, model, accelerator)
+    if accelerator.is_main_process:
+        print(f"done: {summary['steps']} steps in {summary['train_seconds']} s, "
+              f"{summary['real_tokens_per_second']} real tokens/s; eval loss "
+              f"{summary['first_eval_loss']} → {summary['last_eval_loss']}; model saved to {output_dir}")
+    accelerator.end_training()
+    return 0
+
+
+def command_setup(args) -> int:
+    from tuneloop.embedded import ensure_embedded_dataset, ensure_embedded_model
+
+    print(f"embedded model: {ensure_embedded_model()}")
+    print(f"embedded data:  {ensure_embedded_dataset()}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tuneloop", description="Fine-tune Hugging Face language models from one "
+                                     "YAML file (axolotl's key names), in a loop as fast as a hand-written one.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(name: str, help_text: str):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("config", help="the run's YAML file")
+        sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a config key (value parsed as YAML); repeatable; a.b=v for nested keys")
+        return sub
+
+    train_parser = with_config("train", "prepare the data, print the plan, train, save the model")
+    train_parser.set_defaults(handler=command_train)
+    plan_parser = with_config("plan", "print every number of the run before training")
+    plan_parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    plan_parser.add_argument("--world-size", type=int, default=None,
+                             help="plan a launch on N ranks without launching it")
+    plan_parser.set_defaults(handler=command_plan)
+    prep_parser = with_config("preprocess", "tokenize, mask and cache the data")
+    prep_parser.add_argument("--show", type=int, default=0, metavar="N",
+                             help="print the first N rows with the trained text marked")
+    prep_parser.add_argument("--force", action="store_true", help="rebuild the cache even if it exists")
+    prep_parser.set_defaults(handler=command_preprocess)
+    setup_parser = commands.add_parser("setup", help="build the embedded model and data folders (once)")
+    setup_parser.set_defaults(handler=command_setup)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

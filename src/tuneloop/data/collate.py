@@ -1,0 +1,81 @@
+"""Turn a micro-batch (rows of sequence indices) into tensors.
+
+Targets are shifted here, per sequence: `targets[t]` is the token the model must predict at
+position t, and the last position of every sequence gets -100. So the loss never asks the
+last token of one packed sequence to predict the first token of the next.
+
+Packed rows carry `position_ids` that restart at 0 for each sequence and no attention mask:
+transformers then builds a block-diagonal causal mask from the position ids (this needs
+`use_cache=False`, which model.py sets). Unpacked rows carry an attention mask instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tuneloop.data.prepare import IGNORE_INDEX
+
+PAD_MULTIPLE = 8  # tensor-core and vector-width friendly
+
+
+@dataclass
+class MicroBatch:
+    inputs: dict  # tensors for model(**inputs)
+    targets: torch.Tensor  # (rows, width), -100 where no loss
+    n_targets: int  # known on the host: no device sync to normalise the loss
+    n_real_tokens: int
+
+    def to(self, device) -> "MicroBatch":
+        inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in self.inputs.items()}
+        return MicroBatch(inputs, self.targets.to(device, non_blocking=True), self.n_targets, self.n_real_tokens)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def shifted_targets(labels: list[int]) -> list[int]:
+    return list(labels[1:]) + [IGNORE_INDEX]
+
+
+class Collator:
+    def __init__(self, dataset, pad_token_id: int, packed: bool, pad_to: int | None = None):
+        # Arrow rows are read once into Python lists: indexing them per batch is then cheap
+        self.input_ids = list(dataset["input_ids"])
+        self.labels = list(dataset["labels"])
+        self.pad_token_id = pad_token_id
+        self.packed = packed
+        self.pad_to = pad_to  # pad_to_sequence_len: a fixed width for every batch
+
+    def __call__(self, rows: list[list[int]]) -> MicroBatch:
+        row_ids, row_targets, row_positions = [], [], []
+        for row in rows:
+            ids, targets, positions = [], [], []
+            for index in row:
+                ids.extend(self.input_ids[index])
+                targets.extend(shifted_targets(self.labels[index]))
+                positions.extend(range(len(self.input_ids[index])))
+            row_ids.append(ids)
+            row_targets.append(targets)
+            row_positions.append(positions)
+        width = self.pad_to or _round_up(max(len(ids) for ids in row_ids), PAD_MULTIPLE)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (ids, tgt, pos) in enumerate(zip(row_ids, row_targets, row_positions)):
+            input_ids[i, :len(ids)] = torch.tensor(ids)
+            targets[i, :len(tgt)] = torch.tensor(tgt)
+            positions[i, :len(pos)] = torch.tensor(pos)
+            attention[i, :len(ids)] = 1
+        n_real = sum(len(ids) for ids in row_ids)
+        n_targets = int((targets != IGNORE_INDEX).sum())
+        if self.packed:
+            # padding after the last sequence is its own "sequence" (positions restart at 0),
+            # so no real token can attend to it
+            for i, ids in enumerate(row_ids):
+                positions[i, len(ids):] = torch.arange(width - len(ids))
+            return MicroBatch({"input_ids": input_ids, "position_ids": positions}, targets, n_targets, n_real)
+        return MicroBatch({"input_ids": input_ids, "attention_mask": attention}, targets, n_targets, n_real)

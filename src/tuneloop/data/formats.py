@@ -1,0 +1,132 @@
+"""Turn one data row into text plus the character spans the model is trained on.
+
+Masking works on characters, not tokens: a renderer returns the full text and the
+`(start, end)` spans that are trained; tokenization (prepare.py) then labels exactly the
+tokens that overlap those spans. That keeps each format a few plain lines and makes the
+mask independent of how a tokenizer merges characters at a prompt/response boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tuneloop.config import CustomFormat, DatasetConfig
+from tuneloop.data.load import SourceRow
+from tuneloop.errors import UserError
+
+# axolotl's alpaca prompt, character for character
+ALPACA_SYSTEM_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides "
+                            "further context. Write a response that appropriately completes the request.\n\n")
+ALPACA_SYSTEM_NO_INPUT = ("Below is an instruction that describes a task. "
+                          "Write a response that appropriately completes the request.\n\n")
+ALPACA_TURN_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+ALPACA_TURN_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "tool": "tool"}
+
+
+@dataclass
+class Rendered:
+    text: str
+    trained_spans: list[tuple[int, int]] = field(default_factory=list)
+    add_special_tokens: bool = True  # False when a chat template already wrote BOS and friends
+    append_eos: bool = True  # instruction and completion rows end with a trained EOS, as in axolotl
+
+
+def _field(row: SourceRow, name: str, required: bool = True) -> str:
+    value = row.values.get(name)
+    if value is None:
+        if required:
+            raise UserError(f"data: {row.where}: missing field `{name}` (fields present: "
+                            f"{', '.join(sorted(row.values)) or 'none'})")
+        return ""
+    return value if isinstance(value, str) else str(value)
+
+
+def render_alpaca(row: SourceRow) -> Rendered:
+    instruction, given_input = _field(row, "instruction"), _field(row, "input", required=False)
+    output = _field(row, "output")
+    if given_input:
+        prompt = ALPACA_SYSTEM_WITH_INPUT + ALPACA_TURN_WITH_INPUT.format(instruction=instruction, input=given_input)
+    else:
+        prompt = ALPACA_SYSTEM_NO_INPUT + ALPACA_TURN_NO_INPUT.format(instruction=instruction)
+    return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
+
+
+def render_custom(row: SourceRow, fmt: CustomFormat) -> Rendered:
+    instruction = _field(row, fmt.field_instruction)
+    given_input = _field(row, fmt.field_input, required=False)
+    output = _field(row, fmt.field_output)
+    system = _field(row, fmt.field_system, required=False) or fmt.system_prompt
+    prompt = fmt.system_format.format(system=system) if system else ""
+    if given_input:
+        prompt += fmt.format.format(instruction=instruction, input=given_input)
+    else:
+        prompt += fmt.no_input_format.format(instruction=instruction)
+    return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
+
+
+def render_completion(row: SourceRow, entry: DatasetConfig) -> Rendered:
+    text = _field(row, entry.field or "text")
+    return Rendered(text, [(0, len(text))])
+
+
+def _messages(row: SourceRow, entry: DatasetConfig) -> list[dict]:
+    sharegpt = entry.type == "sharegpt"
+    name = entry.field_messages or ("conversations" if sharegpt or "messages" not in row.values else "messages")
+    raw = row.values.get(name)
+    if not isinstance(raw, list) or not raw:
+        raise UserError(f"data: {row.where}: field `{name}` must be a non-empty list of messages")
+    role_key = "from" if sharegpt else entry.message_field_role
+    content_key = "value" if sharegpt else entry.message_field_content
+    if not sharegpt and isinstance(raw[0], dict) and role_key not in raw[0] and "from" in raw[0]:
+        role_key, content_key = "from", "value"  # sharegpt rows under type chat_template, as axolotl accepts
+    messages = []
+    for number, message in enumerate(raw, start=1):
+        if not isinstance(message, dict) or role_key not in message or content_key not in message:
+            raise UserError(f"data: {row.where}: message {number} needs `{role_key}` and `{content_key}`")
+        role = SHAREGPT_ROLES.get(message[role_key], message[role_key])
+        messages.append({"role": role, "content": str(message[content_key])})
+    return messages
+
+
+def render_chat(row: SourceRow, entry: DatasetConfig, tokenizer, template: str | None) -> Rendered:
+    """Render with the chat template; train the turns whose role is in `roles_to_train`.
+
+    A turn's span is found by rendering the conversation up to that turn: the text of
+    `messages[:k]` plus the generation prompt ends where turn k's content starts, and the
+    text of `messages[:k+1]` ends where the turn (its end-of-turn token included) ends.
+    """
+    messages = _messages(row, entry)
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, chat_template=template,
+                                             add_generation_prompt=generation_prompt)
+
+    full = render(len(messages), False)
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] not in entry.roles_to_train:
+            continue
+        prompt_text, end_text = render(k, True), render(k + 1, False)
+        if not (full.startswith(prompt_text) and full.startswith(end_text)):
+            raise UserError(f"data: {row.where}: the chat template does not render conversations as growing "
+                            "prefixes, so trained turns cannot be located; use `chat_template: chatml`")
+        # the newline after an end-of-turn token is not the model's to predict
+        spans.append((len(prompt_text), len(end_text.rstrip())))
+    return Rendered(full, spans, add_special_tokens=False, append_eos=False)
+
+
+def render_row(row: SourceRow, entry: DatasetConfig, tokenizer, template: str | None) -> Rendered:
+    if isinstance(entry.type, CustomFormat):
+        return render_custom(row, entry.type)
+    if entry.type == "alpaca":
+        return render_alpaca(row)
+    if entry.type == "completion":
+        return render_completion(row, entry)
+    return render_chat(row, entry, tokenizer, template)

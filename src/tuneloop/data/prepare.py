@@ -1,0 +1,184 @@
+"""Tokenize and mask every row once, split off the eval set, and cache the result as Arrow.
+
+The cache key is a hash of everything that changes the prepared tokens: the data files'
+bytes, the dataset entries, the tokenizer (vocabulary, special tokens, chat template) and
+the settings sequence_len, train_on_inputs, val_set_size and seed. Same key, same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tuneloop.config import DatasetConfig, TuneloopConfig
+from tuneloop.data.formats import render_row
+from tuneloop.data.load import data_files_of, read_rows
+from tuneloop.errors import UserError
+
+PREPARE_VERSION = 1  # bump when the tokenization or masking rules change
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PrepareStats:
+    rows_read: int = 0
+    dropped_too_long: int = 0
+    dropped_no_trained_tokens: int = 0
+    train_rows: int = 0
+    eval_rows: int = 0
+
+
+@dataclass
+class PreparedData:
+    train: "datasets.Dataset"  # noqa: F821  columns: input_ids, labels, length, n_targets
+    eval: "datasets.Dataset | None"  # noqa: F821
+    stats: PrepareStats
+    cache_dir: Path
+
+
+def chat_template_of(cfg: TuneloopConfig, tokenizer) -> str | None:
+    from tuneloop.data.formats import CHATML_TEMPLATE
+
+    if cfg.chat_template == "chatml":
+        return CHATML_TEMPLATE
+    if cfg.chat_template == "jinja":
+        return cfg.chat_template_jinja
+    return tokenizer.chat_template
+
+
+def tokenize_rendered(rendered, tokenizer, train_on_inputs: bool) -> tuple[list[int], list[int]]:
+    """Token ids and labels: a token is trained when its characters overlap a trained span."""
+    encoded = tokenizer(rendered.text, add_special_tokens=rendered.add_special_tokens,
+                        return_offsets_mapping=True)
+    input_ids = list(encoded["input_ids"])
+    spans = [(0, len(rendered.text))] if train_on_inputs else rendered.trained_spans
+    labels = []
+    for token_id, (start, end) in zip(input_ids, encoded["offset_mapping"]):
+        trained = end > start and any(start < span_end and end > span_start for span_start, span_end in spans)
+        labels.append(token_id if trained else IGNORE_INDEX)
+    if rendered.append_eos and tokenizer.eos_token_id is not None:
+        input_ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id)
+    return input_ids, labels
+
+
+def count_targets(labels: list[int]) -> int:
+    """Positions the loss sees: a label at position t is predicted from position t-1, so t=0 never counts."""
+    return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
+
+
+def _hash_file(path: Path, digest) -> None:
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+
+
+def cache_key(cfg: TuneloopConfig, tokenizer) -> str:
+    digest = hashlib.sha256()
+    settings = {
+        "version": PREPARE_VERSION,
+        "datasets": [entry.model_dump() for entry in cfg.datasets],
+        "test_datasets": [entry.model_dump() for entry in cfg.test_datasets],
+        "sequence_len": cfg.sequence_len,
+        "train_on_inputs": cfg.train_on_inputs,
+        "val_set_size": cfg.val_set_size,
+        "seed": cfg.seed,
+        "chat_template": chat_template_of(cfg, tokenizer),
+        "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+    }
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
+    for entry in cfg.datasets + cfg.test_datasets:
+        for file in data_files_of(entry):
+            digest.update(str(file).encode())
+            _hash_file(file, digest)
+    return digest.hexdigest()[:16]
+
+
+def _tokenize_entries(entries: list[DatasetConfig], cfg, tokenizer, template, stats: PrepareStats) -> dict:
+    columns = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
+    for entry in entries:
+        for row in read_rows(entry):
+            stats.rows_read += 1
+            rendered = render_row(row, entry, tokenizer, template)
+            input_ids, labels = tokenize_rendered(rendered, tokenizer, cfg.train_on_inputs)
+            if len(input_ids) > cfg.sequence_len:
+                stats.dropped_too_long += 1
+                continue
+            n_targets = count_targets(labels)
+            if n_targets == 0:
+                stats.dropped_no_trained_tokens += 1
+                continue
+            columns["input_ids"].append(input_ids)
+            columns["labels"].append(labels)
+            columns["length"].append(len(input_ids))
+            columns["n_targets"].append(n_targets)
+    return columns
+
+
+def _split_eval(columns: dict, val_set_size: float, seed: int) -> tuple[dict, dict | None]:
+    total = len(columns["length"])
+    if not val_set_size:
+        return columns, None
+    n_eval = int(val_set_size) if val_set_size >= 1 else int(round(total * val_set_size))
+    n_eval = max(1, min(n_eval, total - 1))
+    order = np.random.default_rng(seed).permutation(total)
+    eval_index, train_index = sorted(order[:n_eval]), sorted(order[n_eval:])
+    pick = lambda index: {name: [values[i] for i in index] for name, values in columns.items()}  # noqa: E731
+    return pick(train_index), pick(eval_index)
+
+
+def _build(cfg: TuneloopConfig, tokenizer, target: Path) -> None:
+    import datasets
+
+    template = chat_template_of(cfg, tokenizer)
+    stats = PrepareStats()
+    train_columns = _tokenize_entries(cfg.datasets, cfg, tokenizer, template, stats)
+    if cfg.test_datasets:
+        eval_columns = _tokenize_entries(cfg.test_datasets, cfg, tokenizer, template, stats)
+    else:
+        train_columns, eval_columns = _split_eval(train_columns, cfg.val_set_size, cfg.seed)
+    stats.train_rows = len(train_columns["length"])
+    stats.eval_rows = len(eval_columns["length"]) if eval_columns else 0
+    if stats.train_rows == 0:
+        raise UserError(f"data: no training rows left: read {stats.rows_read}, dropped {stats.dropped_too_long} "
+                        f"longer than sequence_len={cfg.sequence_len} and {stats.dropped_no_trained_tokens} "
+                        "with no trained tokens")
+    if eval_columns is not None and stats.eval_rows == 0:
+        raise UserError("data: the eval set is empty after filtering; check test_datasets or sequence_len")
+    temp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    datasets.Dataset.from_dict(train_columns).save_to_disk(str(temp / "train"))
+    if eval_columns is not None:
+        datasets.Dataset.from_dict(eval_columns).save_to_disk(str(temp / "eval"))
+    (temp / "stats.json").write_text(json.dumps(asdict(stats), indent=2))
+    try:
+        os.replace(temp, target)  # atomic: a reader sees a complete cache or none
+    except OSError:
+        shutil.rmtree(temp, ignore_errors=True)  # another process finished first; theirs is identical
+        if not (target / "stats.json").exists():
+            raise
+
+
+def prepare(cfg: TuneloopConfig, tokenizer, force: bool = False) -> PreparedData:
+    import datasets
+
+    datasets.disable_progress_bars()
+    root = Path(cfg.dataset_prepared_path)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / cache_key(cfg, tokenizer)
+    if force and target.exists():
+        shutil.rmtree(target)
+    if not (target / "stats.json").exists():
+        _build(cfg, tokenizer, target)
+    stats = PrepareStats(**json.loads((target / "stats.json").read_text()))
+    train = datasets.load_from_disk(str(target / "train"))
+    eval_set = datasets.load_from_disk(str(target / "eval")) if (target / "eval").exists() else None
+    return PreparedData(train, eval_set, stats, target)

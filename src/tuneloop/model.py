@@ -1,0 +1,103 @@
+"""Load the tokenizer and the model: attention choice, precision, adapters, checkpointing."""
+
+from __future__ import annotations
+
+from tuneloop.config import TuneloopConfig
+from tuneloop.embedded import resolve_model_path
+from tuneloop.errors import UserError
+
+
+def load_tokenizer(cfg: TuneloopConfig):
+    from transformers import AutoTokenizer
+
+    source = resolve_model_path(cfg.tokenizer_config or cfg.base_model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise UserError(f"model: cannot load a tokenizer from {source!r}: {error}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(f"model: the tokenizer of {source!r} is not a fast tokenizer; tuneloop needs character "
+                        "offsets to mask prompts exactly")
+    if cfg.special_tokens:
+        tokenizer.add_special_tokens(dict(cfg.special_tokens))
+    if tokenizer.pad_token is None:
+        # padding positions never reach the loss or attention, so any id will do; eos is the convention
+        tokenizer.pad_token = tokenizer.eos_token
+    if cfg.chat_template in ("chatml", "jinja"):
+        from tuneloop.data.prepare import chat_template_of
+
+        tokenizer.chat_template = chat_template_of(cfg, tokenizer)  # saved with the model, for inference
+    return tokenizer
+
+
+def mixed_precision(cfg: TuneloopConfig) -> str:
+    """Accelerate's mixed_precision string for the config on this machine."""
+    import torch
+
+    if cfg.fp16:
+        return "fp16"
+    if cfg.bf16 == "auto":
+        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return "bf16" if cfg.bf16 else "no"
+
+
+def attention_implementation(cfg: TuneloopConfig) -> str:
+    import torch
+
+    if cfg.attn_implementation:
+        chosen = cfg.attn_implementation
+    elif cfg.flash_attention:
+        chosen = "flash_attention_2"
+    else:
+        chosen = "sdpa"
+    if chosen == "flash_attention_2":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise UserError("model: flash attention was asked for (`flash_attention: true`) but the flash-attn "
+                            "package is not installed; install it on a CUDA machine or use sdp_attention") from None
+        if not torch.cuda.is_available():
+            raise UserError("model: flash attention needs a CUDA GPU; use sdp_attention on this machine")
+    return chosen
+
+
+def load_model(cfg: TuneloopConfig, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_model_path(cfg.base_model)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=attention_implementation(cfg),
+        )
+    except (OSError, ValueError) as error:
+        raise UserError(f"model: cannot load {source!r}: {error}") from None
+    # A cache in training defeats the packed-sequence mask (STACK-NOTES trap 1) and wastes memory.
+    model.config.use_cache = False
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(len(tokenizer))
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.adapter:
+        model = add_adapter(cfg, model)
+    return model
+
+
+def add_adapter(cfg: TuneloopConfig, model):
+    if cfg.adapter == "qlora":
+        raise UserError("model: `adapter: qlora` needs bitsandbytes on a CUDA GPU; it is not available here. "
+                        "Use `adapter: lora`.")
+    from peft import LoraConfig, get_peft_model
+
+    if cfg.lora_target_linear:
+        targets = "all-linear"
+    elif cfg.lora_target_modules:
+        targets = cfg.lora_target_modules
+    else:
+        raise UserError("config: `adapter: lora` needs `lora_target_modules` or `lora_target_linear: true`")
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
+    if cfg.gradient_checkpointing:
+        model.enable_input_require_grads()
+    return get_peft_model(model, lora)

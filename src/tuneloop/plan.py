@@ -1,0 +1,232 @@
+"""The TrainingPlan: every number of the run, computed once, exactly, before the model loads.
+
+The plan runs the real sampler (data/batching.py) for every epoch the run touches, on every
+rank, so steps and token counts are counted, never estimated. The loop, the scheduler and
+the progress bar all read their numbers from here, and a test checks that the loop runs
+exactly `total_steps` optimizer steps and sees exactly `total_trainable_tokens` targets.
+
+An optimizer step is `gradient_accumulation_steps` micro-batches per rank. When an epoch's
+micro-batches do not divide evenly, its last step takes the remainder: the loss is
+normalised by the tokens actually in the step, so a short step is still an exact mean.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from tuneloop.config import TuneloopConfig
+from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
+from tuneloop.data.collate import PAD_MULTIPLE
+
+FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
+
+
+@dataclass
+class TrainingPlan:
+    world_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch_size: int
+    batching: str
+    sequence_len: int
+    train_rows: int
+    train_tokens: int
+    trainable_tokens: int
+    eval_rows: int
+    dropped_too_long: int
+    micro_batches_per_epoch: int
+    rows_cut_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    epochs_to_run: int
+    epochs_covered: float
+    warmup_steps: int
+    eval_steps_at: list[int]
+    eval_count: int
+    save_steps_at: list[int]
+    save_count: int
+    tokens_per_step: float
+    total_trainable_tokens: int
+    total_real_tokens: int
+    packing_efficiency: float | None
+    padding_fraction: float | None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def batching_mode(cfg: TuneloopConfig) -> str:
+    if cfg.sample_packing:
+        return "packed"
+    return "group_by_length" if cfg.group_by_length else "random"
+
+
+def train_spec(cfg: TuneloopConfig, world_size: int) -> BatchingSpec:
+    return BatchingSpec(batching_mode(cfg), cfg.micro_batch_size, cfg.sequence_len, world_size, cfg.seed)
+
+
+def eval_spec(cfg: TuneloopConfig, world_size: int) -> BatchingSpec:
+    mode = "packed" if cfg.resolved_eval_sample_packing else "group_by_length"
+    return BatchingSpec(mode, cfg.resolved_eval_batch_size, cfg.sequence_len, world_size, cfg.seed)
+
+
+def _scheduled(total: int, steps_per_epoch: int, every: int | float | None, per_epoch: int | None,
+               default_per_epoch: int) -> list[int]:
+    """Step numbers (1-based) at which something recurring happens."""
+    if every is not None:
+        interval = max(1, math.ceil(total * every)) if every < 1 else int(every)
+        return list(range(interval, total + 1, interval))
+    per_epoch = per_epoch or default_per_epoch
+    steps = set()
+    for epoch in range(math.ceil(total / steps_per_epoch)):
+        for k in range(1, per_epoch + 1):
+            steps.add(epoch * steps_per_epoch + max(1, round(steps_per_epoch * k / per_epoch)))
+    return sorted(step for step in steps if step <= total)
+
+
+def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.ndarray, eval_rows: int,
+              dropped_too_long: int, world_size: int) -> TrainingPlan:
+    cfg.check_batch_size(world_size)
+    spec = train_spec(cfg, world_size)
+    accum = cfg.gradient_accumulation_steps
+    first_epoch = epoch_micro_batches(train_lengths, spec, epoch=0)
+    micro_per_rank = len(first_epoch[0])
+    if micro_per_rank == 0:
+        from tuneloop.errors import UserError
+
+        raise UserError(f"plan: {len(train_lengths)} training rows make fewer micro-batches than the "
+                        f"{world_size} ranks; lower micro_batch_size or use more data")
+    steps_per_epoch = math.ceil(micro_per_rank / accum)
+    total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+    epochs_to_run = math.ceil(total_steps / steps_per_epoch)
+
+    # walk every step the run will take, on every rank, and count its tokens
+    total_targets = total_real = computed = 0
+    step = 0
+    for epoch in range(epochs_to_run):
+        per_rank = first_epoch if epoch == 0 else epoch_micro_batches(train_lengths, spec, epoch=epoch)
+        for start in range(0, micro_per_rank, accum):
+            step += 1
+            if step > total_steps:
+                break
+            for batches in per_rank:
+                for micro in batches[start:start + accum]:
+                    for row in micro:
+                        total_targets += int(train_targets[row].sum())
+                        total_real += int(train_lengths[row].sum())
+                    width = max(int(train_lengths[row].sum()) for row in micro)
+                    computed += len(micro) * -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+
+    used_rows = sum(len(micro) for batches in first_epoch for micro in batches)
+    if spec.mode == "packed":
+        rows_cut = len(train_lengths) - sum(len(row) for batches in first_epoch for micro in batches for row in micro)
+    else:
+        rows_cut = len(train_lengths) - used_rows
+    real_epoch0 = sum(int(train_lengths[row].sum()) for batches in first_epoch for micro in batches for row in micro)
+    packing_efficiency = padding_fraction = None
+    if spec.mode == "packed":
+        packing_efficiency = round(real_epoch0 / (used_rows * cfg.sequence_len), 4)
+    else:
+        padding_fraction = round(1 - total_real / computed, 4) if computed else 0.0
+
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil((cfg.warmup_ratio or 0) * total_steps)
+    has_eval = eval_rows > 0
+    eval_at = _scheduled(total_steps, steps_per_epoch, cfg.eval_steps, cfg.evals_per_epoch, 1) if has_eval else []
+    if has_eval and total_steps not in eval_at:
+        eval_at.append(total_steps)  # the final model is always evaluated
+    if has_eval and cfg.eval_on_start:
+        eval_at.insert(0, 0)
+    saves_off = cfg.save_strategy == "no"
+    save_at = [] if saves_off else [s for s in _scheduled(total_steps, steps_per_epoch, cfg.save_steps,
+                                                          cfg.saves_per_epoch, 1) if s < total_steps]
+
+    plan = TrainingPlan(
+        world_size=world_size, micro_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=accum,
+        global_batch_size=cfg.micro_batch_size * accum * world_size, batching=spec.mode,
+        sequence_len=cfg.sequence_len, train_rows=len(train_lengths), train_tokens=int(train_lengths.sum()),
+        trainable_tokens=int(train_targets.sum()), eval_rows=eval_rows, dropped_too_long=dropped_too_long,
+        micro_batches_per_epoch=micro_per_rank, rows_cut_per_epoch=rows_cut, steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps, epochs_to_run=epochs_to_run,
+        epochs_covered=round(total_steps / steps_per_epoch, 4), warmup_steps=warmup, eval_steps_at=eval_at,
+        eval_count=len(eval_at), save_steps_at=save_at, save_count=len(save_at),
+        tokens_per_step=round(total_targets / total_steps, 2), total_trainable_tokens=total_targets,
+        total_real_tokens=total_real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
+    )
+    plan.warnings = plan_warnings(cfg, plan)
+    return plan
+
+
+def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
+    found = []
+    if cfg.max_steps and plan.epochs_covered != cfg.num_epochs:
+        ratio = cfg.num_epochs / plan.epochs_covered
+        text = (f"max_steps={cfg.max_steps} covers {plan.epochs_covered:g} passes over the data, "
+                f"while num_epochs={cfg.num_epochs}; max_steps wins.")
+        if plan.world_size > 1 and math.isclose(ratio, plan.world_size, rel_tol=0.02):
+            text += (f" The ratio is the world size ({plan.world_size}): you probably counted per-device "
+                     "batches; one step here consumes a global batch from every rank.")
+        found.append(text)
+    if plan.padding_fraction is not None and plan.padding_fraction > 0.20:
+        found.append(f"{plan.padding_fraction:.0%} of the computed tokens are padding; "
+                     "`sample_packing: true` (or `group_by_length: true`) would reclaim most of it.")
+    for name, count in (("eval", plan.eval_count), ("save", plan.save_count)):
+        if count > 1 / FREQUENT_FRACTION:
+            found.append(f"{count} {name}s in {plan.total_steps} steps: one every "
+                         f"{plan.total_steps / count:.1f} steps costs time; space them out.")
+    read = plan.train_rows + plan.eval_rows + plan.dropped_too_long
+    if read and plan.dropped_too_long / read > 0.01:
+        found.append(f"sequence_len={cfg.sequence_len} drops {plan.dropped_too_long} of {read} rows "
+                     f"({plan.dropped_too_long / read:.1%}); raise sequence_len to keep them.")
+    if plan.micro_batches_per_epoch < plan.gradient_accumulation_steps:
+        found.append(f"the global batch ({plan.global_batch_size} rows) is larger than one epoch of data "
+                     f"({plan.micro_batches_per_epoch} micro-batches per rank): every step is a partial batch; "
+                     "lower micro_batch_size or gradient_accumulation_steps.")
+    if plan.warmup_steps >= plan.total_steps:
+        found.append(f"warm-up ({plan.warmup_steps} steps) is as long as the run ({plan.total_steps} steps) "
+                     "or longer: the learning rate never reaches its peak.")
+    if plan.rows_cut_per_epoch:
+        found.append(f"{plan.rows_cut_per_epoch} rows per epoch do not fill a micro-batch on every one of the "
+                     f"{plan.world_size} ranks and are left out of that epoch (a different set each epoch).")
+    return found
+
+
+def describe(plan: TrainingPlan) -> str:
+    """The human-readable plan: a short report, numbers first."""
+    density = (f"packing efficiency {plan.packing_efficiency:.1%}" if plan.packing_efficiency is not None
+               else f"padding {plan.padding_fraction:.1%} of computed tokens")
+    lines = [
+        "tuneloop plan",
+        f"  world size           {plan.world_size}",
+        f"  batch                {plan.micro_batch_size} rows/micro-batch × {plan.gradient_accumulation_steps} "
+        f"accumulation × {plan.world_size} ranks = {plan.global_batch_size} rows per optimizer step",
+        f"  batching             {plan.batching} (sequence_len {plan.sequence_len}; {density})",
+        f"  data                 {plan.train_rows} train rows, {plan.train_tokens} tokens, "
+        f"{plan.trainable_tokens} trained tokens per epoch; {plan.eval_rows} eval rows",
+        f"  steps                {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches "
+        f"per rank), {plan.total_steps} in total = {plan.epochs_covered:g} epochs",
+        f"  tokens               {plan.tokens_per_step:.0f} trained tokens per step, "
+        f"{plan.total_trainable_tokens} over the run",
+        f"  warm-up              {plan.warmup_steps} steps",
+        f"  evals                {plan.eval_count} (at steps {_short(plan.eval_steps_at)})",
+        f"  saves                {plan.save_count} (at steps {_short(plan.save_steps_at)})",
+    ]
+    if plan.dropped_too_long:
+        lines.append(f"  dropped              {plan.dropped_too_long} rows longer than sequence_len")
+    for warning in plan.warnings:
+        lines.append(f"  warning: {warning}")
+    return "\n".join(lines)
+
+
+def _short(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{', '.join(map(str, steps[:6]))}, …, {steps[-1]}"

@@ -1,0 +1,122 @@
+"""Shared fixtures: a tiny tokenizer and a tiny LLaMA built from configs (no download), and helpers
+to write data and configs and to run the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "### Instruction:\n### Input:\n### Response:\n",
+    "The quick brown fox jumps over the lazy dog. Hello there, how are you today?",
+    "I am fine, thank you. What is your name? My name is Tiny. Count: one two three four five six seven.",
+    "Translate the sentence into French. Name three colours: red, green and blue. Add two numbers.",
+]
+
+
+def tiny_rows(count: int, seed: int = 0) -> list[dict]:
+    """Alpaca rows of varied lengths, built from a fixed vocabulary of words (deterministic)."""
+    import random
+
+    rng = random.Random(seed)
+    words = " ".join(CORPUS).split()
+    rows = []
+    for i in range(count):
+        instruction = " ".join(rng.choices(words, k=rng.randint(3, 12)))
+        output = " ".join(rng.choices(words, k=rng.randint(2, 30)))
+        given_input = " ".join(rng.choices(words, k=rng.randint(1, 6))) if i % 3 == 0 else ""
+        rows.append({"instruction": instruction, "input": given_input, "output": output})
+    return rows
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    target = tmp_path_factory.mktemp("tiny_tokenizer")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>", bos_token=None,
+                                   pad_token="<pad>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHATML
+    fast.save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    target = tmp_path_factory.mktemp("tiny_llama")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_config(path: Path, **keys) -> Path:
+    path.write_text(yaml.safe_dump(keys, sort_keys=False))
+    return path
+
+
+def base_config(tmp_path: Path, model_dir: Path, data_file: Path, **overrides) -> dict:
+    keys = {
+        "base_model": str(model_dir),
+        "datasets": [{"path": str(data_file), "type": "alpaca"}],
+        "dataset_prepared_path": str(tmp_path / "prepared"),
+        "output_dir": str(tmp_path / "out"),
+        "sequence_len": 256,
+        "micro_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "num_epochs": 1,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "seed": 7,
+    }
+    keys.update(overrides)
+    return keys
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
+            timeout: int = 600) -> subprocess.CompletedProcess:
+    """The real command line in a fresh process, as a user runs it."""
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "tuneloop", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,0 +1,97 @@
+"""Config: axolotl key names, unknown keys with the nearest name, triage of unimplemented axolotl keys,
+value errors naming the key, exclusive keys, --set overrides, exit code 2 without a traceback."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_cli, write_config
+
+from tuneloop.config import config_from_dict
+from tuneloop.errors import UserError
+
+MINIMAL = {"base_model": "some/model", "datasets": [{"path": "data.jsonl", "type": "alpaca"}]}
+
+
+def config(**keys):
+    return config_from_dict({**MINIMAL, **keys})
+
+
+def error_of(**keys) -> str:
+    with pytest.raises(UserError) as caught:
+        config(**keys)
+    return str(caught.value)
+
+
+def test_axolotl_keys_are_read_with_their_defaults():
+    cfg = config(sequence_len=512, micro_batch_size=2, gradient_accumulation_steps=4, num_epochs=3,
+                 learning_rate=1e-4, lr_scheduler="linear", warmup_ratio=0.05, optimizer="adamw_torch_fused",
+                 bf16="auto", val_set_size=0.05, train_on_inputs=True, special_tokens={"pad_token": "<pad>"})
+    assert (cfg.sequence_len, cfg.micro_batch_size, cfg.gradient_accumulation_steps) == (512, 2, 4)
+    assert cfg.optimizer == "adamw_torch_fused" and cfg.bf16 == "auto" and cfg.train_on_inputs
+    assert config().trust_remote_code is False
+
+
+def test_unknown_key_names_the_nearest_known_key():
+    message = error_of(learning_rat=1e-4)
+    assert "unknown key `learning_rat`" in message and "Did you mean `learning_rate`?" in message
+    message = error_of(gradient_acumulation_steps=2)
+    assert "`gradient_accumulation_steps`" in message
+
+
+def test_unknown_key_inside_a_dataset_entry_is_named_with_its_place():
+    with pytest.raises(UserError, match=r"datasets\[0\]\.`data_file`.*`data_files`"):
+        config_from_dict({"base_model": "m", "datasets": [{"path": "x", "data_file": "y"}]})
+
+
+def test_result_changing_axolotl_key_is_an_error_when_set_and_fine_when_empty():
+    assert "would change what is trained" in error_of(neftune_noise_alpha=5)
+    config(neftune_noise_alpha=None, load_in_8bit=False)  # empty or false: accepted
+
+
+def test_speed_only_axolotl_key_is_a_warning():
+    with pytest.warns(UserWarning, match="flash_attn_rms_norm.*only affects speed"):
+        config(flash_attn_rms_norm=True)
+
+
+def test_wrong_type_or_value_names_the_key_and_what_is_allowed():
+    assert "`micro_batch_size`" in error_of(micro_batch_size="two")
+    message = error_of(lr_scheduler="one_cycle")
+    assert "`lr_scheduler`" in message and "'cosine'" in message
+    assert "`sequence_len` must be at least 1" in error_of(sequence_len=0)
+    assert "`datasets.0.type`" in error_of(datasets=[{"path": "x", "type": "oasst"}])
+    assert "`base_model` is required" in str(pytest.raises(UserError, config_from_dict, {"datasets": []}).value)
+
+
+@pytest.mark.parametrize("first,second", [("warmup_steps", "warmup_ratio"), ("eval_steps", "evals_per_epoch"),
+                                          ("save_steps", "saves_per_epoch")])
+def test_mutually_exclusive_keys(first, second):
+    values = {"warmup_steps": 10, "warmup_ratio": 0.1, "eval_steps": 5, "evals_per_epoch": 2, "save_steps": 5,
+              "saves_per_epoch": 2}
+    message = error_of(**{first: values[first], second: values[second]})
+    assert f"`{first}` and `{second}` cannot both be set" in message
+
+
+def test_batch_size_must_agree_with_micro_batch_accumulation_and_world_size():
+    cfg = config(batch_size=16, micro_batch_size=2, gradient_accumulation_steps=4)
+    cfg.check_batch_size(world_size=2)  # 2 × 4 × 2 = 16
+    with pytest.raises(UserError, match=r"batch_size: 16.*2 × 4 × 1 = 8"):
+        cfg.check_batch_size(world_size=1)
+
+
+def test_set_overrides_any_key_parsed_as_yaml():
+    cfg = config_from_dict(MINIMAL, ["learning_rate=3e-4", "datasets.0.type=completion", "sample_packing=true"])
+    assert cfg.learning_rate == 3e-4 and cfg.datasets[0].type == "completion" and cfg.sample_packing is True
+    with pytest.raises(UserError, match="unknown key `learnin_rate`"):
+        config_from_dict(MINIMAL, ["learnin_rate=1"])
+
+
+def test_cli_user_error_exits_2_with_one_message_and_no_traceback(tmp_path):
+    path = write_config(tmp_path / "bad.yml", **MINIMAL, micro_batch_sise=2)
+    result = run_cli("plan", str(path))
+    assert result.returncode == 2
+    assert "unknown key `micro_batch_sise`" in result.stderr and "`micro_batch_size`" in result.stderr
+    assert "Traceback" not in result.stderr
+    missing = run_cli("train", str(tmp_path / "nope.yml"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+    bad_set = run_cli("plan", str(path), "--set", "novalue")
+    assert bad_set.returncode == 2 and "expected KEY=VALUE" in bad_set.stderr

@@ -1,0 +1,172 @@
+"""Each dataset type renders and masks exactly as specified: we decode the prompt and the trained
+tokens and compare them with the text we expect, and we check bad rows name file and line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import base_config, run_cli, write_config, write_jsonl
+from transformers import AutoTokenizer
+
+from tuneloop.config import config_from_dict
+from tuneloop.data.formats import ALPACA_SYSTEM_NO_INPUT, ALPACA_SYSTEM_WITH_INPUT
+from tuneloop.data.prepare import IGNORE_INDEX, prepare
+from tuneloop.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+
+
+def prepared_rows(tmp_path, tokenizer, rows, dataset: dict, **keys):
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(data), **dataset}],
+                            "dataset_prepared_path": str(tmp_path / "prepared"), "sequence_len": 512, **keys})
+    result = prepare(cfg, tokenizer)
+    return [result.train[i] for i in range(len(result.train))], result
+
+
+def split(row, tokenizer) -> tuple[str, str]:
+    """(all text, trained text) decoded from a prepared row."""
+    trained = [t for t, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]
+    return tokenizer.decode(row["input_ids"]), tokenizer.decode(trained)
+
+
+def test_alpaca_with_and_without_input_renders_axolotls_prompt_and_trains_only_the_response(tmp_path, tokenizer):
+    rows = [{"instruction": "Add two numbers.", "input": "one two", "output": "three"},
+            {"instruction": "Name three colours.", "input": "", "output": "red, green and blue"}]
+    prepared, _ = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"})
+    text, trained = split(prepared[0], tokenizer)
+    assert text == (ALPACA_SYSTEM_WITH_INPUT + "### Instruction:\nAdd two numbers.\n\n### Input:\none two\n\n"
+                    "### Response:\nthree<|endoftext|>")
+    assert ALPACA_SYSTEM_WITH_INPUT.startswith("Below is an instruction that describes a task, paired with an input")
+    assert trained == "three<|endoftext|>"
+    text, trained = split(prepared[1], tokenizer)
+    assert text == (ALPACA_SYSTEM_NO_INPUT + "### Instruction:\nName three colours.\n\n### Response:\n"
+                    "red, green and blue<|endoftext|>")
+    assert trained == "red, green and blue<|endoftext|>"
+    # labels sit at the positions of the response tokens and nowhere else
+    labels = prepared[1]["labels"]
+    first = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
+    assert all(label == IGNORE_INDEX for label in labels[:first])
+    assert labels[first:] == prepared[1]["input_ids"][first:]
+
+
+def test_train_on_inputs_trains_every_token(tmp_path, tokenizer):
+    rows = [{"instruction": "Add two numbers.", "output": "three"}]
+    prepared, _ = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"}, train_on_inputs=True)
+    assert prepared[0]["labels"] == prepared[0]["input_ids"]
+
+
+def test_completion_trains_the_whole_text_of_the_named_field(tmp_path, tokenizer):
+    rows = [{"body": "The quick brown fox jumps over the lazy dog."}]
+    prepared, _ = prepared_rows(tmp_path, tokenizer, rows, {"type": "completion", "field": "body"})
+    text, trained = split(prepared[0], tokenizer)
+    assert text == trained == "The quick brown fox jumps over the lazy dog.<|endoftext|>"
+
+
+def test_custom_format_uses_axolotls_fields_and_formats(tmp_path, tokenizer):
+    dataset = {"type": {"field_instruction": "q", "field_input": "ctx", "field_output": "a",
+                        "system_prompt": "Be brief.", "system_format": "System: {system}\n",
+                        "format": "User: {instruction} {input}\nAssistant: ", "no_input_format": "User: {instruction}\nAssistant: "}}
+    rows = [{"q": "Count.", "ctx": "one two", "a": "three four"}, {"q": "Say hello.", "a": "Hello there"}]
+    prepared, _ = prepared_rows(tmp_path, tokenizer, rows, dataset)
+    text, trained = split(prepared[0], tokenizer)
+    assert text == "System: Be brief.\nUser: Count. one two\nAssistant: three four<|endoftext|>"
+    # the format ends in a space that BPE merges into the first response token ("Ġthree"): a token
+    # that straddles the boundary produces response text, so it is trained
+    assert trained == " three four<|endoftext|>"
+    text, trained = split(prepared[1], tokenizer)
+    assert text == "System: Be brief.\nUser: Say hello.\nAssistant: Hello there<|endoftext|>"
+    assert trained == " Hello there<|endoftext|>"
+
+
+def test_chat_template_trains_only_assistant_turns_with_their_end_token(tmp_path, tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Count."},
+                {"role": "assistant", "content": "one two three"}]
+    prepared, _ = prepared_rows(tmp_path, tokenizer, [{"messages": messages}], {"type": "chat_template"})
+    row = prepared[0]
+    text, _ = split(row, tokenizer)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n"
+                    "<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nCount.<|im_end|>\n"
+                    "<|im_start|>assistant\none two three<|im_end|>\n")
+    runs, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"]):
+        if label != IGNORE_INDEX:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    assert runs == ["Hello<|im_end|>", "one two three<|im_end|>"]
+
+
+def test_sharegpt_conversations_map_roles(tmp_path, tokenizer):
+    rows = [{"conversations": [{"from": "human", "value": "Hello there"}, {"from": "gpt", "value": "Hello"}]}]
+    prepared, _ = prepared_rows(tmp_path, tokenizer, rows, {"type": "sharegpt"})
+    text, trained = split(prepared[0], tokenizer)
+    assert text == "<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+    assert trained == "Hello<|im_end|>"
+
+
+def test_rows_longer_than_sequence_len_are_dropped_and_counted(tmp_path, tokenizer):
+    rows = [{"instruction": "Say hello.", "output": "Hello"}, {"instruction": "Count. " * 200, "output": "one"}]
+    prepared, result = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"})
+    assert len(prepared) == 1 and result.stats.dropped_too_long == 1 and result.stats.rows_read == 2
+
+
+def test_missing_field_names_the_file_and_line(tmp_path, tokenizer):
+    rows = [{"instruction": "Say hello.", "output": "Hello"}, {"instruction": "Count."}]
+    with pytest.raises(UserError, match=r"data\.jsonl:2: missing field `output`"):
+        prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"})
+
+
+def test_malformed_json_line_names_the_file_and_line(tmp_path, tiny_model_dir):
+    data = tmp_path / "broken.jsonl"
+    data.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + '{"instruction": "a", "output": \n')
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data))
+    result = run_cli("preprocess", str(config))
+    assert result.returncode == 2 and "broken.jsonl:2: malformed JSON line" in result.stderr
+    assert "Traceback" not in result.stderr
+    missing = write_config(tmp_path / "missing.yml", **base_config(tmp_path, tiny_model_dir, tmp_path / "nope.jsonl"))
+    result = run_cli("preprocess", str(missing))
+    assert result.returncode == 2 and "no such file" in result.stderr and "nope.jsonl" in result.stderr
+
+
+def test_cache_is_reused_and_keyed_by_settings(tmp_path, tokenizer):
+    rows = [{"instruction": "Say hello.", "output": "Hello"}] * 4
+    _, first = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"})
+    _, again = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"})
+    assert first.cache_dir == again.cache_dir
+    _, other = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"}, train_on_inputs=True)
+    assert other.cache_dir != first.cache_dir
+    write_jsonl(tmp_path / "data.jsonl", rows + [{"instruction": "New.", "output": "row"}])  # data changed
+    _, changed = prepared_rows(tmp_path, tokenizer, rows + [{"instruction": "New.", "output": "row"}],
+                               {"type": "alpaca"})
+    assert changed.cache_dir != first.cache_dir and len(changed.train) == 5
+
+
+def test_val_set_size_splits_deterministically_by_seed(tmp_path, tokenizer):
+    rows = [{"instruction": f"Count {i}.", "output": "one " * (i % 7 + 1)} for i in range(50)]
+    _, first = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"}, val_set_size=0.2, seed=1)
+    assert (len(first.train), len(first.eval)) == (40, 10)
+    first_eval = list(first.eval["input_ids"])
+    import shutil
+
+    shutil.rmtree(first.cache_dir)
+    _, rebuilt = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"}, val_set_size=0.2, seed=1)
+    assert list(rebuilt.eval["input_ids"]) == first_eval
+    _, other_seed = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"}, val_set_size=0.2, seed=2)
+    assert list(other_seed.eval["input_ids"]) != first_eval
+
+
+def test_preprocess_show_marks_the_trained_text(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "Say hello.", "output": "Hello there"}])
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data))
+    result = run_cli("preprocess", str(config), "--show", "1")
+    assert result.returncode == 0, result.stderr
+    assert "### Response:\n⟦Hello there<|endoftext|>⟧" in result.stdout

@@ -1,0 +1,96 @@
+"""Correctness by equivalence, through the real `tuneloop train`:
+
+- 4 micro-batches of 2 (accumulated) give the same update as one batch of 8, and the
+  mean-of-micro-batch-means alternative would not;
+- two DDP ranks (real processes, gloo) give the same update as one process.
+Each run takes one SGD step with lr 1 and no clipping, so the weight change is the gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import base_config, tiny_rows, write_config, write_jsonl
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tuneloop.config import config_from_dict
+from tuneloop.data.batching import epoch_micro_batches
+from tuneloop.data.collate import Collator
+from tuneloop.data.prepare import prepare
+from tuneloop.plan import train_spec
+from tuneloop.train.losses import summed_token_loss
+
+ONE_SGD_STEP = {"optimizer": "sgd", "learning_rate": 1.0, "max_grad_norm": None, "max_steps": 1,
+                "lr_scheduler": "constant", "num_epochs": 1}
+
+
+def one_step_update(tmp_path, model_dir, data, name, launcher=(), **keys) -> dict:
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    config = write_config(run_dir / "run.yml", **base_config(run_dir, model_dir, data, **ONE_SGD_STEP, **keys))
+    command = [*launcher, "-m", "tuneloop", "train", str(config)] if launcher else \
+        [sys.executable, "-m", "tuneloop", "train", str(config)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    after = load_file(run_dir / "out" / "model.safetensors")
+    before = load_file(model_dir / "model.safetensors")
+    return {key: after[key] - before[key] for key in before}
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a)
+    den = sum(float(a[k].pow(2).sum()) for k in a)
+    return (num / den) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def uneven_data(tmp_path_factory):
+    # lengths vary a lot between rows, so per-micro-batch token counts differ
+    return write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", tiny_rows(64, seed=3))
+
+
+def test_accumulating_4_micro_batches_of_2_equals_one_batch_of_8(tmp_path, tiny_model_dir, uneven_data):
+    accumulated = one_step_update(tmp_path, tiny_model_dir, uneven_data, "accum",
+                                  micro_batch_size=2, gradient_accumulation_steps=4)
+    one_batch = one_step_update(tmp_path, tiny_model_dir, uneven_data, "batch",
+                                micro_batch_size=8, gradient_accumulation_steps=1)
+    assert relative_difference(accumulated, one_batch) < 1e-5
+
+    # the alternative most loops use — mean of micro-batch means — gives a different gradient
+    cfg = config_from_dict(base_config(tmp_path / "accum", tiny_model_dir, uneven_data, **ONE_SGD_STEP,
+                                       micro_batch_size=2))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prepared = prepare(cfg, tokenizer)
+    micro = epoch_micro_batches(np.asarray(prepared.train["length"]), train_spec(cfg, 1), 0)[0][:4]
+    collate = Collator(prepared.train, tokenizer.pad_token_id, packed=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    counts = []
+    for rows in micro:
+        batch = collate(rows)
+        counts.append(batch.n_targets)
+        loss = summed_token_loss(model(**batch.inputs).logits, batch.targets) / batch.n_targets / len(micro)
+        loss.backward()
+    assert len(set(counts)) > 1, "the micro-batches should hold different numbers of tokens"
+    mean_of_means = {name: -param.grad for name, param in model.named_parameters()}
+    difference = relative_difference(one_batch, {k: mean_of_means[k] for k in one_batch if k in mean_of_means})
+    assert difference > 1e-2
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_equal_one_process(tmp_path, tiny_model_dir, uneven_data):
+    one_process = one_step_update(tmp_path, tiny_model_dir, uneven_data, "single",
+                                  micro_batch_size=2, gradient_accumulation_steps=4)
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(29500 + os.getpid() % 1000))
+    two_ranks = one_step_update(tmp_path, tiny_model_dir, uneven_data, "ddp", launcher=torchrun,
+                                micro_batch_size=2, gradient_accumulation_steps=2)
+    plan = (tmp_path / "ddp" / "out" / "plan.json").read_text()
+    assert '"world_size": 2' in plan and '"global_batch_size": 8' in plan
+    assert relative_difference(two_ranks, one_process) < 1e-5

@@ -1,0 +1,93 @@
+"""Packing: a packed row gives every sequence the same per-token losses as running it alone (SDPA and
+eager), a row without the per-sequence isolation does not, and the sampler packs tightly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_rows, write_jsonl
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tuneloop.config import config_from_dict
+from tuneloop.data.batching import BatchingSpec, epoch_micro_batches, epoch_rows, pack_first_fit_decreasing
+from tuneloop.data.collate import Collator
+from tuneloop.data.prepare import IGNORE_INDEX, prepare
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_tokenizer_dir):
+    folder = tmp_path_factory.mktemp("packing")
+    data = write_jsonl(folder / "train.jsonl", tiny_rows(40, seed=5))
+    cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(data), "type": "alpaca"}],
+                            "dataset_prepared_path": str(folder / "prepared"), "sequence_len": 512})
+    return prepare(cfg, AutoTokenizer.from_pretrained(tiny_tokenizer_dir))
+
+
+def per_token_losses(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(**batch.inputs).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="none").view(batch.targets.shape)
+
+
+def model_with(attention: str, model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
+    model.config.use_cache = False  # as tuneloop's loader sets it
+    return model.eval()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_row_gives_each_sequence_its_own_losses(prepared, tiny_model_dir, attention):
+    model = model_with(attention, tiny_model_dir)
+    sequences = [0, 1, 2, 3]
+    packed = Collator(prepared.train, 0, packed=True)([sequences])
+    packed_losses = per_token_losses(model, packed)[0]
+    alone = Collator(prepared.train, 0, packed=False)
+    offset = 0
+    for index in sequences:
+        length = prepared.train[index]["length"]
+        single = alone([[index]])
+        expected = per_token_losses(model, single)[0, :length]
+        got = packed_losses[offset:offset + length]
+        mask = single.targets[0, :length] != IGNORE_INDEX
+        assert mask.any()
+        assert torch.allclose(got[mask], expected[mask], atol=1e-5), (attention, index)
+        offset += length
+    # the loss never crosses a boundary: each sequence's last position has no target
+    assert int((packed.targets != IGNORE_INDEX).sum()) == sum(prepared.train[i]["n_targets"] for i in sequences)
+
+
+def test_a_row_without_isolation_leaks_across_sequences(prepared, tiny_model_dir):
+    """The same packed row with one running position range (no restart) gives different losses:
+    this is what the test above would catch if isolation broke."""
+    model = model_with("sdpa", tiny_model_dir)
+    batch = Collator(prepared.train, 0, packed=True)([[0, 1, 2, 3]])
+    isolated = per_token_losses(model, batch)
+    width = batch.inputs["input_ids"].shape[1]
+    batch.inputs["position_ids"] = torch.arange(width).unsqueeze(0)
+    leaked = per_token_losses(model, batch)
+    first = prepared.train[0]["length"]
+    assert torch.allclose(isolated[0, :first], leaked[0, :first], atol=1e-5)  # the first sequence sees nothing before
+    assert (isolated[0, first:] - leaked[0, first:]).abs().max() > 1e-2
+
+
+def test_first_fit_decreasing_never_overfills_and_keeps_every_sequence():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(20, 512, size=2000)
+    bins = pack_first_fit_decreasing(np.arange(len(lengths)), lengths, 512)
+    assert all(lengths[b].sum() <= 512 for b in bins)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    efficiency = lengths.sum() / (len(bins) * 512)
+    assert efficiency > 0.95
+
+
+def test_packed_epochs_are_deterministic_and_differ_by_epoch():
+    lengths = np.random.default_rng(1).integers(5, 200, size=300)
+    spec = BatchingSpec("packed", micro_batch_size=2, sequence_len=256, world_size=2, seed=3)
+    assert epoch_rows(lengths, spec, 0) == epoch_rows(lengths, spec, 0)
+    assert epoch_rows(lengths, spec, 0) != epoch_rows(lengths, spec, 1)
+    per_rank = epoch_micro_batches(lengths, spec, 0)
+    assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1])
+    assert all(len(micro) <= 2 for batches in per_rank for micro in batches)

@@ -1,0 +1,117 @@
+"""Plan == run: the plan's total_steps and token count are what the loop really does, for packing on
+and off, accumulation 1 and >1, max_steps set and not, one rank and two; and the plan's warnings
+fire where they should and stay silent on a clean config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import base_config, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+
+from tuneloop.config import config_from_dict
+from tuneloop.plan import make_plan
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("plan_data") / "train.jsonl", tiny_rows(90, seed=11))
+
+
+CASES = {
+    "padded_accum1": dict(micro_batch_size=4, gradient_accumulation_steps=1, num_epochs=2),
+    "padded_accum3_partial_window": dict(micro_batch_size=4, gradient_accumulation_steps=3, num_epochs=2),
+    "packed_accum2": dict(sample_packing=True, sequence_len=256, micro_batch_size=2, gradient_accumulation_steps=2,
+                          num_epochs=2),
+    "grouped_max_steps": dict(group_by_length=True, micro_batch_size=4, gradient_accumulation_steps=2,
+                              max_steps=13, num_epochs=1),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_plan_total_steps_and_tokens_equal_the_run(tmp_path, tiny_model_dir, data, case):
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **CASES[case]))
+    result = run_cli("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    steps = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, plan["total_steps"] + 1))
+    assert steps[-1]["tokens"] == plan["total_trainable_tokens"]
+    if case == "padded_accum3_partial_window":
+        assert plan["micro_batches_per_epoch"] % 3 != 0  # the case really ends an epoch on a short window
+    if case == "grouped_max_steps":
+        assert plan["total_steps"] == 13
+
+
+@pytest.mark.slow
+def test_plan_for_two_ranks_equals_a_real_two_rank_run(tmp_path, tiny_model_dir, data):
+    keys = dict(sample_packing=True, sequence_len=256, micro_batch_size=1, gradient_accumulation_steps=2,
+                num_epochs=2)
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+    planned = json.loads(run_cli("plan", str(config), "--json", "--world-size", "2").stdout)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(30500 + os.getpid() % 1000), "-m", "tuneloop", "train", str(config)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    ran = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert ran == planned and ran["world_size"] == 2
+    steps = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
+    assert [m["step"] for m in steps] == list(range(1, planned["total_steps"] + 1))
+    assert steps[-1]["tokens"] == planned["total_trainable_tokens"]
+    # and the world-size-1 plan of the same config really differs: twice the steps
+    single = json.loads(run_cli("plan", str(config), "--json", "--world-size", "1").stdout)
+    assert single["steps_per_epoch"] >= 2 * planned["steps_per_epoch"] - 1
+
+
+# ---- warnings ----------------------------------------------------------------------------------
+
+def plan_for(lengths, targets=None, eval_rows=10, dropped=0, world_size=1, **keys):
+    cfg = config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], **keys})
+    lengths = np.asarray(lengths)
+    targets = np.asarray(targets if targets is not None else lengths // 2)
+    return make_plan(cfg, lengths, targets, eval_rows, dropped, world_size)
+
+
+UNIFORM = [100] * 400
+
+
+def test_clean_config_has_no_warnings():
+    plan = plan_for(UNIFORM, micro_batch_size=4, gradient_accumulation_steps=2, num_epochs=2, warmup_ratio=0.05)
+    assert plan.warnings == []
+
+
+def test_max_steps_covering_world_size_times_the_epochs_says_per_device():
+    # 400 rows / (4 rows × 2 ranks) = 50 steps per epoch: max_steps=50 is 1 pass where num_epochs says 2,
+    # and that ratio (2) is the world size
+    plan = plan_for(UNIFORM, world_size=2, micro_batch_size=4, num_epochs=2, max_steps=50)
+    assert any("covers 1 passes" in w and "world size (2)" in w and "per-device" in w for w in plan.warnings)
+    other = plan_for(UNIFORM, micro_batch_size=4, num_epochs=2, max_steps=30)
+    assert any("max_steps=30" in w for w in other.warnings)
+    assert not any("per-device" in w for w in other.warnings)
+
+
+def test_padding_waste_above_20_percent_without_packing():
+    lengths = np.random.default_rng(0).integers(20, 512, size=400)
+    assert any("padding" in w for w in plan_for(lengths, micro_batch_size=8, sequence_len=512).warnings)
+    assert not any("padding" in w for w in plan_for(lengths, micro_batch_size=8, sequence_len=512,
+                                                    sample_packing=True).warnings)
+
+
+def test_frequent_evals_and_saves():
+    plan = plan_for(UNIFORM, micro_batch_size=1, eval_steps=2, save_steps=3)
+    assert any("200 evals" in w for w in plan.warnings) and any("saves" in w for w in plan.warnings)
+
+
+def test_sequence_len_dropping_more_than_one_percent():
+    assert any("drops 20 of 420 rows" in w for w in plan_for(UNIFORM, eval_rows=0, dropped=20).warnings)
+
+
+def test_global_batch_larger_than_the_data_and_warmup_as_long_as_the_run():
+    plan = plan_for([50] * 10, micro_batch_size=4, gradient_accumulation_steps=8, warmup_steps=5)
+    assert any("larger than one epoch" in w for w in plan.warnings)
+    assert any("warm-up (5 steps) is as long as the run" in w for w in plan.warnings)
