@@ -37,7 +37,7 @@ RESULT_CHANGING = {
     "base_model_ignore_patterns", "base_model_config", "revision_of_model", "model_type",
     "tokenizer_type", "overrides_of_model_config", "model_config", "bnb_config_kwargs", "gptq",
     "load_in_8bit", "load_in_4bit", "bfloat16", "float16", "rl", "default_system_message",
-    "dataset_shard_num", "dataset_shard_idx", "pretraining_dataset", "lora_model_dir",
+    "pretraining_dataset", "lora_model_dir",
     "peft_layers_to_transform", "lora_fan_in_fan_out", "loraplus_lr_ratio", "loraplus_lr_embedding",
     "peft", "peft_use_dora", "peft_use_rslora", "relora_steps", "relora_warmup_steps",
     "relora_anneal_steps", "relora_prune_ratio", "relora_cpu_offload", "lr_quadratic_warmup",

@@ -92,6 +92,8 @@ class TuneloopConfig(_Strict):
     val_set_size: float = 0.0
     dataset_prepared_path: str = "last_run_prepared"
     shuffle_merged_datasets: bool = True
+    dataset_shard_num: Optional[int] = None
+    dataset_shard_idx: int = 0
     sequence_len: int = 2048
     train_on_inputs: bool = False
     sample_packing: bool = False
@@ -179,6 +181,8 @@ class TuneloopConfig(_Strict):
             raise ValueError("`bf16` and `fp16` cannot both be true: choose one precision")
         if self.test_datasets and self.val_set_size:
             raise ValueError("`test_datasets` and `val_set_size` cannot both be set: keep one way to get an eval set")
+        if self.dataset_shard_num is not None and not 0 <= self.dataset_shard_idx < self.dataset_shard_num:
+            raise ValueError(f"`dataset_shard_idx` must be in [0, dataset_shard_num={self.dataset_shard_num})")
         if self.chat_template and self.chat_template not in ("tokenizer_default", "chatml", "jinja"):
             raise ValueError(
                 f"`chat_template: {self.chat_template}` is not supported: use tokenizer_default, chatml, "

@@ -89,6 +89,7 @@ def cache_key(cfg: TuneloopConfig, tokenizer) -> str:
         "sequence_len": cfg.sequence_len,
         "train_on_inputs": cfg.train_on_inputs,
         "val_set_size": cfg.val_set_size,
+        "shard": [cfg.dataset_shard_num, cfg.dataset_shard_idx],
         "seed": cfg.seed,
         "chat_template": chat_template_of(cfg, tokenizer),
         "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
@@ -103,10 +104,15 @@ def cache_key(cfg: TuneloopConfig, tokenizer) -> str:
     return digest.hexdigest()[:16]
 
 
-def _tokenize_entries(entries: list[DatasetConfig], cfg, tokenizer, template, stats: PrepareStats) -> dict:
+def _tokenize_entries(entries: list[DatasetConfig], cfg, tokenizer, template, stats: PrepareStats,
+                      shard: tuple[int, int] | None = None) -> dict:
     columns = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
+    position = -1
     for entry in entries:
         for row in read_rows(entry):
+            position += 1
+            if shard and position % shard[0] != shard[1]:  # axolotl's dataset_shard_num/idx: every N-th row
+                continue
             stats.rows_read += 1
             rendered = render_row(row, entry, tokenizer, template)
             input_ids, labels = tokenize_rendered(rendered, tokenizer, cfg.train_on_inputs)
@@ -141,7 +147,8 @@ def _build(cfg: TuneloopConfig, tokenizer, target: Path) -> None:
 
     template = chat_template_of(cfg, tokenizer)
     stats = PrepareStats()
-    train_columns = _tokenize_entries(cfg.datasets, cfg, tokenizer, template, stats)
+    shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
+    train_columns = _tokenize_entries(cfg.datasets, cfg, tokenizer, template, stats, shard)
     if cfg.test_datasets:
         eval_columns = _tokenize_entries(cfg.test_datasets, cfg, tokenizer, template, stats)
     else:

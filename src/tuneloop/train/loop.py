@@ -89,6 +89,7 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator) -> d
                 window_real += batch.n_real_tokens
                 del logits, loss_sum
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
+            lr = scheduler.get_last_lr()[0]  # the rate this update used
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -103,7 +104,7 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator) -> d
                                               reduction="sum"))
                 elapsed = time.perf_counter() - window_start
                 metrics.write({"step": step, "epoch": round(step / plan.steps_per_epoch, 4), "loss": loss,
-                               "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                               "lr": lr, "grad_norm": float(grad_norm),
                                "tokens": tokens_seen, "tokens_per_second": round(window_tokens / elapsed, 1),
                                "real_tokens_per_second": round(real / elapsed, 1)})
                 real_tokens_seen += real
