@@ -13,7 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from tuneloop.errors import UserError
+from tuneloop.errors import DIVERGED_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingDiverged, UserError
 
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
 
@@ -89,31 +89,56 @@ def command_train(args) -> int:
 
     from tuneloop.model import load_model, mixed_precision
     from tuneloop.plan import describe
-    from tuneloop.train.loop import train
+    from tuneloop.train import checkpoint, run_dir
+    from tuneloop.train.guards import StopRequests
+    from tuneloop.train.loop import train, write_summary
 
     cfg = _config(args)
+    output_dir = Path(cfg.output_dir)
+    if cfg.auto_resume_from_checkpoints and not args.overwrite and run_dir.finished_run(output_dir):
+        print(f"{output_dir} holds a finished run (summary.json); nothing to resume")
+        return 0
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(cfg))
     if cfg.tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     set_seed(cfg.seed)
-    output_dir = Path(cfg.output_dir)
     with accelerator.main_process_first():  # rank 0 fills the data cache, the others read it
         tokenizer, prepared = _prepared(cfg)
     plan = _plan(cfg, prepared, accelerator.num_processes)
+    identity = {"data_key": prepared.cache_dir.name, "base_model": cfg.base_model, "adapter": cfg.adapter}
+    resume = None
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        resume = run_dir.prepare_output_dir(cfg, output_dir, args.overwrite)
+        if resume is not None:
+            run_dir.check_resumable(checkpoint.read_state(resume), plan.to_json(), identity, args.force_resume)
         (output_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
         print(describe(plan), flush=True)
-    accelerator.wait_for_everyone()
-    model = load_model(cfg, tokenizer)
-    summary = train(cfg, plan, prepared, tokenizer, model, accelerator)
+        if resume is not None:
+            print(f"resuming from {resume} (step {checkpoint.step_of(resume)})", flush=True)
+    resume = _shared(accelerator, resume)
+    model = load_model(cfg, tokenizer, checkpoint=resume)
+    with StopRequests() as stop:
+        outcome = train(cfg, plan, prepared, tokenizer, model, accelerator, identity, resume_from=resume, stop=stop)
     if accelerator.is_main_process:
-        print(f"done: {summary['steps']} steps in {summary['train_seconds']} s, "
-              f"{summary['real_tokens_per_second']} real tokens/s; eval loss "
-              f"{summary['first_eval_loss']} → {summary['last_eval_loss']}; model saved to {output_dir}")
+        summary = write_summary(output_dir, outcome, plan)
+        if outcome.stopped_by == "signal":
+            print(f"stopped by a signal after step {outcome.steps}; checkpoint saved in {output_dir}. "
+                  "Run again with auto_resume_from_checkpoints: true to continue.")
+        else:
+            print(f"done: {summary['steps']} steps in {summary['train_seconds']} s; eval loss "
+                  f"{summary['first_eval_loss']} → {summary['last_eval_loss']}"
+                  f"{' (early stopping: best model kept)' if outcome.stopped_by else ''}; model saved to {output_dir}")
     accelerator.end_training()
-    return 0
+    return PREEMPTED_EXIT_CODE if outcome.stopped_by == "signal" else 0
+
+
+def _shared(accelerator, value):
+    """The main process's value on every rank (a path decided once, by rank 0)."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
 
 
 def command_setup(args) -> int:
@@ -137,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     train_parser = with_config("train", "prepare the data, print the plan, train, save the model")
+    train_parser.add_argument("--overwrite", action="store_true",
+                              help="replace another run's files in output_dir instead of refusing")
+    train_parser.add_argument("--force-resume", action="store_true",
+                              help="resume even if the checkpoint was written with different settings")
     train_parser.set_defaults(handler=command_train)
     plan_parser = with_config("plan", "print every number of the run before training")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -160,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except TrainingDiverged as error:
+        print(f"error: training stopped: {error}. The last complete checkpoint is kept.", file=sys.stderr)
+        return DIVERGED_EXIT_CODE
 
 
 if __name__ == "__main__":

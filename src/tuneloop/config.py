@@ -135,6 +135,12 @@ class TuneloopConfig(_Strict):
     save_strategy: Optional[Literal["steps", "epoch", "no"]] = None
     save_total_limit: Optional[int] = None
     seed: int = 42
+    # resume and failure handling
+    resume_from_checkpoint: Optional[str] = None
+    auto_resume_from_checkpoints: bool = False
+    loss_watchdog_threshold: Optional[float] = None
+    loss_watchdog_patience: Optional[int] = None
+    early_stopping_patience: Optional[int] = None
 
     @field_validator("sequence_len", "micro_batch_size", "gradient_accumulation_steps", "num_epochs", "logging_steps")
     @classmethod
@@ -143,7 +149,8 @@ class TuneloopConfig(_Strict):
             raise ValueError("must be at least 1")
         return value
 
-    @field_validator("max_steps", "eval_batch_size", "batch_size", "evals_per_epoch", "saves_per_epoch", "save_total_limit")
+    @field_validator("max_steps", "eval_batch_size", "batch_size", "evals_per_epoch", "saves_per_epoch",
+                     "save_total_limit", "loss_watchdog_patience", "early_stopping_patience")
     @classmethod
     def _positive_or_none(cls, value):
         if value is not None and value < 1:
@@ -177,6 +184,9 @@ class TuneloopConfig(_Strict):
         for first, second in pairs:
             if getattr(self, first) is not None and getattr(self, second) is not None:
                 raise ValueError(f"`{first}` and `{second}` cannot both be set: keep one of them")
+        if self.save_strategy == "no" and (self.save_steps is not None or self.saves_per_epoch is not None):
+            raise ValueError("`save_strategy: no` turns saving off, but `save_steps`/`saves_per_epoch` is set: "
+                             "keep one of them")
         if self.bf16 is True and self.fp16:
             raise ValueError("`bf16` and `fp16` cannot both be true: choose one precision")
         if self.test_datasets and self.val_set_size:

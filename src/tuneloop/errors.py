@@ -3,3 +3,11 @@
 
 class UserError(Exception):
     """A problem in the user's config, data or environment, with a message that says the fix."""
+
+
+class TrainingDiverged(Exception):
+    """The loss or the gradient norm went bad; the last complete checkpoint is kept (exit code 3)."""
+
+
+DIVERGED_EXIT_CODE = 3
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL, "try again": a scheduler can requeue and auto-resume

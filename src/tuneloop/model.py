@@ -61,11 +61,14 @@ def attention_implementation(cfg: TuneloopConfig) -> str:
     return chosen
 
 
-def load_model(cfg: TuneloopConfig, tokenizer):
+def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
+    """The model to train; from a checkpoint's weights when resuming (the adapter's, for LoRA)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     source = resolve_model_path(cfg.base_model)
+    if checkpoint is not None and not cfg.adapter:
+        source = str(checkpoint)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
@@ -80,15 +83,15 @@ def load_model(cfg: TuneloopConfig, tokenizer):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.adapter:
-        model = add_adapter(cfg, model)
+        model = add_adapter(cfg, model, checkpoint)
     return model
 
 
-def add_adapter(cfg: TuneloopConfig, model):
+def add_adapter(cfg: TuneloopConfig, model, checkpoint=None):
     if cfg.adapter == "qlora":
         raise UserError("model: `adapter: qlora` needs bitsandbytes on a CUDA GPU; it is not available here. "
                         "Use `adapter: lora`.")
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, PeftModel, get_peft_model
 
     if cfg.lora_target_linear:
         targets = "all-linear"
@@ -100,4 +103,6 @@ def add_adapter(cfg: TuneloopConfig, model):
                       target_modules=targets, modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()
+    if checkpoint is not None:
+        return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
     return get_peft_model(model, lora)

@@ -1,23 +1,42 @@
-"""Checkpoints written atomically: a temporary folder, renamed into place only when complete.
+"""Checkpoints written atomically, and resumed exactly.
 
 A checkpoint folder `checkpoint-STEP` holds the model (or adapter) weights as safetensors,
-the optimizer and scheduler state, every RNG state, and `tuneloop_state.json`, written last
-as the completeness marker. A folder without the marker is never a checkpoint.
+the optimizer and scheduler state, every RNG state, a copy of metrics.jsonl up to STEP, and
+`tuneloop_state.json`, written last: it is the completeness marker. Everything is written
+into a hidden temporary folder that is renamed into place only when complete, so a kill at
+any moment leaves either the whole checkpoint or none. A folder without the marker is never
+a checkpoint.
+
+The sampler is deterministic (seed, epoch), so the position in the data is just the step
+number: resuming skips to the exact micro-batch without reading or collating what was seen.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tuneloop.errors import UserError
+
 STATE_FILE = "tuneloop_state.json"
+TRAINING_STATE_FILE = "training_state.pt"
+METRICS_FILE = "metrics.jsonl"
 PREFIX = "checkpoint-"
+# plan keys that must match for a checkpoint to continue the same run
+COMPATIBLE_PLAN_KEYS = ("world_size", "micro_batch_size", "gradient_accumulation_steps", "batching",
+                        "sequence_len", "train_rows", "train_tokens", "steps_per_epoch", "total_steps")
+# Test hook: kill this process (SIGKILL) half-way through writing the checkpoint of that step,
+# so the kill test can prove a torn save is never resumed from.
+CRASH_DURING_SAVE_ENV = "TUNELOOP_TEST_CRASH_DURING_SAVE"
+FULL_DISK_BYTES = 1 << 20
 
 
 def rng_states() -> dict:
@@ -27,40 +46,107 @@ def rng_states() -> dict:
     return states
 
 
+def restore_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def step_of(path: Path) -> int:
+    return int(path.name[len(PREFIX):])
+
+
 def complete_checkpoints(output_dir: Path) -> list[Path]:
-    found = [p for p in output_dir.glob(f"{PREFIX}*") if p.is_dir() and (p / STATE_FILE).is_file()
-             and p.name[len(PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+    found = [p for p in Path(output_dir).glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()
+             and (p / STATE_FILE).is_file()]
+    return sorted(found, key=step_of)
 
 
-def save_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer, scheduler, accelerator,
-                    save_total_limit: int | None) -> Path | None:
-    """Collective: every rank calls it; the main process writes."""
-    accelerator.wait_for_everyone()
-    final = output_dir / f"{PREFIX}{step}"
-    if accelerator.is_main_process:
-        temp = output_dir / f".tmp-{PREFIX}{step}"
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir(parents=True)
-        accelerator.unwrap_model(model).save_pretrained(temp, safe_serialization=True)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": rng_states()}, temp / "training_state.pt")
-        (temp / STATE_FILE).write_text(json.dumps(state, indent=2))
-        for path in (p for p in temp.iterdir() if p.is_file()):  # durable before the rename shows it
+def _fsync_folder(folder: Path) -> None:
+    for path in folder.iterdir():
+        if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-        shutil.rmtree(final, ignore_errors=True)
+
+
+def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer, scheduler) -> Path:
+    """Main process only. Raises UserError (old checkpoints intact) when the disk is full."""
+    final = output_dir / f"{PREFIX}{step}"
+    temp = output_dir / f".tmp-{PREFIX}{step}"
+    shutil.rmtree(temp, ignore_errors=True)
+    try:
+        temp.mkdir(parents=True)
+        model.save_pretrained(temp, safe_serialization=True)
+        if os.environ.get(CRASH_DURING_SAVE_ENV) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": rng_states()}, temp / TRAINING_STATE_FILE)
+        metrics = output_dir / METRICS_FILE
+        if metrics.is_file():
+            shutil.copyfile(metrics, temp / METRICS_FILE)
+        (temp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        _fsync_folder(temp)
+        if final.exists():  # a stale folder of the same step without the marker (a torn earlier run)
+            shutil.rmtree(final)
         os.replace(temp, final)
-        prune_checkpoints(output_dir, save_total_limit, keep=final)
-    accelerator.wait_for_everyone()
+    except Exception as error:  # torch.save and safetensors report a full disk as RuntimeError and friends
+        disk_full = _looks_like_full_disk(error, output_dir)
+        shutil.rmtree(temp, ignore_errors=True)
+        kept = complete_checkpoints(output_dir)
+        reason = "the disk is full" if disk_full else f"{type(error).__name__}: {error}"
+        raise UserError(f"checkpoint: could not save step {step} to {output_dir}: {reason}. Nothing was "
+                        f"overwritten; the newest complete checkpoint is "
+                        f"{kept[-1].name if kept else 'none'}. Free space and resume.") from None
     return final
+
+
+def _looks_like_full_disk(error: Exception, folder: Path) -> bool:
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        return True
+    if "No space left" in str(error):
+        return True
+    return shutil.disk_usage(folder).free < FULL_DISK_BYTES  # torch.save only says "unexpected pos"
 
 
 def prune_checkpoints(output_dir: Path, limit: int | None, keep: Path) -> None:
     """Keep the newest `limit` complete checkpoints; never the one just written."""
     if not limit:
         return
-    complete = complete_checkpoints(output_dir)
-    for old in complete[:-limit]:
+    for old in complete_checkpoints(output_dir)[:-limit]:
         if old != keep:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_torn_saves(output_dir: Path) -> None:
+    for leftover in Path(output_dir).glob(f".tmp-{PREFIX}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def read_state(checkpoint: Path) -> dict:
+    if not (checkpoint / STATE_FILE).is_file():
+        raise UserError(f"checkpoint: {checkpoint} is not a complete tuneloop checkpoint (no {STATE_FILE})")
+    return json.loads((checkpoint / STATE_FILE).read_text())
+
+
+def incompatibilities(state: dict, plan: dict, data_key: str, base_model: str, adapter: str | None) -> list[str]:
+    """What differs between a checkpoint's run and this one, in words."""
+    changed = []
+    if state.get("data_key") != data_key:
+        changed.append("the prepared data (data files, tokenizer or data settings)")
+    if state.get("base_model") != base_model:
+        changed.append(f"base_model ({state.get('base_model')} → {base_model})")
+    if state.get("adapter") != adapter:
+        changed.append(f"adapter ({state.get('adapter')} → {adapter})")
+    for key in COMPATIBLE_PLAN_KEYS:
+        if state["plan"].get(key) != plan.get(key):
+            changed.append(f"{key} ({state['plan'].get(key)} → {plan.get(key)})")
+    return changed
+
+
+def load_training_state(checkpoint: Path, optimizer, scheduler) -> None:
+    saved = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=False)
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    restore_rng_states(saved["rng"])

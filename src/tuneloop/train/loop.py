@@ -1,4 +1,4 @@
-"""The training loop: plain code, one screen, every number taken from the TrainingPlan.
+"""The training loop: plain code, every number taken from the TrainingPlan.
 
 Token-weighted accumulation: the loss of an optimizer step is the sum of per-token losses
 over all its micro-batches on all ranks, divided by the number of target tokens in the whole
@@ -11,13 +11,17 @@ We use `accelerator.no_sync` for the non-final micro-batches of a step rather th
 `accelerator.accumulate`: the latter divides the loss by the accumulation count (a mean of
 micro-batch means) and ties stepping to the dataloader's end, which would break both the
 exact normalisation and the plan's step count on a short last window.
+
+The host waits for the device only at logging, eval and save steps.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,22 +30,32 @@ import torch
 from tuneloop.data.batching import epoch_micro_batches
 from tuneloop.data.collate import Collator
 from tuneloop.plan import TrainingPlan, eval_spec, train_spec
-from tuneloop.train.checkpoint import save_checkpoint
+from tuneloop.train import checkpoint
 from tuneloop.train.evaluate import evaluate
+from tuneloop.train.guards import EarlyStopping, LossWatchdog, StopRequests
 from tuneloop.train.losses import summed_token_loss
 from tuneloop.train.optim import build_optimizer, build_scheduler
 from tuneloop.train.track import MetricsLog
 
 
-def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator) -> dict:
+@dataclass
+class RunOutcome:
+    steps: int
+    tokens: int
+    train_seconds: float
+    evals: list = field(default_factory=list)
+    stopped_by: str | None = None  # "signal", "early_stopping" or None (ran the whole plan)
+
+
+def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, identity: dict,
+          resume_from: Path | None = None, stop: StopRequests | None = None) -> RunOutcome:
     output_dir = Path(cfg.output_dir)
     world_size, rank = accelerator.num_processes, accelerator.process_index
     accum = cfg.gradient_accumulation_steps
     lengths = np.asarray(prepared.train["length"])
     targets_per_row = np.asarray(prepared.train["n_targets"])
     spec = train_spec(cfg, world_size)
-    packed = plan.batching == "packed"
-    collate = Collator(prepared.train, tokenizer.pad_token_id, packed,
+    collate = Collator(prepared.train, tokenizer.pad_token_id, plan.batching == "packed",
                        pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None)
 
     eval_batches = eval_collate = None
@@ -54,29 +68,56 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator) -> d
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, plan, optimizer)  # stepped by us, once per optimizer step
     model, optimizer = accelerator.prepare(model, optimizer)
-    metrics = MetricsLog(output_dir / "metrics.jsonl", accelerator.is_main_process)
+    metrics = MetricsLog(output_dir / checkpoint.METRICS_FILE, accelerator.is_main_process)
+    watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device)
+    early = EarlyStopping(cfg.early_stopping_patience)
+    stop = stop or StopRequests()
     eval_at, save_at = set(plan.eval_steps_at), set(plan.save_steps_at)
+    step, tokens_seen, evals = 0, 0, []
 
-    def run_eval(at_step: int) -> dict:
+    def run_eval(at_step: int) -> None:
         result = evaluate(accelerator.unwrap_model(model), eval_batches, eval_collate, accelerator)
         metrics.write({"step": at_step, "epoch": round(at_step / plan.steps_per_epoch, 4), **result})
-        return result
+        evals.append({"step": at_step, **result})
+        if early.update(result["eval_loss"]) and cfg.early_stopping_patience:
+            save_best(accelerator, model, tokenizer, output_dir)
 
-    evals = [run_eval(0)] if 0 in eval_at else []
-    step, tokens_seen, real_tokens_seen = 0, 0, 0
+    def save(at_step: int) -> None:
+        watchdog.check(accelerator)  # never checkpoint a diverged model
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            state = {"step": at_step, "tokens_seen": tokens_seen, "evals": evals, "best_eval_loss": early.best,
+                     "evals_without_improvement": early.evals_without_improvement, "plan": plan.to_json(),
+                     **identity}
+            written = checkpoint.write_checkpoint(output_dir, at_step, state, accelerator.unwrap_model(model),
+                                                  optimizer, scheduler)
+            checkpoint.prune_checkpoints(output_dir, cfg.save_total_limit, keep=written)
+        accelerator.wait_for_everyone()
+
+    if resume_from is not None:
+        state = checkpoint.read_state(resume_from)
+        checkpoint.load_training_state(resume_from, optimizer, scheduler)
+        step, tokens_seen, evals = state["step"], state["tokens_seen"], state["evals"]
+        early.best, early.evals_without_improvement = state["best_eval_loss"], state["evals_without_improvement"]
+    elif 0 in eval_at:
+        run_eval(0)
+
     window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    window_tokens, window_real, window_start = 0, 0, time.perf_counter()
-    train_start = time.perf_counter()
+    window_tokens, window_real, window_start, train_start = 0, 0, time.perf_counter(), time.perf_counter()
+    stopped_by = None
     model.train()
 
-    for epoch in range(plan.epochs_to_run):
+    for epoch in range(step // plan.steps_per_epoch, plan.epochs_to_run):
         per_rank = epoch_micro_batches(lengths, spec, epoch)
-        for start in range(0, plan.micro_batches_per_epoch, accum):
-            if step == plan.total_steps:
+        # on resume, the first epoch starts at the exact micro-batch after the checkpoint
+        first = (step - epoch * plan.steps_per_epoch) * accum
+        for start in range(first, plan.micro_batches_per_epoch, accum):
+            if step == plan.total_steps or stopped_by:
                 break
             step_tokens = sum(int(targets_per_row[row].sum()) for batches in per_rank
                               for micro in batches[start:start + accum] for row in micro)
             window = per_rank[rank][start:start + accum]
+            step_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
             for index, rows in enumerate(window):
                 batch = collate(rows).to(accelerator.device)
                 last = index == len(window) - 1
@@ -85,50 +126,74 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator) -> d
                         logits = model(**batch.inputs).logits
                     loss_sum = summed_token_loss(logits, batch.targets)
                     accelerator.backward(loss_sum * (world_size / step_tokens))
-                window_loss += loss_sum.detach().double()
+                step_loss += loss_sum.detach().double()
                 window_real += batch.n_real_tokens
                 del logits, loss_sum
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-            lr = scheduler.get_last_lr()[0]  # the rate this update used
+            lr = scheduler.get_last_lr()[0]  # the rate this update uses
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += step_tokens
             window_tokens += step_tokens
+            window_loss += step_loss
+            watchdog.observe(step, step_loss * world_size / step_tokens, grad_norm)
 
-            if step % cfg.logging_steps == 0 or step == plan.total_steps:
-                # the only host sync of a training step, and only at logging steps
+            logging_step = step % cfg.logging_steps == 0 or step == plan.total_steps
+            if logging_step:
                 loss = float(accelerator.reduce(window_loss, reduction="sum")) / window_tokens
-                real = int(accelerator.reduce(torch.tensor(window_real, device=accelerator.device),
-                                              reduction="sum"))
+                real = int(accelerator.reduce(torch.tensor(window_real, device=accelerator.device), reduction="sum"))
                 elapsed = time.perf_counter() - window_start
                 metrics.write({"step": step, "epoch": round(step / plan.steps_per_epoch, 4), "loss": loss,
-                               "lr": lr, "grad_norm": float(grad_norm),
-                               "tokens": tokens_seen, "tokens_per_second": round(window_tokens / elapsed, 1),
+                               "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens_seen,
+                               "tokens_per_second": round(window_tokens / elapsed, 1),
                                "real_tokens_per_second": round(real / elapsed, 1)})
-                real_tokens_seen += real
+                watchdog.check(accelerator)
                 window_loss.zero_()
                 window_tokens, window_real, window_start = 0, 0, time.perf_counter()
             if step in eval_at:
-                evals.append(run_eval(step))
+                run_eval(step)
+                if early.should_stop:
+                    stopped_by = "early_stopping"
             if step in save_at:
-                state = {"step": step, "epoch": epoch, "tokens_seen": tokens_seen, "plan": plan.to_json()}
-                save_checkpoint(output_dir, step, state, model, optimizer, scheduler, accelerator,
-                                cfg.save_total_limit)
+                save(step)
+            if stop.requested(accelerator, check_all_ranks=logging_step or step in save_at) and not stopped_by:
+                if step not in save_at and step < plan.total_steps:
+                    save(step)
+                stopped_by = "signal"
 
+    watchdog.check(accelerator)
     train_seconds = time.perf_counter() - train_start
     accelerator.wait_for_everyone()
+    if accelerator.is_main_process and stopped_by != "signal":
+        if stopped_by == "early_stopping" and (output_dir / BEST_DIR).is_dir():
+            publish_best(output_dir)
+        else:
+            save_final(accelerator.unwrap_model(model), tokenizer, output_dir)
+    return RunOutcome(step, tokens_seen, train_seconds, evals, stopped_by)
+
+
+BEST_DIR = "best"
+
+
+def save_best(accelerator, model, tokenizer, output_dir: Path) -> None:
+    """The best model so far (by eval loss), kept for early stopping; written atomically."""
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        save_final(accelerator.unwrap_model(model), tokenizer, output_dir)
-    summary = {"steps": step, "tokens": tokens_seen, "real_tokens": real_tokens_seen,
-               "train_seconds": round(train_seconds, 2),
-               "real_tokens_per_second": round(real_tokens_seen / train_seconds, 1) if train_seconds else None,
-               "first_eval_loss": evals[0]["eval_loss"] if evals else None,
-               "last_eval_loss": evals[-1]["eval_loss"] if evals else None}
-    if accelerator.is_main_process:
-        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+        temp = output_dir / f".tmp-{BEST_DIR}"
+        shutil.rmtree(temp, ignore_errors=True)
+        save_final(accelerator.unwrap_model(model), tokenizer, temp)
+        accelerator.unwrap_model(model).config.use_cache = False  # save_final switched it on; keep training
+        shutil.rmtree(output_dir / BEST_DIR, ignore_errors=True)
+        temp.rename(output_dir / BEST_DIR)
+    accelerator.wait_for_everyone()
+
+
+def publish_best(output_dir: Path) -> None:
+    """Early stopping: the folder's model is the best one, not the last one."""
+    for path in (output_dir / BEST_DIR).iterdir():
+        shutil.copy2(path, output_dir / path.name)
 
 
 def save_final(model, tokenizer, output_dir: Path) -> None:
@@ -138,3 +203,12 @@ def save_final(model, tokenizer, output_dir: Path) -> None:
         config.use_cache = True  # off for training (packing needs it off); on for whoever generates next
     model.save_pretrained(output_dir, safe_serialization=True)
     tokenizer.save_pretrained(output_dir)
+
+
+def write_summary(output_dir: Path, outcome: RunOutcome, plan: TrainingPlan) -> dict:
+    summary = {"steps": outcome.steps, "planned_steps": plan.total_steps, "tokens": outcome.tokens,
+               "train_seconds": round(outcome.train_seconds, 2), "stopped_by": outcome.stopped_by,
+               "first_eval_loss": outcome.evals[0]["eval_loss"] if outcome.evals else None,
+               "last_eval_loss": outcome.evals[-1]["eval_loss"] if outcome.evals else None}
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

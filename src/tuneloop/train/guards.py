@@ -1,0 +1,99 @@
+"""What stops a run early and loudly: a diverged loss (watchdog), a signal (preemption), a plateau
+(early stopping).
+
+The watchdog keeps its counters on the device so a healthy step costs no host sync; it is
+read at logging steps, before every save and at the end, and it remembers the first step at
+which it tripped, so the message names that step even when it is read a few steps later.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from tuneloop.errors import TrainingDiverged
+
+
+class LossWatchdog:
+    def __init__(self, threshold: float | None, patience: int | None, device):
+        self.threshold = threshold
+        # NaN/inf stop at once unless the user asked for patience; a high loss gets axolotl's 3
+        self.patience = torch.tensor([patience or 1, patience or 3], device=device)
+        self.consecutive = torch.zeros(2, dtype=torch.long, device=device)
+        self.tripped_at = torch.full((2,), -1, dtype=torch.long, device=device)
+
+    def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Device ops only: no sync."""
+        not_finite = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        too_high = loss > self.threshold if self.threshold is not None else torch.zeros_like(not_finite)
+        bad = torch.stack([not_finite, too_high & ~not_finite]).long()
+        self.consecutive = (self.consecutive + 1) * bad
+        newly = (self.consecutive >= self.patience) & (self.tripped_at < 0)
+        self.tripped_at = torch.where(newly, torch.full_like(self.tripped_at, step), self.tripped_at)
+
+    def check(self, accelerator) -> None:
+        """Host sync; all ranks agree because the trip steps are reduced with max."""
+        tripped = accelerator.reduce(self.tripped_at.clone(), reduction="max") if accelerator.num_processes > 1 \
+            else self.tripped_at
+        nan_step, high_step = (int(v) for v in tripped.tolist())
+        if nan_step >= 0:
+            raise TrainingDiverged(f"the loss or gradient norm is not finite at step {nan_step} "
+                                   f"({int(self.patience[0])} bad step(s) in a row); lower learning_rate, "
+                                   "check the data, or use max_grad_norm")
+        if high_step >= 0:
+            raise TrainingDiverged(f"the loss stayed above loss_watchdog_threshold={self.threshold} for "
+                                   f"{int(self.patience[1])} steps in a row, reaching step {high_step}")
+
+
+class StopRequests:
+    """SIGTERM/SIGINT ask the loop to checkpoint and leave at the next step boundary;
+    a second signal leaves at once (every write is atomic, so nothing is torn)."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        if self.received is not None:
+            os._exit(128 + signum)
+        self.received = signum
+        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of this step "
+              "(send it again to stop at once)", flush=True)
+
+    def requested(self, accelerator, check_all_ranks: bool) -> bool:
+        if accelerator.num_processes == 1:
+            return self.received is not None
+        if not check_all_ranks:  # a collective each step would be a sync each step
+            return False
+        flag = torch.tensor([1 if self.received is not None else 0], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="max").item())
+
+
+class EarlyStopping:
+    def __init__(self, patience: int | None):
+        self.patience = patience
+        self.best: float | None = None
+        self.evals_without_improvement = 0
+
+    def update(self, eval_loss: float) -> bool:
+        """True when this eval is the best so far."""
+        if self.best is None or eval_loss < self.best:
+            self.best, self.evals_without_improvement = eval_loss, 0
+            return True
+        self.evals_without_improvement += 1
+        return False
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience is not None and self.evals_without_improvement >= self.patience

@@ -1,0 +1,86 @@
+"""The README's bad-input table, row by row (the config and data rows live in test_config.py and
+test_data_formats.py): each gives exit code 2, one clear message, no traceback, and loses nothing."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+from conftest import base_config, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+from safetensors.torch import load_file
+
+from tuneloop.train.checkpoint import complete_checkpoints
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("bad_input_data") / "train.jsonl", tiny_rows(40, seed=2))
+
+
+def assert_user_error(result, *fragments):
+    assert result.returncode == 2, result.stdout[-1500:] + result.stderr[-1500:]
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr
+
+
+def test_empty_dataset_and_dataset_empty_after_filtering(tmp_path, tiny_model_dir):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    config = write_config(tmp_path / "empty.yml", **base_config(tmp_path, tiny_model_dir, empty))
+    assert_user_error(run_cli("plan", str(config)), "no training rows left: read 0")
+    long_rows = write_jsonl(tmp_path / "long.jsonl", [{"instruction": "Count. " * 100, "output": "one"}] * 3)
+    config = write_config(tmp_path / "long.yml", **base_config(tmp_path, tiny_model_dir, long_rows, sequence_len=32))
+    assert_user_error(run_cli("plan", str(config)), "no training rows left: read 3, dropped 3 longer than "
+                      "sequence_len=32")
+
+
+def test_output_dir_with_another_runs_files_is_refused_unless_overwrite(tmp_path, tiny_model_dir, data):
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=2))
+    assert run_cli("train", str(config)).returncode == 0
+    before = load_file(tmp_path / "out" / "model.safetensors")
+    again = run_cli("train", str(config), "--set", "learning_rate=0.5")
+    assert_user_error(again, "holds another run's files", "--overwrite", "auto_resume_from_checkpoints")
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    assert all((before[k] == after[k]).all() for k in before)  # nothing was touched
+    replaced = run_cli("train", str(config), "--set", "learning_rate=0.5", "--overwrite")
+    assert replaced.returncode == 0, replaced.stderr[-1500:]
+    assert max(m["step"] for m in read_metrics(tmp_path / "out")) == 2
+
+
+def test_checkpoint_from_another_config_is_refused_naming_what_changed(tmp_path, tiny_model_dir, data):
+    keys = dict(save_strategy=None, save_steps=2, max_steps=4, auto_resume_from_checkpoints=True)
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+    assert run_cli("train", str(config)).returncode == 0
+    (tmp_path / "out" / "summary.json").unlink()  # as if the run had been killed after its last checkpoint
+    changed = run_cli("train", str(config), "--set", "micro_batch_size=2", "--set", "sequence_len=200")
+    assert_user_error(changed, "different run", "micro_batch_size (4 → 2)", "the prepared data", "--force-resume")
+    forced = run_cli("train", str(config), "--set", "max_steps=6", "--force-resume")
+    assert forced.returncode == 0, forced.stderr[-1500:]
+    assert "resuming from" in forced.stdout
+    steps = [m["step"] for m in read_metrics(tmp_path / "out") if "loss" in m]
+    assert steps == list(range(1, 7))
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_save_is_a_clear_error_and_the_old_checkpoint_stays(tmp_path, tiny_model_dir, data):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # a real full disk: a small tmpfs that holds one checkpoint of the tiny model (about 1.6 MB) but not two
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        keys = dict(save_strategy=None, save_steps=2, max_steps=6, output_dir=str(disk / "out"))
+        config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+        result = run_cli("train", str(config))
+        assert_user_error(result, "could not save step 4", "the disk is full", "newest complete checkpoint is "
+                          "checkpoint-2")
+        kept = complete_checkpoints(disk / "out")
+        assert [p.name for p in kept] == ["checkpoint-2"]
+        assert load_file(kept[0] / "model.safetensors")  # readable, complete
+        assert not list((disk / "out").glob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+        shutil.rmtree(disk, ignore_errors=True)

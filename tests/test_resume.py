@@ -1,0 +1,191 @@
+"""Checkpoints survive anything: a SIGKILL at a random point (also half-way through a save) and an
+auto-resume end with weights bit-identical to an uninterrupted run, and metrics.jsonl has every
+step once; a torn checkpoint is never chosen; SIGTERM saves and exits 75; a NaN stops the run."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import base_config, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+from safetensors.torch import load_file
+
+from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV, STATE_FILE, complete_checkpoints
+
+VARIANTS = {
+    "padded_accum2": dict(micro_batch_size=2, gradient_accumulation_steps=2),
+    "packed": dict(sample_packing=True, micro_batch_size=1, gradient_accumulation_steps=1),
+    "grouped_accum3": dict(group_by_length=True, micro_batch_size=2, gradient_accumulation_steps=3),
+}
+RESUMABLE = dict(num_epochs=2, save_strategy=None, save_steps=3, save_total_limit=2, learning_rate=2e-3, warmup_steps=2,
+                 val_set_size=0.1, evals_per_epoch=2, auto_resume_from_checkpoints=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("resume_data") / "train.jsonl", tiny_rows(60, seed=21))
+
+
+def start_train(config: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tuneloop", "train", str(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})))
+
+
+def wait_for_steps(output_dir: Path, steps: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        metrics = output_dir / "metrics.jsonl"
+        if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+
+
+def weights(output_dir: Path) -> dict:
+    return load_file(output_dir / "model.safetensors")
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def uninterrupted(tmp_path, model_dir, data, keys) -> tuple[dict, list[dict]]:
+    config = write_config(tmp_path / "straight.yml", **base_config(tmp_path / "straight", model_dir, data, **keys))
+    result = run_cli("train", str(config))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return weights(tmp_path / "straight" / "out"), read_metrics(tmp_path / "straight" / "out")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_sigkill_at_a_random_point_then_auto_resume_is_bit_identical(tmp_path, tiny_model_dir, data, variant):
+    keys = {**RESUMABLE, **VARIANTS[variant]}
+    expected_weights, expected_metrics = uninterrupted(tmp_path, tiny_model_dir, data, keys)
+    total = max(m["step"] for m in expected_metrics if "loss" in m)
+
+    run_dir = tmp_path / "killed"
+    config = write_config(tmp_path / "killed.yml", **base_config(run_dir, tiny_model_dir, data, **keys))
+    seed = random.randrange(10**6)
+    kill_after = random.Random(seed).randint(4, total - 2)
+    process = start_train(config)
+    wait_for_steps(run_dir / "out", kill_after, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, f"the run ended before the kill (seed {seed})"
+    newest = complete_checkpoints(run_dir / "out")[-1]
+    resumed = run_cli("train", str(config))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from {newest}" in resumed.stdout, f"seed {seed}"
+
+    assert_identical(weights(run_dir / "out"), expected_weights)
+    metrics = read_metrics(run_dir / "out")
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, total + 1)), f"seed {seed}"
+    assert [m["loss"] for m in metrics if "loss" in m] == [m["loss"] for m in expected_metrics if "loss" in m]
+    assert [m["eval_loss"] for m in metrics if "eval_loss" in m] == \
+        [m["eval_loss"] for m in expected_metrics if "eval_loss" in m]
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_save_leaves_no_checkpoint_that_is_resumed(tmp_path, tiny_model_dir, data):
+    keys = {**RESUMABLE, **VARIANTS["padded_accum2"]}
+    expected_weights, _ = uninterrupted(tmp_path, tiny_model_dir, data, keys)
+    run_dir = tmp_path / "torn"
+    config = write_config(tmp_path / "torn.yml", **base_config(run_dir, tiny_model_dir, data, **keys))
+    crashed = start_train(config, env={CRASH_DURING_SAVE_ENV: "6"})
+    crashed.communicate(timeout=300)
+    assert crashed.returncode == -signal.SIGKILL
+    out = run_dir / "out"
+    assert (out / ".tmp-checkpoint-6").is_dir()  # the torn save is there …
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]  # … and not a checkpoint
+    resumed = run_cli("train", str(config))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stdout and "checkpoint-3" in resumed.stdout
+    assert_identical(weights(out), expected_weights)
+    assert not (out / ".tmp-checkpoint-6").exists()
+
+
+def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
+    from tuneloop.config import config_from_dict
+    from tuneloop.train.run_dir import choose_checkpoint
+
+    out = tmp_path / "out"
+    for step, complete in ((3, True), (6, True), (9, False)):
+        folder = out / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"x")
+        if complete:
+            (folder / STATE_FILE).write_text("{}")
+    cfg = config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "auto_resume_from_checkpoints": True})
+    assert choose_checkpoint(cfg, out).name == "checkpoint-6"
+
+
+@pytest.mark.slow
+def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir, data):
+    keys = {**RESUMABLE, **VARIANTS["padded_accum2"], "save_steps": 100}  # no scheduled save before the signal
+    expected_weights, _ = uninterrupted(tmp_path, tiny_model_dir, data, keys)
+    run_dir = tmp_path / "term"
+    config = write_config(tmp_path / "term.yml", **base_config(run_dir, tiny_model_dir, data, **keys))
+    process = start_train(config)
+    wait_for_steps(run_dir / "out", 5, process)
+    process.send_signal(signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=300)
+    assert process.returncode == 75, stdout[-2000:]
+    saved = complete_checkpoints(run_dir / "out")
+    assert len(saved) == 1 and "stopped by a signal" in stdout
+    resumed = run_cli("train", str(config))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_identical(weights(run_dir / "out"), expected_weights)
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, tiny_model_dir, data):
+    keys = dict(optimizer="sgd", learning_rate=1e4, max_grad_norm=None, lr_scheduler="constant", save_steps=1,
+                save_strategy=None,
+                num_epochs=3, micro_batch_size=2)
+    config = write_config(tmp_path / "nan.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+    result = run_cli("train", str(config))
+    assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "not finite at step" in result.stderr and "Traceback" not in result.stderr
+    bad_step = int(result.stderr.split("not finite at step ")[1].split()[0])
+    metrics = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
+    logged = {m["step"]: m for m in metrics}
+    assert not (math.isfinite(logged[bad_step]["loss"]) and math.isfinite(logged[bad_step]["grad_norm"]))
+    kept = complete_checkpoints(tmp_path / "out")
+    assert kept and int(kept[-1].name.split("-")[1]) < bad_step
+    assert all(torch.isfinite(t).all() for t in load_file(kept[-1] / "model.safetensors").values())
+
+
+@pytest.mark.slow
+def test_loss_watchdog_threshold_stops_after_patience(tmp_path, tiny_model_dir, data):
+    config = write_config(tmp_path / "high.yml", **base_config(
+        tmp_path, tiny_model_dir, data, loss_watchdog_threshold=0.5, loss_watchdog_patience=2, max_steps=6))
+    result = run_cli("train", str(config))
+    assert result.returncode == 3 and "loss_watchdog_threshold=0.5 for 2 steps in a row, reaching step 2" \
+        in result.stderr
+
+
+@pytest.mark.slow
+def test_early_stopping_keeps_the_best_model(tmp_path, tiny_model_dir, data):
+    keys = dict(val_set_size=0.2, eval_steps=1, early_stopping_patience=2, learning_rate=0.05,
+                lr_scheduler="constant", num_epochs=4, max_grad_norm=None)
+    config = write_config(tmp_path / "early.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+    result = run_cli("train", str(config))
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    plan = json.loads((out / "plan.json").read_text())
+    assert summary["stopped_by"] == "early_stopping" and summary["steps"] < plan["total_steps"]
+    evals = [m["eval_loss"] for m in read_metrics(out) if "eval_loss" in m]
+    best = evals.index(min(evals))
+    assert len(evals) == best + 3  # two evals without improvement after the best, then stop
+    assert_identical(weights(out), weights(out / "best"))
