@@ -22,7 +22,7 @@ $(BIN)/tuneloop: pyproject.toml
 install: $(BIN)/tuneloop
 
 quickstart: install
-	$(BIN)/tuneloop train examples/quickstart.yml
+	$(BIN)/tuneloop train examples/quickstart.yml --overwrite
 
 test: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -ra

@@ -91,3 +91,27 @@ def test_packed_epochs_are_deterministic_and_differ_by_epoch():
     per_rank = epoch_micro_batches(lengths, spec, 0)
     assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1])
     assert all(len(micro) <= 2 for batches in per_rank for micro in batches)
+
+
+def test_eval_metrics_are_the_same_packed_or_padded(prepared, tiny_model_dir):
+    from accelerate import Accelerator
+
+    from tuneloop.train.evaluate import evaluate
+
+    model = model_with("sdpa", tiny_model_dir)
+    lengths = np.asarray(prepared.train["length"])
+    accelerator = Accelerator(cpu=True)
+    results = {}
+    for mode, packed in (("packed", True), ("group_by_length", False)):
+        spec = BatchingSpec(mode, micro_batch_size=3, sequence_len=512, world_size=1, seed=0)
+        batches = epoch_micro_batches(lengths, spec, 0, shuffle=False, even=False)[0]
+        results[mode] = evaluate(model, batches, Collator(prepared.train, 0, packed=packed), accelerator)
+    packed, padded = results["packed"], results["group_by_length"]
+    assert packed["eval_tokens"] == padded["eval_tokens"] == int(np.sum(prepared.train["n_targets"]))
+    assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-6)
+    assert packed["eval_token_accuracy"] == pytest.approx(padded["eval_token_accuracy"], abs=1e-9)
+
+
+def test_pad_to_sequence_len_gives_every_batch_the_same_width(prepared):
+    collate = Collator(prepared.train, 0, packed=False, pad_to=512)
+    assert {collate([[i], [i + 1]]).inputs["input_ids"].shape[1] for i in range(0, 10, 2)} == {512}

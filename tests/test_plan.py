@@ -115,3 +115,25 @@ def test_global_batch_larger_than_the_data_and_warmup_as_long_as_the_run():
     plan = plan_for([50] * 10, micro_batch_size=4, gradient_accumulation_steps=8, warmup_steps=5)
     assert any("larger than one epoch" in w for w in plan.warnings)
     assert any("warm-up (5 steps) is as long as the run" in w for w in plan.warnings)
+
+
+def test_memory_estimate_counts_the_real_parameters_and_warns_above_the_device(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from tuneloop.memory import MemoryEstimate, estimate_memory
+    from tuneloop.plan import attach_memory_estimate
+
+    cfg = config_from_dict({"base_model": str(tiny_model_dir), "datasets": [{"path": "x"}]})
+    estimate = estimate_memory(cfg, str(tiny_model_dir), tokens_per_micro_batch=4096, precision="no")
+    real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    assert estimate.parameters == estimate.trainable_parameters == real
+    assert estimate.weights_gb == round(real * 4 / 1e9, 3) and estimate.optimizer_gb == round(real * 8 / 1e9, 3)
+    bigger = estimate_memory(cfg, str(tiny_model_dir), tokens_per_micro_batch=8192, precision="no")
+    assert bigger.activations_gb > estimate.activations_gb
+
+    plan = plan_for(UNIFORM, micro_batch_size=4)
+    attach_memory_estimate(plan, estimate)
+    assert plan.estimated_memory_gb == estimate.total_gb and not plan.warnings
+    too_big = MemoryEstimate(10**10, 10**10, 40.0, 40.0, 80.0, 20.0, 180.0, "NVIDIA H200", 143.8)
+    attach_memory_estimate(plan, too_big)
+    assert any("estimated memory 180.0 GB" in w and "144 GB of NVIDIA H200" in w for w in plan.warnings)

@@ -67,3 +67,27 @@ def test_plan_command_prints_the_same_numbers_as_train_writes(tmp_path, tiny_mod
     assert run_cli("train", str(config)).returncode == 0
     assert json.loads((tmp_path / "out" / "plan.json").read_text()) == plan
     assert max(m["step"] for m in read_metrics(tmp_path / "out")) == 5
+
+
+def test_lora_trains_only_the_adapter_and_saves_a_loadable_adapter(tmp_path, tiny_model_dir, alpaca_file):
+    config = write_config(tmp_path / "lora.yml", **base_config(
+        tmp_path, tiny_model_dir, alpaca_file, adapter="lora", lora_r=4, lora_alpha=8,
+        lora_target_modules=["q_proj", "v_proj"], max_steps=4, learning_rate=1e-2))
+    result = run_cli("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    assert not (out / "model.safetensors").exists()
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert adapter and all("lora_" in key for key in adapter)
+    assert any(float(t.abs().sum()) > 0 for k, t in adapter.items() if "lora_B" in k)  # B starts at 0: it trained
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        assert not torch.allclose(base(ids).logits, tuned(ids).logits)

@@ -40,10 +40,17 @@ def _prepared(cfg, force: bool = False):
 def _plan(cfg, prepared, world_size: int):
     import numpy as np
 
-    from tuneloop.plan import make_plan
+    from tuneloop.embedded import resolve_model_path
+    from tuneloop.memory import estimate_memory
+    from tuneloop.model import mixed_precision
+    from tuneloop.plan import attach_memory_estimate, make_plan
 
-    return make_plan(cfg, np.asarray(prepared.train["length"]), np.asarray(prepared.train["n_targets"]),
+    plan = make_plan(cfg, np.asarray(prepared.train["length"]), np.asarray(prepared.train["n_targets"]),
                      prepared.stats.eval_rows, prepared.stats.dropped_too_long, world_size)
+    estimate = estimate_memory(cfg, resolve_model_path(cfg.base_model), plan.max_micro_batch_tokens,
+                               mixed_precision(cfg))
+    attach_memory_estimate(plan, estimate)
+    return plan
 
 
 def command_plan(args) -> int:

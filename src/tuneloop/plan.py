@@ -54,6 +54,9 @@ class TrainingPlan:
     total_real_tokens: int
     packing_efficiency: float | None
     padding_fraction: float | None
+    max_micro_batch_tokens: int
+    estimated_memory_gb: float | None = None
+    memory: dict | None = None  # the estimate's parts: weights, gradients, optimizer, activations, device
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -110,7 +113,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
     epochs_to_run = math.ceil(total_steps / steps_per_epoch)
 
     # walk every step the run will take, on every rank, and count its tokens
-    total_targets = total_real = computed = 0
+    total_targets = total_real = computed = largest = 0
     step = 0
     for epoch in range(epochs_to_run):
         per_rank = first_epoch if epoch == 0 else epoch_micro_batches(train_lengths, spec, epoch=epoch)
@@ -124,7 +127,9 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
                         total_targets += int(train_targets[row].sum())
                         total_real += int(train_lengths[row].sum())
                     width = max(int(train_lengths[row].sum()) for row in micro)
-                    computed += len(micro) * -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+                    padded = cfg.sequence_len if cfg.pad_to_sequence_len else -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+                    computed += len(micro) * padded
+                    largest = max(largest, len(micro) * padded)
 
     used_rows = sum(len(micro) for batches in first_epoch for micro in batches)
     if spec.mode == "packed":
@@ -160,9 +165,24 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         eval_count=len(eval_at), save_steps_at=save_at, save_count=len(save_at),
         tokens_per_step=round(total_targets / total_steps, 2), total_trainable_tokens=total_targets,
         total_real_tokens=total_real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
+        max_micro_batch_tokens=largest,
     )
     plan.warnings = plan_warnings(cfg, plan)
     return plan
+
+
+def attach_memory_estimate(plan: TrainingPlan, estimate) -> None:
+    """Adds the estimate (memory.py) to the plan, and a warning when it exceeds the device."""
+    from dataclasses import asdict as as_dict
+
+    plan.estimated_memory_gb = estimate.total_gb
+    plan.memory = as_dict(estimate)
+    if estimate.device_gb and estimate.total_gb > estimate.device_gb:
+        plan.warnings.append(
+            f"estimated memory {estimate.total_gb:.1f} GB (weights {estimate.weights_gb:.1f}, gradients "
+            f"{estimate.gradients_gb:.1f}, optimizer {estimate.optimizer_gb:.1f}, activations "
+            f"{estimate.activations_gb:.1f}) is above the {estimate.device_gb:.0f} GB of {estimate.device}: "
+            "lower micro_batch_size or sequence_len, or use gradient_checkpointing, an adapter or more ranks.")
 
 
 def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
@@ -216,6 +236,7 @@ def describe(plan: TrainingPlan) -> str:
         f"  tokens               {plan.tokens_per_step:.0f} trained tokens per step, "
         f"{plan.total_trainable_tokens} over the run",
         f"  warm-up              {plan.warmup_steps} steps",
+        f"  memory               {_memory_line(plan)}",
         f"  evals                {plan.eval_count} (at steps {_short(plan.eval_steps_at)})",
         f"  saves                {plan.save_count} (at steps {_short(plan.save_steps_at)})",
     ]
@@ -224,6 +245,16 @@ def describe(plan: TrainingPlan) -> str:
     for warning in plan.warnings:
         lines.append(f"  warning: {warning}")
     return "\n".join(lines)
+
+
+def _memory_line(plan: TrainingPlan) -> str:
+    if plan.memory is None:
+        return "not estimated"
+    m = plan.memory
+    device = f" of {m['device_gb']:.0f} GB on {m['device']}" if m["device_gb"] else ""
+    return (f"~{m['total_gb']:.2f} GB{device} (weights {m['weights_gb']:.2f}, gradients {m['gradients_gb']:.2f}, "
+            f"optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}; "
+            f"{m['trainable_parameters']:,} of {m['parameters']:,} parameters trained)")
 
 
 def _short(steps: list[int]) -> str:

@@ -1,0 +1,82 @@
+"""A memory estimate for the plan: weights, gradients, optimizer state and activations.
+
+It is an estimate from the model's config (built on the meta device: no weights are read)
+and the plan's largest micro-batch, meant to catch a run that cannot fit before it starts,
+not to predict the allocator's peak to the megabyte. Activations follow the usual
+per-layer count for a transformer with fused attention (about 34 values per token and
+hidden unit, no s² attention matrix), plus the logits and their gradient in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ACTIVATION_VALUES_PER_TOKEN_HIDDEN = 34
+OPTIMIZER_BYTES_PER_PARAM = {"adamw_torch": 8, "adamw_torch_fused": 8, "sgd": 0, "adafactor": 4}
+LORA_TRAINABLE_FRACTION = 0.01  # a typical r=8..64 adapter on the projections trains ~0.1–2% of weights
+
+
+@dataclass
+class MemoryEstimate:
+    parameters: int
+    trainable_parameters: int
+    weights_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    total_gb: float
+    device: str
+    device_gb: float | None
+
+
+def _parameter_count(config) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def device_memory_gb() -> tuple[str, float | None]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory / 1e9
+    except ImportError:
+        pass
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return "cpu (system memory)", int(line.split()[1]) * 1024 / 1e9
+    return "cpu", None
+
+
+def estimate_memory(cfg, model_source: str, tokens_per_micro_batch: int, precision: str) -> MemoryEstimate:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_source, trust_remote_code=cfg.trust_remote_code)
+    params = _parameter_count(config)
+    trainable = int(params * LORA_TRAINABLE_FRACTION) if cfg.adapter else params
+    weight_bytes = 0.5 if cfg.adapter == "qlora" else 4  # fp32 master weights (autocast computes in bf16)
+    act_bytes = 2 if precision in ("bf16", "fp16") else 4
+    hidden = getattr(config, "hidden_size", 0)
+    layers = getattr(config, "num_hidden_layers", 0)
+    vocab = getattr(config, "vocab_size", 0)
+    per_layer = tokens_per_micro_batch * hidden * act_bytes
+    if cfg.gradient_checkpointing:  # layer inputs kept, one layer recomputed at a time
+        activations = per_layer * (layers + ACTIVATION_VALUES_PER_TOKEN_HIDDEN)
+    else:
+        activations = per_layer * layers * ACTIVATION_VALUES_PER_TOKEN_HIDDEN
+    activations += tokens_per_micro_batch * vocab * 4 * 2  # logits in fp32 and their gradient
+    gb = 1e9
+    weights, grads = params * weight_bytes / gb, trainable * 4 / gb
+    optimizer = trainable * OPTIMIZER_BYTES_PER_PARAM[cfg.optimizer] / gb
+    device, device_gb = device_memory_gb()
+    total = weights + grads + optimizer + activations / gb
+    return MemoryEstimate(params, trainable, round(weights, 3), round(grads, 3), round(optimizer, 3),
+                          round(activations / gb, 3), round(total, 3), device,
+                          round(device_gb, 1) if device_gb else None)
