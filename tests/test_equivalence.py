@@ -83,13 +83,22 @@ def test_accumulating_4_micro_batches_of_2_equals_one_batch_of_8(tmp_path, tiny_
     assert difference > 1e-2
 
 
+def launcher(kind: str) -> tuple:
+    port = str(29500 + os.getpid() % 1000 + (0 if kind == "torchrun" else 1))
+    if kind == "torchrun":
+        return (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port)
+    # on a CPU machine accelerate 1.15 wants --multi_gpu without --cpu (it refuses both; --cpu alone starts
+    # ONE process); tuneloop's Accelerator(cpu=True) then runs gloo DDP
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    return (accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", port)
+
+
 @pytest.mark.slow
-def test_two_ddp_ranks_equal_one_process(tmp_path, tiny_model_dir, uneven_data):
+@pytest.mark.parametrize("kind", ["torchrun", "accelerate"])
+def test_two_ddp_ranks_equal_one_process(tmp_path, tiny_model_dir, uneven_data, kind):
     one_process = one_step_update(tmp_path, tiny_model_dir, uneven_data, "single",
                                   micro_batch_size=2, gradient_accumulation_steps=4)
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                str(29500 + os.getpid() % 1000))
-    two_ranks = one_step_update(tmp_path, tiny_model_dir, uneven_data, "ddp", launcher=torchrun,
+    two_ranks = one_step_update(tmp_path, tiny_model_dir, uneven_data, "ddp", launcher=launcher(kind),
                                 micro_batch_size=2, gradient_accumulation_steps=2)
     plan = (tmp_path / "ddp" / "out" / "plan.json").read_text()
     assert '"world_size": 2' in plan and '"global_batch_size": 8' in plan
