@@ -37,6 +37,12 @@ def test_train_runs_exactly_the_planned_steps_and_saves_a_loadable_model(tmp_pat
     for key in ("eval_perplexity", "eval_token_accuracy"):
         assert key in eval_lines[0]
 
+    report = (out / "report.md").read_text()
+    assert f"{eval_lines[0]['eval_loss']:.4f} (step 0) → {eval_lines[-1]['eval_loss']:.4f}" in report
+    from matplotlib.image import imread
+
+    assert imread(out / "report.png").shape[:2] == (600, 800)
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     reloaded = AutoModelForCausalLM.from_pretrained(out)

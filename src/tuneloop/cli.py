@@ -127,7 +127,10 @@ def command_train(args) -> int:
     with StopRequests() as stop:
         outcome = train(cfg, plan, prepared, tokenizer, model, accelerator, identity, resume_from=resume, stop=stop)
     if accelerator.is_main_process:
+        from tuneloop.report import write_report
+
         summary = write_summary(output_dir, outcome, plan)
+        write_report(output_dir)
         if outcome.stopped_by == "signal":
             print(f"stopped by a signal after step {outcome.steps}; checkpoint saved in {output_dir}. "
                   "Run again with auto_resume_from_checkpoints: true to continue.")
@@ -146,6 +149,17 @@ def _shared(accelerator, value):
     from accelerate.utils import broadcast_object_list
 
     return broadcast_object_list([value])[0]
+
+
+def command_report(args) -> int:
+    from tuneloop.report import write_report
+
+    output_dir = Path(args.output_dir)
+    if not (output_dir / "plan.json").is_file() or not (output_dir / "metrics.jsonl").is_file():
+        raise UserError(f"report: {output_dir} holds no run (plan.json and metrics.jsonl are missing)")
+    for path in write_report(output_dir):
+        print(path)
+    return 0
 
 
 def command_setup(args) -> int:
@@ -184,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="print the first N rows with the trained text marked")
     prep_parser.add_argument("--force", action="store_true", help="rebuild the cache even if it exists")
     prep_parser.set_defaults(handler=command_preprocess)
+    report_parser = commands.add_parser("report", help="write report.md and report.png for a run's output_dir")
+    report_parser.add_argument("output_dir")
+    report_parser.set_defaults(handler=command_report)
     setup_parser = commands.add_parser("setup", help="build the embedded model and data folders (once)")
     setup_parser.set_defaults(handler=command_setup)
     return parser

@@ -1,0 +1,88 @@
+"""The run's report: `report.md` (the numbers) and `report.png` (loss, eval loss and learning rate).
+
+Written at the end of `tuneloop train` from the files the run leaves (plan.json, metrics.jsonl,
+summary.json), so `tuneloop report OUTPUT_DIR` can redraw it for any finished or stopped run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def read_run(output_dir: Path) -> tuple[dict, list[dict], dict]:
+    plan = json.loads((output_dir / "plan.json").read_text())
+    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+    summary_path = output_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    return plan, metrics, summary
+
+
+def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: dict) -> Path:
+    train = [m for m in metrics if "loss" in m]
+    evals = [m for m in metrics if "eval_loss" in m]
+    speeds = [m["real_tokens_per_second"] for m in train[1:] if "real_tokens_per_second" in m]
+    lines = [
+        f"# tuneloop run: {output_dir.name}", "",
+        "| | |", "|---|---|",
+        f"| steps run / planned | {summary.get('steps', len(train))} / {plan['total_steps']} |",
+        f"| stopped by | {summary.get('stopped_by') or 'end of plan'} |",
+        f"| global batch | {plan['global_batch_size']} rows ({plan['micro_batch_size']} × "
+        f"{plan['gradient_accumulation_steps']} × {plan['world_size']} ranks), {plan['batching']} |",
+        f"| trained tokens | {train[-1]['tokens'] if train else 0} of {plan['total_trainable_tokens']} planned |",
+        f"| train time | {summary.get('train_seconds', '?')} s |",
+    ]
+    if speeds:
+        lines.append(f"| real tokens/s (median after step 1) | {sorted(speeds)[len(speeds) // 2]:.0f} |")
+    if train:
+        lines.append(f"| train loss first → last | {train[0]['loss']:.4f} → {train[-1]['loss']:.4f} |")
+    if evals:
+        lines.append(f"| eval loss first → last | {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) → "
+                     f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']}) |")
+        lines.append(f"| eval token accuracy last | {evals[-1]['eval_token_accuracy']:.4f} |")
+    if plan.get("warnings"):
+        lines += ["", "Plan warnings:", *[f"- {w}" for w in plan["warnings"]]]
+    lines += ["", "![loss curves](report.png)", ""]
+    path = output_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def write_plot(output_dir: Path, plan: dict, metrics: list[dict]) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None  # the report extra is not installed; report.md still has the numbers
+    train = [m for m in metrics if "loss" in m]
+    evals = [m for m in metrics if "eval_loss" in m]
+    figure, (loss_axis, lr_axis) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
+                                                gridspec_kw={"height_ratios": [3, 1]})
+    finite = [m for m in train if math.isfinite(m["loss"])]
+    loss_axis.plot([m["step"] for m in finite], [m["loss"] for m in finite], label="train loss (per token)")
+    if evals:
+        loss_axis.plot([m["step"] for m in evals], [m["eval_loss"] for m in evals], "o-", label="eval loss")
+    loss_axis.set_ylabel("loss")
+    loss_axis.set_title(f"{plan['total_steps']} planned steps, global batch {plan['global_batch_size']} rows, "
+                        f"{plan['batching']}")
+    loss_axis.legend()
+    loss_axis.grid(alpha=0.3)
+    lr_axis.plot([m["step"] for m in train], [m["lr"] for m in train], color="tab:green")
+    lr_axis.set_ylabel("learning rate")
+    lr_axis.set_xlabel("optimizer step")
+    lr_axis.grid(alpha=0.3)
+    figure.tight_layout()
+    path = output_dir / "report.png"
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def write_report(output_dir: Path) -> list[Path]:
+    plan, metrics, summary = read_run(output_dir)
+    written = [write_markdown(output_dir, plan, metrics, summary)]
+    plot = write_plot(output_dir, plan, metrics)
+    return written + ([plot] if plot else [])
