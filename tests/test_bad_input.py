@@ -84,3 +84,8 @@ def test_full_disk_during_a_save_is_a_clear_error_and_the_old_checkpoint_stays(t
     finally:
         subprocess.run(["umount", str(disk)], check=False)
         shutil.rmtree(disk, ignore_errors=True)
+
+
+def test_base_model_folder_that_does_not_exist(tmp_path, data):
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tmp_path / "no-such-model", data))
+    assert_user_error(run_cli("plan", str(config)), "`base_model:", "no-such-model` is not an existing folder")

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from tuneloop.config import TuneloopConfig
 from tuneloop.embedded import resolve_model_path
 from tuneloop.errors import UserError
 
 
+def _checked_source(name: str, key: str) -> str:
+    """The embedded alias resolved; a local-looking path that does not exist is the user's to fix."""
+    source = resolve_model_path(name)
+    if source.startswith(("/", "./", "../", "~")) and not Path(source).expanduser().exists():
+        raise UserError(f"config: `{key}: {name}` is not an existing folder")
+    return source
+
+
 def load_tokenizer(cfg: TuneloopConfig):
     from transformers import AutoTokenizer
 
-    source = resolve_model_path(cfg.tokenizer_config or cfg.base_model)
+    key = "tokenizer_config" if cfg.tokenizer_config else "base_model"
+    source = _checked_source(cfg.tokenizer_config or cfg.base_model, key)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as error:
@@ -66,7 +77,7 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     import torch
     from transformers import AutoModelForCausalLM
 
-    source = resolve_model_path(cfg.base_model)
+    source = _checked_source(cfg.base_model, "base_model")
     if checkpoint is not None and not cfg.adapter:
         source = str(checkpoint)
     try:

@@ -68,7 +68,9 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, plan, optimizer)  # stepped by us, once per optimizer step
     model, optimizer = accelerator.prepare(model, optimizer)
-    metrics = MetricsLog(output_dir / checkpoint.METRICS_FILE, accelerator.is_main_process)
+    first_step = checkpoint.read_state(resume_from)["step"] if resume_from is not None else 0
+    metrics = MetricsLog(output_dir / checkpoint.METRICS_FILE, accelerator.is_main_process, plan.total_steps,
+                         first_step)
     watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device)
     early = EarlyStopping(cfg.early_stopping_patience)
     stop = stop or StopRequests()

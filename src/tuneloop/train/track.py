@@ -1,16 +1,21 @@
-"""Metrics: one JSON object per line in output_dir/metrics.jsonl, and a short line on stdout."""
+"""Metrics: one JSON object per line in output_dir/metrics.jsonl, and a progress line on stdout
+that counts against the plan's total ("step 7/14", with the time left at the current pace)."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, total_steps: int, first_step: int = 0):
         self.path = path
         self.enabled = enabled  # only the main process writes
+        self.total_steps = total_steps
+        self.first_step = first_step  # a resumed run measures its pace from where it started
+        self.started = time.perf_counter()
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -19,14 +24,27 @@ class MetricsLog:
             # NaN and inf are written as they are (json's NaN/Infinity): a bad loss must never vanish
             handle.write(json.dumps(record) + "\n")
             handle.flush()
-        print(format_record(record), flush=True)
+        print(self.progress_line(record), flush=True)
+
+    def progress_line(self, record: dict) -> str:
+        step = record["step"]
+        parts = [f"step {step}/{self.total_steps}"]
+        for key, value in record.items():
+            if key == "step":
+                continue
+            if isinstance(value, float) and math.isfinite(value) and key != "epoch":
+                parts.append(f"{key} {value:.4g}")
+            else:
+                parts.append(f"{key} {value}")
+        done = step - self.first_step
+        if "loss" in record and done > 0 and step < self.total_steps:
+            left = (time.perf_counter() - self.started) / done * (self.total_steps - step)
+            parts.append(f"left ~{format_duration(left)}")
+        return " | ".join(parts)
 
 
-def format_record(record: dict) -> str:
-    parts = []
-    for key, value in record.items():
-        if isinstance(value, float) and math.isfinite(value) and key not in ("epoch",):
-            parts.append(f"{key} {value:.4g}")
-        else:
-            parts.append(f"{key} {value}")
-    return " | ".join(parts)
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
