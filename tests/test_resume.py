@@ -76,7 +76,7 @@ def test_sigkill_at_a_random_point_then_auto_resume_is_bit_identical(tmp_path, t
     run_dir = tmp_path / "killed"
     config = write_config(tmp_path / "killed.yml", **base_config(run_dir, tiny_model_dir, data, **keys))
     seed = random.randrange(10**6)
-    kill_after = random.Random(seed).randint(4, total - 2)
+    kill_after = random.Random(seed).randint(4, total - 4)
     process = start_train(config)
     wait_for_steps(run_dir / "out", kill_after, process)
     process.send_signal(signal.SIGKILL)

@@ -53,20 +53,31 @@ def chat_template_of(cfg: TuneloopConfig, tokenizer) -> str | None:
     return tokenizer.chat_template
 
 
-def tokenize_rendered(rendered, tokenizer, train_on_inputs: bool) -> tuple[list[int], list[int]]:
-    """Token ids and labels: a token is trained when its characters overlap a trained span."""
-    encoded = tokenizer(rendered.text, add_special_tokens=rendered.add_special_tokens,
+def tokenize_batch(rendered: list, tokenizer, train_on_inputs: bool) -> list[tuple[list[int], list[int]]]:
+    """Token ids and labels per row: a token is trained when its characters overlap a trained span.
+
+    Rows are tokenized together (the fast tokenizer runs a batch in parallel, in Rust); all rows of
+    a batch come from one dataset entry, so they share `add_special_tokens`.
+    """
+    encoded = tokenizer([r.text for r in rendered], add_special_tokens=rendered[0].add_special_tokens,
                         return_offsets_mapping=True)
-    input_ids = list(encoded["input_ids"])
-    spans = [(0, len(rendered.text))] if train_on_inputs else rendered.trained_spans
-    labels = []
-    for token_id, (start, end) in zip(input_ids, encoded["offset_mapping"]):
-        trained = end > start and any(start < span_end and end > span_start for span_start, span_end in spans)
-        labels.append(token_id if trained else IGNORE_INDEX)
-    if rendered.append_eos and tokenizer.eos_token_id is not None:
-        input_ids.append(tokenizer.eos_token_id)
-        labels.append(tokenizer.eos_token_id)
-    return input_ids, labels
+    results = []
+    for row, input_ids, offsets in zip(rendered, encoded["input_ids"], encoded["offset_mapping"]):
+        spans = [(0, len(row.text))] if train_on_inputs else row.trained_spans
+        ids = np.asarray(input_ids, dtype=np.int64)
+        bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        starts, ends = bounds[:, 0], bounds[:, 1]
+        trained = np.zeros(len(ids), dtype=bool)
+        for span_start, span_end in spans:
+            trained |= (starts < span_end) & (ends > span_start)
+        trained &= ends > starts  # special tokens the tokenizer added have no characters
+        labels = np.where(trained, ids, IGNORE_INDEX).tolist()
+        input_ids = ids.tolist()
+        if row.append_eos and tokenizer.eos_token_id is not None:
+            input_ids.append(tokenizer.eos_token_id)
+            labels.append(tokenizer.eos_token_id)
+        results.append((input_ids, labels))
+    return results
 
 
 def count_targets(labels: list[int]) -> int:
@@ -104,18 +115,15 @@ def cache_key(cfg: TuneloopConfig, tokenizer) -> str:
     return digest.hexdigest()[:16]
 
 
+TOKENIZE_BATCH_ROWS = 1000
+
+
 def _tokenize_entries(entries: list[DatasetConfig], cfg, tokenizer, template, stats: PrepareStats,
                       shard: tuple[int, int] | None = None) -> dict:
     columns = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
-    position = -1
-    for entry in entries:
-        for row in read_rows(entry):
-            position += 1
-            if shard and position % shard[0] != shard[1]:  # axolotl's dataset_shard_num/idx: every N-th row
-                continue
-            stats.rows_read += 1
-            rendered = render_row(row, entry, tokenizer, template)
-            input_ids, labels = tokenize_rendered(rendered, tokenizer, cfg.train_on_inputs)
+
+    def keep(batch: list) -> None:
+        for input_ids, labels in tokenize_batch(batch, tokenizer, cfg.train_on_inputs):
             if len(input_ids) > cfg.sequence_len:
                 stats.dropped_too_long += 1
                 continue
@@ -127,6 +135,21 @@ def _tokenize_entries(entries: list[DatasetConfig], cfg, tokenizer, template, st
             columns["labels"].append(labels)
             columns["length"].append(len(input_ids))
             columns["n_targets"].append(n_targets)
+
+    position = -1
+    for entry in entries:
+        batch = []
+        for row in read_rows(entry):
+            position += 1
+            if shard and position % shard[0] != shard[1]:  # axolotl's dataset_shard_num/idx: every N-th row
+                continue
+            stats.rows_read += 1
+            batch.append(render_row(row, entry, tokenizer, template))
+            if len(batch) == TOKENIZE_BATCH_ROWS:
+                keep(batch)
+                batch = []
+        if batch:
+            keep(batch)
     return columns
 
 
