@@ -20,7 +20,7 @@ import numpy as np
 
 from tuneloop.config import TuneloopConfig
 from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
-from tuneloop.data.collate import PAD_MULTIPLE
+from tuneloop.data.collate import pad_multiple
 
 FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
 
@@ -114,6 +114,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
 
     # walk every step the run will take, on every rank, and count its tokens
     total_targets = total_real = computed = largest = 0
+    multiple = pad_multiple()
     step = 0
     for epoch in range(epochs_to_run):
         per_rank = first_epoch if epoch == 0 else epoch_micro_batches(train_lengths, spec, epoch=epoch)
@@ -127,7 +128,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
                         total_targets += int(train_targets[row].sum())
                         total_real += int(train_lengths[row].sum())
                     width = max(int(train_lengths[row].sum()) for row in micro)
-                    padded = cfg.sequence_len if cfg.pad_to_sequence_len else -(-width // PAD_MULTIPLE) * PAD_MULTIPLE
+                    padded = cfg.sequence_len if cfg.pad_to_sequence_len else -(-width // multiple) * multiple
                     computed += len(micro) * padded
                     largest = max(largest, len(micro) * padded)
 

@@ -17,7 +17,13 @@ import torch
 
 from tuneloop.data.prepare import IGNORE_INDEX
 
-PAD_MULTIPLE = 8  # tensor-core and vector-width friendly
+
+
+def pad_multiple() -> int:
+    """Widths rounded up to 8 suit GPU tensor cores; on a CPU the extra columns are only extra work."""
+    import torch
+
+    return 8 if torch.cuda.is_available() else 1
 
 
 @dataclass
@@ -48,6 +54,7 @@ class Collator:
         self.pad_token_id = pad_token_id
         self.packed = packed
         self.pad_to = pad_to  # pad_to_sequence_len: a fixed width for every batch
+        self.multiple = pad_multiple()
 
     def __call__(self, rows: list[list[int]]) -> MicroBatch:
         row_ids, row_targets, row_positions = [], [], []
@@ -60,7 +67,7 @@ class Collator:
             row_ids.append(ids)
             row_targets.append(targets)
             row_positions.append(positions)
-        width = self.pad_to or _round_up(max(len(ids) for ids in row_ids), PAD_MULTIPLE)
+        width = self.pad_to or _round_up(max(len(ids) for ids in row_ids), self.multiple)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         positions = torch.zeros((len(rows), width), dtype=torch.long)

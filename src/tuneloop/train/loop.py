@@ -43,6 +43,7 @@ class RunOutcome:
     steps: int
     tokens: int
     train_seconds: float
+    real_tokens: int = 0
     evals: list = field(default_factory=list)
     stopped_by: str | None = None  # "signal", "early_stopping" or None (ran the whole plan)
 
@@ -75,7 +76,7 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
     early = EarlyStopping(cfg.early_stopping_patience)
     stop = stop or StopRequests()
     eval_at, save_at = set(plan.eval_steps_at), set(plan.save_steps_at)
-    step, tokens_seen, evals = 0, 0, []
+    step, tokens_seen, real_tokens_seen, evals = 0, 0, 0, []
 
     def run_eval(at_step: int) -> None:
         result = evaluate(accelerator.unwrap_model(model), eval_batches, eval_collate, accelerator)
@@ -130,6 +131,7 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
                     accelerator.backward(loss_sum * (world_size / step_tokens))
                 step_loss += loss_sum.detach().double()
                 window_real += batch.n_real_tokens
+                real_tokens_seen += batch.n_real_tokens
                 del logits, loss_sum
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             lr = scheduler.get_last_lr()[0]  # the rate this update uses
@@ -173,7 +175,9 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
             publish_best(output_dir)
         else:
             save_final(accelerator.unwrap_model(model), tokenizer, output_dir)
-    return RunOutcome(step, tokens_seen, train_seconds, evals, stopped_by)
+    # real tokens are counted on this rank; every rank's count is reduced once, here
+    real_total = int(accelerator.reduce(torch.tensor(real_tokens_seen, device=accelerator.device), reduction="sum"))
+    return RunOutcome(step, tokens_seen, train_seconds, real_total, evals, stopped_by)
 
 
 BEST_DIR = "best"
@@ -209,7 +213,9 @@ def save_final(model, tokenizer, output_dir: Path) -> None:
 
 def write_summary(output_dir: Path, outcome: RunOutcome, plan: TrainingPlan) -> dict:
     summary = {"steps": outcome.steps, "planned_steps": plan.total_steps, "tokens": outcome.tokens,
-               "train_seconds": round(outcome.train_seconds, 2), "stopped_by": outcome.stopped_by,
+               "real_tokens": outcome.real_tokens, "train_seconds": round(outcome.train_seconds, 4),
+               "real_tokens_per_second": round(outcome.real_tokens / outcome.train_seconds, 1)
+               if outcome.train_seconds else None, "stopped_by": outcome.stopped_by,
                "first_eval_loss": outcome.evals[0]["eval_loss"] if outcome.evals else None,
                "last_eval_loss": outcome.evals[-1]["eval_loss"] if outcome.evals else None}
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))

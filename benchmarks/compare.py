@@ -1,0 +1,853 @@
+"""Same model, same prepared rows, same seed, optimizer, schedule and global batch: who trains faster?
+
+Five variants, each in its own fresh process, interleaved A B C D E, A B C D E, ... for `--repeats` rounds:
+
+  tuneloop                 tuneloop's own loop through its real CLI path (tuneloop.cli.main train), unpacked
+  trainer                  transformers Trainer, default arguments, DataCollatorForSeq2Seq (pad to longest)
+  trainer_group_by_length  the same with train_sampling_strategy="group_by_length"
+  bare_loop                a bare Accelerate loop as in Accelerate's docs (DataLoader shuffle + padding collator,
+                           accelerator.prepare / accumulate / backward) -- the "hand-written" reference
+  tuneloop_packed          tuneloop with sample_packing: true
+
+Every variant runs one epoch over the same prepared train rows (tokenized once by tuneloop.data.prepare and read
+back from its Arrow cache), so every run processes the same real tokens; packed runs take fewer optimizer steps.
+Each child times only its training loop (perf_counter, with a CUDA sync on GPU) and reports its own count of
+real (non-pad) tokens, its optimizer steps, its peak memory up to the end of the loop, and then an eval loss per
+target token on a fixed held-out set, computed by the same function for every variant after training.
+
+    python benchmarks/compare.py --quick                 # tiny LLaMA on chatterbot rows of 20-512 tokens (CI)
+    python benchmarks/compare.py                         # the embedded SmolLM2-135M on the quickstart data
+    python benchmarks/compare.py --gpu                   # H200: bf16 + SDPA, SmolLM2-135M and a ~1B LLaMA; MFU
+    python benchmarks/compare.py --quick --profile-only  # where tuneloop's step time goes
+
+See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+VARIANTS = ["tuneloop", "trainer", "trainer_group_by_length", "bare_loop", "tuneloop_packed"]
+H200_BF16_DENSE_FLOPS = 989e12
+REPO = Path(__file__).resolve().parents[1]
+EVAL_BATCH = 8
+
+# ------------------------------------------------------------------------------------------------ presets
+# rows/eval_rows: train and held-out rows; mbs x accum = the global batch (rows) of every variant.
+PRESETS = {
+    "quick": dict(model="tiny-llama", data="chatterbot-mix", train_rows=64, eval_rows=24, min_len=20, max_len=512,
+                  sequence_len=512, micro_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-3,
+                  repeats=1, device="cpu"),
+    "default": dict(model="embedded", data="quickstart", train_rows=64, eval_rows=16, sequence_len=256,
+                    micro_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-4, repeats=1, device="cpu"),
+    "gpu": dict(model="embedded,llama-1b", data="chatterbot-mix", train_rows=2048, eval_rows=128, min_len=20,
+                max_len=2048, sequence_len=2048, micro_batch_size=8, gradient_accumulation_steps=2,
+                learning_rate=1e-4, repeats=1, device="cuda"),
+}
+MODEL_NAMES = {"embedded": "smollm2-135m (embedded)", "tiny-llama": "tiny LLaMA (hidden 256, 4 layers)",
+               "llama-1b": "LLaMA ~1.1B from config (TinyLlama shape)"}
+
+
+# ======================================================================================== parent: assets
+def chatterbot_messages() -> list[list[dict]]:
+    from tuneloop.embedded import ensure_embedded_dataset
+
+    path = ensure_embedded_dataset()
+    return [json.loads(line)["messages"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def build_small_tokenizer(target: Path) -> Path:
+    """A byte-level BPE (vocab 1024) trained on the chatterbot text: a small vocabulary for the tiny model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tuneloop.data.formats import CHATML_TEMPLATE
+
+    texts = [message["content"] for conversation in chatterbot_messages() for message in conversation]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1024, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                                                   "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts + ["user", "assistant", "system"], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", bos_token=None,
+                                   pad_token="<pad>", unk_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(target)
+    return target
+
+
+def build_llama(target: Path, tokenizer_dir: Path, shape: str) -> Path:
+    """A LLaMA built from a config (random init, seed 0), saved once; every variant loads this folder."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if shape == "tiny-llama":
+        dims = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True)
+    else:  # TinyLlama-1.1B's shape
+        dims = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                    num_key_value_heads=4, max_position_embeddings=4096, tie_word_embeddings=False)
+    config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, use_cache=False,
+                         **dims)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+def embedded_model_dir() -> Path:
+    from tuneloop.embedded import ensure_embedded_model
+
+    return Path(ensure_embedded_model())
+
+
+def mixed_length_rows(tokenizer, count: int, min_len: int, max_len: int, seed: int) -> list[dict]:
+    """Chat rows of min_len..max_len tokens, each made of k chatterbot conversations (k log-uniform)."""
+    conversations = chatterbot_messages()
+    rng = random.Random(seed)
+    rows, attempts = [], 0
+    k_max = 1
+    while k_max < len(conversations):  # the k whose rows reach about max_len tokens
+        text = tokenizer.apply_chat_template([m for c in conversations[:k_max] for m in c], tokenize=False)
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= max_len:
+            break
+        k_max += 1
+    while len(rows) < count:
+        attempts += 1
+        if attempts > count * 50:
+            raise RuntimeError("cannot make enough rows in the asked length range")
+        k = max(1, round(math.exp(rng.uniform(0, math.log(k_max)))))
+        messages = [m for c in rng.sample(conversations, k) for m in c]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        length = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if min_len <= length <= max_len:
+            rows.append({"messages": messages})
+    return rows
+
+
+def quickstart_rows(count: int) -> tuple[list[dict], dict]:
+    """The rows examples/quickstart.yml trains on (its dataset, after its dataset_shard_num/idx), in file order."""
+    import yaml
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.load import read_rows
+
+    raw = yaml.safe_load((REPO / "examples" / "quickstart.yml").read_text())
+    cfg = config_from_dict(raw)
+    rows = []
+    for entry in cfg.datasets:
+        rows.extend(row.values for row in read_rows(entry))
+    if cfg.dataset_shard_num:
+        rows = [row for i, row in enumerate(rows) if i % cfg.dataset_shard_num == cfg.dataset_shard_idx]
+    if len(rows) < count:
+        raise SystemExit(f"quickstart data has {len(rows)} rows; fewer than the {count} asked")
+    return rows, raw
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def tuneloop_config(setup: dict, model_dir: Path, data_file: Path, workdir: Path, extra: dict) -> dict:
+    """The run's tuneloop config: the shared settings every variant mirrors."""
+    cfg = {
+        "base_model": str(model_dir),
+        "datasets": [{"path": str(data_file), "type": "chat_template"}],
+        "dataset_prepared_path": str(workdir / "prepared"),
+        "sequence_len": setup["sequence_len"],
+        "micro_batch_size": setup["micro_batch_size"],
+        "gradient_accumulation_steps": setup["gradient_accumulation_steps"],
+        "num_epochs": 1,
+        "learning_rate": setup["learning_rate"],
+        "lr_scheduler": "cosine",
+        "warmup_steps": 0,  # no warm-up: every implementation's cosine is then the same formula
+        "optimizer": "adamw_torch",
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "attn_implementation": "sdpa",
+        "bf16": setup["device"] == "cuda",
+        "logging_steps": 10,
+        "save_strategy": "no",
+        "output_dir": str(workdir / "out" / "tuneloop"),
+        "seed": 42,
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
+    """Build model/tokenizer/data for one model of a preset, prepare the rows once; return the children's job."""
+    import yaml
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.prepare import prepare
+    from tuneloop.model import load_tokenizer
+
+    setup = dict(PRESETS[preset])
+    for key in ("train_rows", "eval_rows", "micro_batch_size", "gradient_accumulation_steps", "sequence_len"):
+        if getattr(args, key, None):
+            setup[key] = getattr(args, key)
+    workdir.mkdir(parents=True, exist_ok=True)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    extra = {}
+    if model_key == "tiny-llama":
+        tokenizer_dir = build_small_tokenizer(workdir / "tokenizer")
+        model_dir = build_llama(workdir / "model", tokenizer_dir, "tiny-llama")
+        extra["chat_template"] = "chatml"
+    elif model_key == "llama-1b":
+        model_dir = build_llama(workdir / "model", embedded_model_dir(), "llama-1b")
+    else:
+        model_dir = embedded_model_dir()
+
+    if setup["data"] == "quickstart":
+        rows, raw = quickstart_rows(setup["train_rows"] + setup["eval_rows"])
+        for key in ("sequence_len", "learning_rate"):  # the quickstart's own values, unless overridden
+            if key in raw and not getattr(args, key, None):
+                setup[key] = raw[key]
+        # hold out a fixed, seeded sample; train on the next train_rows
+        order = list(range(len(rows)))
+        random.Random(0).shuffle(order)
+        eval_rows = [rows[i] for i in order[:setup["eval_rows"]]]
+        train_rows = [rows[i] for i in order[setup["eval_rows"]:setup["eval_rows"] + setup["train_rows"]]]
+        if raw.get("chat_template"):
+            extra["chat_template"] = raw["chat_template"]
+    else:
+        # tuneloop's own tokenizer for the run (chat template included) measures the rows' lengths
+        probe = load_tokenizer(config_from_dict(tuneloop_config(setup, model_dir, workdir, workdir, extra)))
+        made = mixed_length_rows(probe, setup["train_rows"] + setup["eval_rows"], setup["min_len"],
+                                 setup["max_len"], seed=0)
+        train_rows, eval_rows = made[:setup["train_rows"]], made[setup["train_rows"]:]
+    train_file = write_jsonl(workdir / "train.jsonl", train_rows)
+    eval_file = write_jsonl(workdir / "heldout.jsonl", eval_rows)
+
+    train_raw = tuneloop_config(setup, model_dir, train_file, workdir, extra)
+    eval_raw = dict(train_raw, datasets=[{"path": str(eval_file), "type": "chat_template"}])
+    config_path = workdir / "tuneloop.yml"
+    config_path.write_text(yaml.safe_dump(train_raw, sort_keys=False))
+    train_cfg, eval_cfg = config_from_dict(train_raw), config_from_dict(eval_raw)
+    tokenizer = load_tokenizer(train_cfg)
+    train_prepared = prepare(train_cfg, tokenizer)  # the tuneloop children hit this same cache
+    eval_prepared = prepare(eval_cfg, tokenizer)
+    lengths = list(train_prepared.train["length"])
+    return {
+        "preset": preset, "model_key": model_key, "model": MODEL_NAMES[model_key], "model_dir": str(model_dir),
+        "config_path": str(config_path), "train_cache": str(train_prepared.cache_dir / "train"),
+        "eval_cache": str(eval_prepared.cache_dir / "train"), "device": setup["device"],
+        "micro_batch_size": setup["micro_batch_size"],
+        "gradient_accumulation_steps": setup["gradient_accumulation_steps"],
+        "sequence_len": train_cfg.sequence_len, "learning_rate": train_cfg.learning_rate, "seed": train_cfg.seed,
+        "bf16": setup["device"] == "cuda", "workdir": str(workdir),
+        "data": {"train_rows": len(lengths), "eval_rows": len(eval_prepared.train),
+                 "train_tokens": int(sum(lengths)), "min_len": int(min(lengths)), "max_len": int(max(lengths)),
+                 "median_len": float(statistics.median(lengths)),
+                 "dropped_too_long": train_prepared.stats.dropped_too_long},
+    }
+
+
+# ======================================================================================== parent: running
+def child_env(threads: int) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    src = str(REPO / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def run_child(job: dict, variant: str, round_index: int, threads: int, timeout: int) -> dict:
+    workdir = Path(job["workdir"])
+    (workdir / "logs").mkdir(exist_ok=True)
+    tag = f"{variant}-r{round_index}"
+    job_file, result_file, log_file = (workdir / "logs" / f"{tag}.job.json", workdir / "logs" / f"{tag}.result.json",
+                                       workdir / "logs" / f"{tag}.log")
+    result_file.unlink(missing_ok=True)
+    shutil.rmtree(workdir / "out" / tag, ignore_errors=True)  # a fresh run each time (tuneloop refuses old files)
+    job_file.write_text(json.dumps(dict(job, variant=variant, result_file=str(result_file),
+                                        output_dir=str(workdir / "out" / tag))))
+    with open(log_file, "w") as log:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(job_file)],
+                              env=child_env(threads), stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                              cwd=str(workdir))
+    if proc.returncode != 0 or not result_file.exists():
+        tail = log_file.read_text(errors="replace")[-4000:]
+        raise SystemExit(f"variant {variant} (round {round_index}) failed with exit code {proc.returncode}; "
+                         f"log {log_file}:\n{tail}")
+    return json.loads(result_file.read_text())
+
+
+def summarise(job: dict, runs: dict[str, list[dict]]) -> list[dict]:
+    """Medians over rounds; ratios are taken within each round (interleaved), then the median of those."""
+    rows = []
+    rounds = len(runs[VARIANTS[0]])
+    for name in VARIANTS:
+        got = runs[name]
+        speed = [r["real_tokens"] / r["train_seconds"] for r in got]
+        ratio = lambda ref: statistics.median(  # noqa: E731
+            (got[i]["real_tokens"] / got[i]["train_seconds"])
+            / (runs[ref][i]["real_tokens"] / runs[ref][i]["train_seconds"]) for i in range(rounds))
+        row = {
+            "name": name,
+            "real_tokens": got[0]["real_tokens"] if len({r["real_tokens"] for r in got}) == 1 else None,
+            "real_tokens_per_s": round(statistics.median(speed), 2),
+            "steps_per_s": round(statistics.median(r["steps"] / r["train_seconds"] for r in got), 4),
+            "peak_mem_mb": round(statistics.median(r["peak_mem_mb"] for r in got), 1),
+            "final_loss": round(statistics.median(r["eval_loss"] for r in got), 5),
+            "ratio_vs_bare": round(ratio("bare_loop"), 3),
+            "ratio_vs_trainer": round(ratio("trainer"), 3),
+            "steps": got[0]["steps"],
+            "computed_tokens": got[0]["computed_tokens"],
+            "padding_fraction": (round(1 - got[0]["real_tokens"] / got[0]["computed_tokens"], 4)
+                                 if got[0]["computed_tokens"] else None),
+            "train_seconds_median": round(statistics.median(r["train_seconds"] for r in got), 3),
+            "per_round": [{k: r[k] for k in ("real_tokens", "train_seconds", "steps", "peak_mem_mb", "eval_loss",
+                                             "train_loss_last", "optimizer")} for r in got],
+        }
+        if job["device"] == "cuda":
+            row["mfu"] = round(6 * got[0]["n_params"] * row["real_tokens_per_s"] / H200_BF16_DENSE_FLOPS, 4)
+        rows.append(row)
+    return rows
+
+
+def fmt_pct(value) -> str:
+    return "?" if value is None else f"{100 * value:.1f}"
+
+
+def print_table(job: dict, rows: list[dict], rounds: int, threads: int) -> None:
+    data = job["data"]
+    print(f"\n== {job['preset']} preset: {job['model']}, {data['train_rows']} train rows "
+          f"({data['train_tokens']} tokens, lengths {data['min_len']}-{data['max_len']}, median "
+          f"{data['median_len']:g}), seq {job['sequence_len']}, global batch {job['micro_batch_size']} x "
+          f"{job['gradient_accumulation_steps']} rows, 1 epoch, lr {job['learning_rate']:g} cosine, "
+          f"{job['device']}, {rounds} round(s), {threads} thread(s)")
+    if job.get("tuneloop_set"):
+        print(f"   tuneloop rows run with --set {' --set '.join(job['tuneloop_set'])}")
+    print("   final loss = eval loss per target token on the "
+          f"{data['eval_rows']} held-out rows, after training (same function for every variant)")
+    gpu = job["device"] == "cuda"
+    head = (f"{'variant':<24}{'real tok/s':>11}{'steps/s':>9}{'steps':>6}{'pad %':>7}{'peak MB':>9}"
+            f"{'final loss':>11}{'x bare':>8}{'x trainer':>10}" + (f"{'MFU':>7}" if gpu else ""))
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        line = (f"{r['name']:<24}{r['real_tokens_per_s']:>11.1f}{r['steps_per_s']:>9.3f}{r['steps']:>6}"
+                f"{fmt_pct(r['padding_fraction']):>7}{r['peak_mem_mb']:>9.0f}{r['final_loss']:>11.4f}"
+                f"{r['ratio_vs_bare']:>8.2f}{r['ratio_vs_trainer']:>10.2f}")
+        print(line + (f"{100 * r['mfu']:>6.1f}%" if gpu else ""))
+    tokens = {r["real_tokens"] for r in rows}  # None: the rounds of one variant disagreed
+    print(f"real tokens per run: {', '.join(str(t) for t in sorted(tokens, key=str))}"
+          + (" (identical in every variant)" if len(tokens) == 1 else "  <-- NOT the same: unfair comparison"))
+
+
+# ======================================================================================== child helpers
+def peak_memory_mb(device: str) -> float:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def eval_loss_per_token(model, eval_cache: str, pad_token_id: int, device: str, bf16: bool) -> float:
+    """Mean cross-entropy per target token over the held-out rows: the same function for every variant."""
+    import contextlib
+
+    import datasets
+    import torch
+    import torch.nn.functional as F
+
+    data = datasets.load_from_disk(eval_cache)
+    ids_all, labels_all = list(data["input_ids"]), list(data["labels"])
+    order = sorted(range(len(ids_all)), key=lambda i: len(ids_all[i]))
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if bf16 and device == "cuda"
+                else contextlib.nullcontext())
+    with torch.no_grad():
+        for start in range(0, len(order), EVAL_BATCH):
+            batch = order[start:start + EVAL_BATCH]
+            width = max(len(ids_all[i]) for i in batch)
+            ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+            labels = torch.full((len(batch), width), -100, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):
+                n = len(ids_all[i])
+                ids[row, :n] = torch.tensor(ids_all[i])
+                labels[row, :n] = torch.tensor(labels_all[i])
+                mask[row, :n] = 1
+            ids, labels, mask = ids.to(device), labels.to(device), mask.to(device)
+            with autocast:
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            shifted = labels[:, 1:]
+            total += float(F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), shifted.flatten(),
+                                           ignore_index=-100, reduction="sum"))
+            count += int((shifted != -100).sum())
+    model.train(was_training)
+    return total / count
+
+
+class CountingCollator:
+    """Wraps a padding collator; counts real (attention-mask) and computed (padded) tokens of every batch."""
+
+    def __init__(self, inner):
+        self.inner, self.real, self.computed = inner, 0, 0
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        self.real += int(batch["attention_mask"].sum())
+        self.computed += batch["attention_mask"].numel()
+        return batch
+
+
+def load_hf_model(job: dict):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    model.config.use_cache = False  # as tuneloop does: no KV cache built during training (same compute)
+    return model
+
+
+def job_tokenizer(job: dict):
+    """tuneloop's tokenizer for the run (same pad token and chat template the rows were prepared with)."""
+    from tuneloop.config import load_config
+    from tuneloop.model import load_tokenizer
+
+    return load_tokenizer(load_config(job["config_path"]))
+
+
+def train_loss_of_last_log(log_history: list[dict]) -> float | None:
+    losses = [entry["loss"] for entry in log_history if "loss" in entry]
+    return losses[-1] if losses else None
+
+
+# ======================================================================================== child variants
+def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
+    """`tuneloop.cli.main(["train", ...])` in this process: the real code path, loop.py untouched.
+
+    Light hooks on names loop.py looks up at call time: `Collator` is subclassed to count the real and
+    padded tokens of every micro-batch (as the other variants count theirs in their collator), and
+    `save_final` is replaced so the trained model stays in memory for the eval, peak memory is read as the
+    loop ends and nothing is written. With `profile`, the functions the loop calls are also timed
+    (with a CUDA sync around each on GPU): sampler, collate, to(device), forward, loss, backward, clip,
+    optimizer, scheduler, logging; what is left of the loop's wall time is its own overhead."""
+    import tuneloop.data.collate as collate_module
+    import tuneloop.model as model_module
+    import tuneloop.train.loop as loop
+    from accelerate import Accelerator
+
+    from tuneloop.cli import main
+
+    device = job["device"]
+    counted = {"real": 0, "computed": 0}
+    kept: dict = {}
+    phases: dict[str, float] = {}
+    calls: dict[str, int] = {}
+
+    def timed(name: str, fn):
+        phases.setdefault(name, 0.0)
+        calls.setdefault(name, 0)
+
+        @functools.wraps(fn)  # keeps the signature: Accelerate inspects zero_grad's parameters
+        def wrapper(*args, **kwargs):
+            sync(device)
+            begin = time.perf_counter()
+            if name.startswith("sampler"):
+                kept.setdefault("loop_start", begin)  # the loop's first act: this epoch's micro-batches
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                sync(device)
+                phases[name] += time.perf_counter() - begin
+                calls[name] += 1
+        return wrapper
+
+    class CountingCollator(loop.Collator):
+        def __call__(self, rows):
+            batch = super().__call__(rows)
+            counted["real"] += batch.n_real_tokens
+            counted["computed"] += batch.inputs["input_ids"].numel()
+            return batch
+
+    def keep_model(model, tokenizer, output_dir):
+        sync(device)
+        kept["loop_end"] = time.perf_counter()
+        kept["peak_mem_mb"] = peak_memory_mb(device)
+        kept["model"] = model
+
+    loop.save_final = keep_model
+    if profile:
+        CountingCollator.__call__ = timed("collate", CountingCollator.__call__)
+        collate_module.MicroBatch.to = timed("to(device)", collate_module.MicroBatch.to)
+        loop.epoch_micro_batches = timed("sampler (epoch's micro-batches)", loop.epoch_micro_batches)
+        loop.summed_token_loss = timed("loss (summed CE)", loop.summed_token_loss)
+        Accelerator.backward = timed("backward", Accelerator.backward)
+        Accelerator.clip_grad_norm_ = timed("clip grad norm", Accelerator.clip_grad_norm_)
+        Accelerator.reduce = timed("logging: reduce + host sync", Accelerator.reduce)
+
+        class TimedMetricsLog(loop.MetricsLog):
+            write = timed("logging: metrics write + print", loop.MetricsLog.write)
+
+        loop.MetricsLog = TimedMetricsLog
+        build_optimizer, build_scheduler, load_model = loop.build_optimizer, loop.build_scheduler, \
+            model_module.load_model
+
+        def timed_optimizer(*args, **kwargs):
+            optimizer = build_optimizer(*args, **kwargs)
+            # bound methods: the LR scheduler re-wraps optimizer.step and needs its __func__
+            optimizer.step = types.MethodType(timed("optimizer step", type(optimizer).step), optimizer)
+            optimizer.zero_grad = types.MethodType(timed("zero_grad", type(optimizer).zero_grad), optimizer)
+            return optimizer
+
+        def timed_scheduler(*args, **kwargs):
+            scheduler = build_scheduler(*args, **kwargs)
+            scheduler.step = types.MethodType(timed("scheduler step", type(scheduler).step), scheduler)
+            return scheduler
+
+        def timed_model(*args, **kwargs):
+            model = load_model(*args, **kwargs)
+            phases.setdefault("forward", 0.0)
+            calls.setdefault("forward", 0)
+
+            def before(module, inputs):
+                sync(device)
+                kept["forward_start"] = time.perf_counter()
+
+            def after(module, inputs, output):
+                sync(device)
+                phases["forward"] += time.perf_counter() - kept["forward_start"]
+                calls["forward"] += 1
+
+            model.register_forward_pre_hook(before)
+            model.register_forward_hook(after)
+            return model
+
+        loop.build_optimizer, loop.build_scheduler, model_module.load_model = (timed_optimizer, timed_scheduler,
+                                                                               timed_model)
+    loop.Collator = CountingCollator
+
+    overrides = [*job.get("tuneloop_set", []), f"output_dir={job['output_dir']}",
+                 f"sample_packing={'true' if packed else 'false'}"]
+    code = main(["train", job["config_path"], *[item for o in overrides for item in ("--set", o)]])
+    if code != 0 or "model" not in kept:
+        raise SystemExit(f"tuneloop train exited {code}" + ("" if "model" in kept else " without a final model"))
+    out = Path(job["output_dir"])
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    model = kept["model"]
+    if profile:
+        total = kept["loop_end"] - kept["loop_start"]
+        return {"variant": "tuneloop_packed" if packed else "tuneloop", "steps": summary["steps"],
+                "micro_batches": calls.get("collate", 0), "total_seconds": total,
+                "phases": phases, "calls": calls, "other_seconds": total - sum(phases.values())}
+    return {"real_tokens": counted["real"], "train_seconds": summary["train_seconds"], "steps": summary["steps"],
+            "peak_mem_mb": kept["peak_mem_mb"], "computed_tokens": counted["computed"],
+            "train_loss_last": [m["loss"] for m in metrics if "loss" in m][-1],
+            "eval_loss": eval_loss_per_token(model, job["eval_cache"], job_tokenizer(job).pad_token_id,
+                                             device, job["bf16"]),
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "optimizer": "torch.optim.AdamW, torch default implementation (fused=False)"}
+
+
+def child_trainer(job: dict, group_by_length: bool) -> dict:
+    import datasets
+    import torch
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
+
+    device = job["device"]
+    tokenizer = job_tokenizer(job)
+    model = load_hf_model(job)
+    train = datasets.load_from_disk(job["train_cache"])  # input_ids, labels (+ length, n_targets: unused)
+    collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True))  # pads labels with -100
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            sync(device)
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            sync(device)
+            self.seconds = time.perf_counter() - self.start
+            self.peak = peak_memory_mb(device)
+
+    clock = Clock()
+    extra = {"train_sampling_strategy": "group_by_length"} if group_by_length else {}
+    args = TrainingArguments(
+        output_dir=job["output_dir"], per_device_train_batch_size=job["micro_batch_size"],
+        gradient_accumulation_steps=job["gradient_accumulation_steps"], num_train_epochs=1,
+        learning_rate=job["learning_rate"], lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0,
+        max_grad_norm=1.0, seed=job["seed"], bf16=job["bf16"], use_cpu=device != "cuda",
+        report_to="none", save_strategy="no", **extra)
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator,
+                      processing_class=tokenizer, callbacks=[clock])
+    trainer.train()
+    model = trainer.model
+    return {"real_tokens": collator.real, "train_seconds": clock.seconds, "steps": trainer.state.global_step,
+            "peak_mem_mb": clock.peak, "computed_tokens": collator.computed,
+            "train_loss_last": train_loss_of_last_log(trainer.state.log_history),
+            "eval_loss": eval_loss_per_token(model, job["eval_cache"], tokenizer.pad_token_id, device, job["bf16"]),
+            "n_params": sum(p.numel() for p in model.parameters()),
+            "optimizer": f"Trainer default optim={args.optim}"}
+
+
+def child_bare(job: dict, profile: bool = False) -> dict:
+    """A bare Accelerate loop, written as in Accelerate's docs (gradient accumulation guide)."""
+    import datasets
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorForSeq2Seq, get_cosine_schedule_with_warmup
+
+    device = job["device"]
+    accum = job["gradient_accumulation_steps"]
+    accelerator = Accelerator(cpu=device != "cuda", mixed_precision="bf16" if job["bf16"] else "no",
+                              gradient_accumulation_steps=accum)
+    set_seed(job["seed"])
+    tokenizer = job_tokenizer(job)
+    model = load_hf_model(job)
+    train = datasets.load_from_disk(job["train_cache"]).select_columns(["input_ids", "labels"])
+    collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True))
+    dataloader = DataLoader(train, batch_size=job["micro_batch_size"], shuffle=True, collate_fn=collator)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job["learning_rate"], weight_decay=0.0)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, 0, math.ceil(len(dataloader) / accum))
+    model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
+    model.train()
+    if profile:
+        return profile_bare_loop(job, accelerator, model, optimizer, dataloader, scheduler)
+    steps, last_loss = 0, None
+
+    sync(device)
+    start = time.perf_counter()
+    for batch in dataloader:
+        with accelerator.accumulate(model):
+            outputs = model(**batch)
+            loss = outputs.loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            steps += 1
+            last_loss = loss.detach()
+    sync(device)
+    seconds = time.perf_counter() - start
+    peak = peak_memory_mb(device)
+    unwrapped = accelerator.unwrap_model(model)
+    return {"real_tokens": collator.real, "train_seconds": seconds, "steps": steps, "peak_mem_mb": peak,
+            "computed_tokens": collator.computed, "train_loss_last": float(last_loss),
+            "eval_loss": eval_loss_per_token(unwrapped, job["eval_cache"], tokenizer.pad_token_id, device,
+                                             job["bf16"]),
+            "n_params": sum(p.numel() for p in unwrapped.parameters()),
+            "optimizer": "torch.optim.AdamW, torch default implementation (fused=False)"}
+
+
+def profile_bare_loop(job, accelerator, model, optimizer, dataloader, scheduler) -> dict:
+    """The bare loop above with a lap (CUDA sync on GPU) between its phases: the reference profile."""
+    device = job["device"]
+    names = ["data: next batch (collate)", "forward + loss", "backward", "clip grad norm",
+             "optimizer + scheduler + zero_grad"]
+    phases = dict.fromkeys(names, 0.0)
+    calls = dict.fromkeys(names, 0)
+    mark = [0.0]
+
+    def lap(name: str) -> None:
+        sync(device)
+        now = time.perf_counter()
+        phases[name] += now - mark[0]
+        calls[name] += 1
+        mark[0] = now
+
+    steps = micro = 0
+    sync(device)
+    start = mark[0] = time.perf_counter()
+    iterator = iter(dataloader)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        lap("data: next batch (collate)")
+        micro += 1
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            lap("forward + loss")
+            accelerator.backward(loss)
+            lap("backward")
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                lap("clip grad norm")
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            lap("optimizer + scheduler + zero_grad")
+        if accelerator.sync_gradients:
+            steps += 1
+    sync(device)
+    total = time.perf_counter() - start
+    return {"variant": "bare_loop", "steps": steps, "micro_batches": micro, "total_seconds": total,
+            "phases": phases, "calls": calls, "other_seconds": total - sum(phases.values())}
+
+
+# ======================================================================================== profile
+def print_profile(result: dict) -> None:
+    total, steps = result["total_seconds"], result["steps"]
+    print(f"\n-- profile: {result['variant']}: {steps} optimizer steps, {result['micro_batches']} micro-batches, "
+          f"loop {total:.2f} s = {1000 * total / steps:.1f} ms/step")
+    print(f"{'phase':<36}{'calls':>6}{'seconds':>9}{'share':>8}{'ms/step':>9}")
+    order = ["sampler", "data", "collate", "to(device)", "forward", "loss", "backward", "clip", "optimizer",
+             "scheduler", "zero_grad", "logging"]
+    rank = lambda name: next((i for i, key in enumerate(order) if name.startswith(key)), len(order))  # noqa: E731
+    items = [(name, result["calls"].get(name, 0), result["phases"][name])
+             for name in sorted(result["phases"], key=rank)]
+    items.append(("other (the loop's own code)", "", result["other_seconds"]))
+    for name, count, seconds in items:
+        print(f"{name:<36}{count:>6}{seconds:>9.3f}{100 * seconds / total:>7.1f}%{1000 * seconds / steps:>9.2f}")
+
+
+# ======================================================================================== child entry
+def child_main(job_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    import torch
+
+    if job["device"] == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("the gpu preset needs a CUDA device")
+    variant = job["variant"]
+    if variant == "tuneloop":
+        result = child_tuneloop(job, packed=False)
+    elif variant == "tuneloop_packed":
+        result = child_tuneloop(job, packed=True)
+    elif variant == "trainer":
+        result = child_trainer(job, group_by_length=False)
+    elif variant == "trainer_group_by_length":
+        result = child_trainer(job, group_by_length=True)
+    elif variant == "bare_loop":
+        result = child_bare(job)
+    elif variant in ("profile", "profile_packed"):
+        result = child_tuneloop(job, packed=variant == "profile_packed", profile=True)
+    elif variant == "profile_bare":
+        result = child_bare(job, profile=True)
+    else:
+        raise SystemExit(f"unknown variant {variant}")
+    result["threads"] = torch.get_num_threads()
+    Path(job["result_file"]).write_text(json.dumps(result, indent=2))
+
+
+# ======================================================================================== parent entry
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--quick", action="store_true", help="tiny LLaMA on chatterbot rows of 20-512 tokens (CI)")
+    which.add_argument("--gpu", action="store_true", help="H200 preset: bf16 + SDPA; SmolLM2-135M and ~1B LLaMA")
+    parser.add_argument("--gpu-model", choices=["embedded", "llama-1b", "all"], default="all",
+                        help="which model(s) the gpu preset runs (default: both)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP/torch threads per child (default 1)")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--profile", action="store_true", help="also profile tuneloop's step phases")
+    parser.add_argument("--profile-only", action="store_true", help="only the profile, no comparison")
+    parser.add_argument("--train-rows", type=int, help="override the preset's number of train rows")
+    parser.add_argument("--eval-rows", type=int, help="override the preset's number of held-out rows")
+    parser.add_argument("--micro-batch-size", dest="micro_batch_size", type=int)
+    parser.add_argument("--gradient-accumulation-steps", dest="gradient_accumulation_steps", type=int)
+    parser.add_argument("--sequence-len", dest="sequence_len", type=int)
+    parser.add_argument("--tuneloop-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra `--set` for both tuneloop rows (A/B a setting, e.g. optimizer=adamw_torch_fused)")
+    parser.add_argument("--workdir", help="keep models, data, logs here (default: a temporary folder, removed)")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds allowed per child process")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child)
+        return 0
+    os.environ.update({k: v for k, v in child_env(args.threads).items() if k != "PYTHONPATH"})
+    preset = "quick" if args.quick else "gpu" if args.gpu else "default"
+    repeats = args.repeats or PRESETS[preset]["repeats"]
+    models = PRESETS[preset]["model"].split(",")
+    if preset == "gpu" and args.gpu_model != "all":
+        models = [args.gpu_model]
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tuneloop-bench-"))
+    results = []
+    try:
+        for model_key in models:
+            started = time.perf_counter()
+            job = make_setup(preset, model_key, args, root / model_key)
+            job["tuneloop_set"] = args.tuneloop_set
+            print(f"[{model_key}] prepared {job['data']['train_rows']} train / {job['data']['eval_rows']} held-out "
+                  f"rows in {time.perf_counter() - started:.1f} s (workdir {job['workdir']})", flush=True)
+            runs = {name: [] for name in VARIANTS}
+            if not args.profile_only:
+                for round_index in range(repeats):
+                    for name in VARIANTS:
+                        t0 = time.perf_counter()
+                        result = run_child(job, name, round_index, args.threads, args.timeout)
+                        runs[name].append(result)
+                        print(f"  round {round_index + 1}/{repeats} {name:<24} {result['real_tokens']:>8} real tokens "
+                              f"in {result['train_seconds']:.2f} s ({result['steps']} steps; eval loss "
+                              f"{result['eval_loss']:.4f}; process {time.perf_counter() - t0:.1f} s)", flush=True)
+                rows = summarise(job, runs)
+                print_table(job, rows, repeats, args.threads)
+            else:
+                rows = []
+            profiles = []
+            if args.profile or args.profile_only:
+                for name in ("profile", "profile_packed", "profile_bare"):
+                    profiles.append(run_child(job, name, 0, args.threads, args.timeout))
+                    print_profile(profiles[-1])
+            results.append({"preset": preset, "model": job["model"], "device": job["device"],
+                            "threads": args.threads, "repeats": repeats, "data": job["data"],
+                            "settings": {k: job[k] for k in ("sequence_len", "micro_batch_size",
+                                                             "gradient_accumulation_steps", "learning_rate",
+                                                             "seed", "bf16", "tuneloop_set")},
+                            "final_loss_is": "eval loss per target token on the held-out rows, after training",
+                            "rows": rows, "profile": profiles})
+    finally:
+        if not args.workdir:
+            shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        document = dict(results[0])
+        if len(results) > 1:
+            document["models"] = results
+        Path(args.json).write_text(json.dumps(document, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
