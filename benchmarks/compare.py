@@ -57,6 +57,8 @@ PRESETS = {
     "gpu": dict(model="embedded,llama-1b", data="chatterbot-mix", train_rows=2048, eval_rows=128, min_len=20,
                 max_len=2048, sequence_len=2048, micro_batch_size=8, gradient_accumulation_steps=2,
                 learning_rate=1e-4, repeats=1, device="cuda"),
+    # `--config FILE` / `tuneloop bench FILE`: the config's model, first dataset and batch settings
+    "config": dict(model="config", data="config", train_rows=64, eval_rows=16, repeats=1, device="auto"),
 }
 MODEL_NAMES = {"embedded": "smollm2-135m (embedded)", "tiny-llama": "tiny LLaMA (hidden 256, 4 layers)",
                "llama-1b": "LLaMA ~1.1B from config (TinyLlama shape)"}
@@ -163,6 +165,29 @@ def quickstart_rows(count: int) -> tuple[list[dict], dict]:
     return rows, raw
 
 
+def config_rows(config_path: Path, count: int) -> tuple[list[dict], dict]:
+    """The first `count` raw rows of a tuneloop config's first dataset, and the settings to mirror."""
+    import yaml
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.load import read_rows
+
+    cfg = config_from_dict(yaml.safe_load(config_path.read_text()))
+    entry = cfg.datasets[0]
+    rows = [row.values for row in read_rows(entry)]
+    if len(rows) < count:
+        raise SystemExit(f"{config_path}: its first dataset has {len(rows)} rows; the benchmark needs {count} "
+                         "(lower --train-rows/--eval-rows)")
+    dataset_entry = entry.model_dump(exclude_none=True, exclude={"path", "data_files", "ds_type", "split"})
+    extra = {key: value for key, value in cfg.model_dump(exclude_none=True).items()
+             if key in ("chat_template", "chat_template_jinja", "train_on_inputs", "special_tokens")}
+    settings = {"sequence_len": cfg.sequence_len, "learning_rate": cfg.learning_rate,
+                "micro_batch_size": cfg.micro_batch_size,
+                "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+                "dataset_entry": dataset_entry, "extra": extra}
+    return rows, settings
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     return path
@@ -172,7 +197,7 @@ def tuneloop_config(setup: dict, model_dir: Path, data_file: Path, workdir: Path
     """The run's tuneloop config: the shared settings every variant mirrors."""
     cfg = {
         "base_model": str(model_dir),
-        "datasets": [{"path": str(data_file), "type": "chat_template"}],
+        "datasets": [{**setup.get("dataset_entry", {"type": "chat_template"}), "path": str(data_file)}],
         "dataset_prepared_path": str(workdir / "prepared"),
         "sequence_len": setup["sequence_len"],
         "micro_batch_size": setup["micro_batch_size"],
@@ -181,7 +206,7 @@ def tuneloop_config(setup: dict, model_dir: Path, data_file: Path, workdir: Path
         "learning_rate": setup["learning_rate"],
         "lr_scheduler": "cosine",
         "warmup_steps": 0,  # no warm-up: every implementation's cosine is then the same formula
-        "optimizer": "adamw_torch",
+        "optimizer": "adamw_torch_fused",  # tuneloop's default, and the Trainer's
         "weight_decay": 0.0,
         "max_grad_norm": 1.0,
         "attn_implementation": "sdpa",
@@ -218,11 +243,28 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
         extra["chat_template"] = "chatml"
     elif model_key == "llama-1b":
         model_dir = build_llama(workdir / "model", embedded_model_dir(), "llama-1b")
+    elif model_key == "config":
+        from tuneloop.embedded import resolve_model_path
+
+        model_dir = Path(resolve_model_path(config_from_dict(yaml.safe_load(Path(args.config).read_text()))
+                                            .base_model))
     else:
         model_dir = embedded_model_dir()
+    if setup["device"] == "auto":
+        import torch
 
-    if setup["data"] == "quickstart":
-        rows, raw = quickstart_rows(setup["train_rows"] + setup["eval_rows"])
+        setup["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+
+    if setup["data"] in ("quickstart", "config"):
+        if setup["data"] == "config":
+            rows, raw = config_rows(Path(args.config), setup["train_rows"] + setup["eval_rows"])
+            for key in ("micro_batch_size", "gradient_accumulation_steps"):
+                if not getattr(args, key, None):
+                    setup[key] = raw.get(key, setup.get(key, 1))
+            setup["dataset_entry"] = raw["dataset_entry"]
+            extra.update(raw["extra"])
+        else:
+            rows, raw = quickstart_rows(setup["train_rows"] + setup["eval_rows"])
         for key in ("sequence_len", "learning_rate"):  # the quickstart's own values, unless overridden
             if key in raw and not getattr(args, key, None):
                 setup[key] = raw[key]
@@ -243,7 +285,7 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
     eval_file = write_jsonl(workdir / "heldout.jsonl", eval_rows)
 
     train_raw = tuneloop_config(setup, model_dir, train_file, workdir, extra)
-    eval_raw = dict(train_raw, datasets=[{"path": str(eval_file), "type": "chat_template"}])
+    eval_raw = dict(train_raw, datasets=[{**train_raw["datasets"][0], "path": str(eval_file)}])
     config_path = workdir / "tuneloop.yml"
     config_path.write_text(yaml.safe_dump(train_raw, sort_keys=False))
     train_cfg, eval_cfg = config_from_dict(train_raw), config_from_dict(eval_raw)
@@ -252,7 +294,8 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
     eval_prepared = prepare(eval_cfg, tokenizer)
     lengths = list(train_prepared.train["length"])
     return {
-        "preset": preset, "model_key": model_key, "model": MODEL_NAMES[model_key], "model_dir": str(model_dir),
+        "preset": preset, "model_key": model_key, "model": MODEL_NAMES.get(model_key, str(model_dir)),
+        "model_dir": str(model_dir),
         "config_path": str(config_path), "train_cache": str(train_prepared.cache_dir / "train"),
         "eval_cache": str(eval_prepared.cache_dir / "train"), "device": setup["device"],
         "micro_batch_size": setup["micro_batch_size"],
@@ -576,7 +619,7 @@ def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
             "eval_loss": eval_loss_per_token(model, job["eval_cache"], job_tokenizer(job).pad_token_id,
                                              device, job["bf16"]),
             "n_params": sum(p.numel() for p in model.parameters()),
-            "optimizer": "torch.optim.AdamW, torch default implementation (fused=False)"}
+            "optimizer": "torch.optim.AdamW(fused=True) (tuneloop's adamw_torch_fused)"}
 
 
 def child_trainer(job: dict, group_by_length: bool) -> dict:
@@ -638,8 +681,22 @@ def child_bare(job: dict, profile: bool = False) -> dict:
     model = load_hf_model(job)
     train = datasets.load_from_disk(job["train_cache"]).select_columns(["input_ids", "labels"])
     collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True))
-    dataloader = DataLoader(train, batch_size=job["micro_batch_size"], shuffle=True, collate_fn=collator)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job["learning_rate"], weight_decay=0.0)
+    # Identical batches: the bare loop takes the very micro-batches the `tuneloop` row trains on (its seeded
+    # epoch-0 order), so the two differ only in the loop around them — the overhead comparison. Otherwise it is
+    # Accelerate's docs' loop (there, DataLoader(shuffle=True), whose padding differs by the luck of the draw).
+    import numpy as np
+
+    from tuneloop.config import load_config
+    from tuneloop.data.batching import epoch_micro_batches
+    from tuneloop.plan import train_spec
+
+    lengths = np.asarray(datasets.load_from_disk(job["train_cache"])["length"])
+    micro_batches = epoch_micro_batches(lengths, train_spec(load_config(job["config_path"]), 1), 0)[0]
+    batch_sampler = [[row[0] for row in micro] for micro in micro_batches]
+    dataloader = DataLoader(train, batch_sampler=batch_sampler, collate_fn=collator)
+    # as in Accelerate's docs, except fused=True: every variant then runs the same optimizer as the
+    # Trainer's default (adamw_torch_fused), so the comparison measures the loops, not AdamW kernels
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job["learning_rate"], weight_decay=0.0, fused=True)
     scheduler = get_cosine_schedule_with_warmup(optimizer, 0, math.ceil(len(dataloader) / accum))
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
     model.train()
@@ -671,7 +728,7 @@ def child_bare(job: dict, profile: bool = False) -> dict:
             "eval_loss": eval_loss_per_token(unwrapped, job["eval_cache"], tokenizer.pad_token_id, device,
                                              job["bf16"]),
             "n_params": sum(p.numel() for p in unwrapped.parameters()),
-            "optimizer": "torch.optim.AdamW, torch default implementation (fused=False)"}
+            "optimizer": "torch.optim.AdamW(fused=True)"}
 
 
 def profile_bare_loop(job, accelerator, model, optimizer, dataloader, scheduler) -> dict:
@@ -770,6 +827,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--quick", action="store_true", help="tiny LLaMA on chatterbot rows of 20-512 tokens (CI)")
+    which.add_argument("--config", metavar="FILE",
+                       help="the config's model, first dataset and batch settings (what `tuneloop bench FILE` runs)")
     which.add_argument("--gpu", action="store_true", help="H200 preset: bf16 + SDPA; SmolLM2-135M and ~1B LLaMA")
     parser.add_argument("--gpu-model", choices=["embedded", "llama-1b", "all"], default="all",
                         help="which model(s) the gpu preset runs (default: both)")
@@ -797,7 +856,7 @@ def main(argv=None) -> int:
         child_main(args.child)
         return 0
     os.environ.update({k: v for k, v in child_env(args.threads).items() if k != "PYTHONPATH"})
-    preset = "quick" if args.quick else "gpu" if args.gpu else "default"
+    preset = "quick" if args.quick else "gpu" if args.gpu else "config" if args.config else "default"
     repeats = args.repeats or PRESETS[preset]["repeats"]
     models = PRESETS[preset]["model"].split(",")
     if preset == "gpu" and args.gpu_model != "all":

@@ -162,6 +162,17 @@ def command_report(args) -> int:
     return 0
 
 
+def command_bench(args) -> int:
+    """Runs benchmarks/compare.py from the source checkout (it is not part of the installed package)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare.py"
+    if not script.is_file():
+        raise UserError("bench: benchmarks/compare.py is not here; run it from a source checkout of tuneloop")
+    extra = ["--config", args.config] if args.config else []
+    return subprocess.call([sys.executable, str(script), *extra, *args.compare_args])
+
+
 def command_setup(args) -> int:
     from tuneloop.embedded import ensure_embedded_dataset, ensure_embedded_model
 
@@ -198,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
                              help="print the first N rows with the trained text marked")
     prep_parser.add_argument("--force", action="store_true", help="rebuild the cache even if it exists")
     prep_parser.set_defaults(handler=command_preprocess)
+    bench_parser = commands.add_parser(
+        "bench", help="tuneloop vs the Trainer vs a bare Accelerate loop, side by side (benchmarks/compare.py)")
+    bench_parser.add_argument("config", nargs="?", help="benchmark this config's model, data and batch settings")
+    bench_parser.add_argument("compare_args", nargs=argparse.REMAINDER,
+                              help="passed to compare.py: --quick, --repeats N, --json FILE, --profile, ...")
+    bench_parser.set_defaults(handler=command_bench)
     report_parser = commands.add_parser("report", help="write report.md and report.png for a run's output_dir")
     report_parser.add_argument("output_dir")
     report_parser.set_defaults(handler=command_report)
