@@ -30,8 +30,12 @@ def _config(args):
 
 
 def _prepared(cfg, force: bool = False):
+    from transformers.utils import logging as transformers_logging
+
     from tuneloop.data.prepare import prepare
     from tuneloop.model import load_tokenizer
+
+    transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
 
     tokenizer = load_tokenizer(cfg)
     return tokenizer, prepare(cfg, tokenizer, force=force)

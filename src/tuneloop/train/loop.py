@@ -111,6 +111,8 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
     model.train()
 
     for epoch in range(step // plan.steps_per_epoch, plan.epochs_to_run):
+        if step == plan.total_steps or stopped_by:
+            break
         per_rank = epoch_micro_batches(lengths, spec, epoch)
         # on resume, the first epoch starts at the exact micro-batch after the checkpoint
         first = (step - epoch * plan.steps_per_epoch) * accum
@@ -162,8 +164,10 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
                     stopped_by = "early_stopping"
             if step in save_at:
                 save(step)
-            if stop.requested(accelerator, check_all_ranks=logging_step or step in save_at) and not stopped_by:
-                if step not in save_at and step < plan.total_steps:
+            # a signal during the last step changes nothing: the run is complete and saves its model
+            if step < plan.total_steps and not stopped_by and \
+                    stop.requested(accelerator, check_all_ranks=logging_step or step in save_at):
+                if step not in save_at:
                     save(step)
                 stopped_by = "signal"
 
