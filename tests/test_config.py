@@ -95,3 +95,20 @@ def test_cli_user_error_exits_2_with_one_message_and_no_traceback(tmp_path):
     assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
     bad_set = run_cli("plan", str(path), "--set", "novalue")
     assert bad_set.returncode == 2 and "expected KEY=VALUE" in bad_set.stderr
+
+
+def test_keys_that_would_be_half_obeyed_are_refused():
+    assert "one split, `train`" in error_of(datasets=[{"path": "x", "split": "validation"}])
+    assert "`shuffle_merged_datasets` false is not supported" in error_of(shuffle_merged_datasets=False)
+    assert "`save_strategy: epoch` and `save_steps` disagree" in error_of(save_strategy="epoch", save_steps=10)
+    assert "`eval_steps` must be a whole number" in error_of(eval_steps=0)
+    assert "`save_steps` must be a whole number" in error_of(save_steps=2.5)
+    assert "would change what is trained" in error_of(datasets=[{"path": "x", "name": "subset"}])
+    assert config(eval_steps=0.25).eval_steps == 0.25 and config(save_steps=5.0).save_steps == 5
+
+
+def test_bad_set_values_are_clear_errors():
+    with pytest.raises(UserError, match="not valid YAML"):
+        config_from_dict(MINIMAL, ["micro_batch_size=[1,"])
+    with pytest.raises(UserError, match="not an entry of that list"):
+        config_from_dict(MINIMAL, ["datasets.3=1"])

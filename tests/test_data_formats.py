@@ -170,3 +170,28 @@ def test_preprocess_show_marks_the_trained_text(tmp_path, tiny_model_dir):
     result = run_cli("preprocess", str(config), "--show", "1")
     assert result.returncode == 0, result.stderr
     assert "### Response:\n⟦Hello there<|endoftext|>⟧" in result.stdout
+
+
+def test_custom_format_with_an_unknown_placeholder_and_chat_data_without_a_template(tmp_path, tokenizer):
+    rows = [{"instruction": "Say hello.", "output": "Hello"}]
+    with pytest.raises(UserError, match=r"placeholder 'question'"):
+        prepared_rows(tmp_path, tokenizer, rows, {"type": {"format": "{question}", "no_input_format": "{question}"}})
+    no_template = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    no_template.chat_template = None
+    chat = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    (tmp_path / "chat").mkdir()
+    (tmp_path / "chatml").mkdir()
+    with pytest.raises(UserError, match="needs a chat template.*chat_template: chatml"):
+        prepared_rows(tmp_path / "chat", no_template, chat, {"type": "chat_template"})
+    prepared, _ = prepared_rows(tmp_path / "chatml", no_template, chat, {"type": "chat_template"},
+                                chat_template="chatml")
+    assert split(prepared[0], no_template)[1] == "Hello<|im_end|>"
+
+
+def test_data_files_are_found_relative_to_a_folder_path(tmp_path, tokenizer):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", [{"instruction": "Say hello.", "output": "Hello"}])
+    cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(folder), "data_files": "train.jsonl"}],
+                            "dataset_prepared_path": str(tmp_path / "prepared")})
+    assert len(prepare(cfg, tokenizer).train) == 1

@@ -11,7 +11,7 @@ from conftest import tiny_rows, write_jsonl
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tuneloop.config import config_from_dict
-from tuneloop.data.batching import BatchingSpec, epoch_micro_batches, epoch_rows, pack_first_fit_decreasing
+from tuneloop.data.batching import BatchingSpec, epoch_batches, epoch_micro_batches, pack_best_fit_decreasing
 from tuneloop.data.collate import Collator
 from tuneloop.data.prepare import IGNORE_INDEX, prepare
 
@@ -73,24 +73,41 @@ def test_a_row_without_isolation_leaks_across_sequences(prepared, tiny_model_dir
     assert (isolated[0, first:] - leaked[0, first:]).abs().max() > 1e-2
 
 
-def test_first_fit_decreasing_never_overfills_and_keeps_every_sequence():
+def test_best_fit_decreasing_never_overfills_and_keeps_every_sequence():
     rng = np.random.default_rng(0)
     lengths = rng.integers(20, 512, size=2000)
-    bins = pack_first_fit_decreasing(np.arange(len(lengths)), lengths, 512)
+    bins = pack_best_fit_decreasing(np.arange(len(lengths)), lengths, 512)
     assert all(lengths[b].sum() <= 512 for b in bins)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     efficiency = lengths.sum() / (len(bins) * 512)
     assert efficiency > 0.95
 
 
-def test_packed_epochs_are_deterministic_and_differ_by_epoch():
-    lengths = np.random.default_rng(1).integers(5, 200, size=300)
+def test_packed_epochs_are_deterministic_differ_by_epoch_and_keep_their_row_count():
+    lengths = np.random.default_rng(1).integers(5, 200, size=3000)
     spec = BatchingSpec("packed", micro_batch_size=2, sequence_len=256, world_size=2, seed=3)
-    assert epoch_rows(lengths, spec, 0) == epoch_rows(lengths, spec, 0)
-    assert epoch_rows(lengths, spec, 0) != epoch_rows(lengths, spec, 1)
+    assert epoch_batches(lengths, spec, 0) == epoch_batches(lengths, spec, 0)
+    assert epoch_batches(lengths, spec, 0) != epoch_batches(lengths, spec, 1)
+    # the plan counts epoch 0 and the loop trusts it for every epoch: the row count must not change
+    counts = {sum(len(micro) for micro in epoch_batches(lengths, spec, epoch)) for epoch in range(8)}
+    assert len(counts) == 1
     per_rank = epoch_micro_batches(lengths, spec, 0)
     assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1])
-    assert all(len(micro) <= 2 for batches in per_rank for micro in batches)
+    assert all(1 <= len(micro) <= 2 for batches in per_rank for micro in batches)
+
+
+def test_group_by_length_puts_similar_lengths_in_each_micro_batch():
+    lengths = np.random.default_rng(2).integers(10, 500, size=1003)  # windows do not divide evenly
+    grouped = BatchingSpec("group_by_length", micro_batch_size=4, sequence_len=512, world_size=1, seed=0)
+    random = BatchingSpec("random", micro_batch_size=4, sequence_len=512, world_size=1, seed=0)
+
+    def mean_spread(spec):
+        batches = epoch_batches(lengths, spec, 0)
+        assert sorted(row[0] for micro in batches for row in micro) == list(range(len(lengths)))
+        return np.mean([np.ptp([lengths[row[0]] for row in micro]) for micro in batches])
+
+    # a window of 256 rows sorted and cut into fours leaves ~2 length units between neighbours
+    assert mean_spread(grouped) < 0.05 * mean_spread(random)
 
 
 def test_eval_metrics_are_the_same_packed_or_padded(prepared, tiny_model_dir):

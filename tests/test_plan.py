@@ -41,6 +41,9 @@ def test_plan_total_steps_and_tokens_equal_the_run(tmp_path, tiny_model_dir, dat
     steps = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, plan["total_steps"] + 1))
     assert steps[-1]["tokens"] == plan["total_trainable_tokens"]
+    # the collator's own count of target tokens (the loss's denominators) agrees with the plan
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["targets_collated"] == plan["total_trainable_tokens"] and summary["steps"] == plan["total_steps"]
     if case == "padded_accum3_partial_window":
         assert plan["micro_batches_per_epoch"] % 3 != 0  # the case really ends an epoch on a short window
     if case == "grouped_max_steps":
@@ -63,6 +66,8 @@ def test_plan_for_two_ranks_equals_a_real_two_rank_run(tmp_path, tiny_model_dir,
     steps = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, planned["total_steps"] + 1))
     assert steps[-1]["tokens"] == planned["total_trainable_tokens"]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["targets_collated"] == planned["total_trainable_tokens"]  # both ranks' collators, summed
     # and the world-size-1 plan of the same config really differs: twice the steps
     single = json.loads(run_cli("plan", str(config), "--json", "--world-size", "1").stdout)
     assert single["steps_per_epoch"] >= 2 * planned["steps_per_epoch"] - 1

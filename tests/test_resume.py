@@ -88,6 +88,9 @@ def test_sigkill_at_a_random_point_then_auto_resume_is_bit_identical(tmp_path, t
     assert f"resuming from {newest}" in resumed.stdout, f"seed {seed}"
 
     assert_identical(weights(run_dir / "out"), expected_weights)
+    plan = json.loads((run_dir / "out" / "plan.json").read_text())
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["targets_collated"] == plan["total_trainable_tokens"]  # counted across the kill
     metrics = read_metrics(run_dir / "out")
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, total + 1)), f"seed {seed}"
     assert [m["loss"] for m in metrics if "loss" in m] == [m["loss"] for m in expected_metrics if "loss" in m]

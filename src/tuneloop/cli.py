@@ -122,6 +122,7 @@ def command_train(args) -> int:
         resume = run_dir.prepare_output_dir(cfg, output_dir, args.overwrite)
         if resume is not None:
             run_dir.check_resumable(checkpoint.read_state(resume), plan.to_json(), identity, args.force_resume)
+            run_dir.continue_from(output_dir, resume)
         (output_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
         print(describe(plan), flush=True)
         if resume is not None:

@@ -46,7 +46,6 @@ class DatasetConfig(_Strict):
     data_files: Optional[Union[str, list[str]]] = None
     ds_type: Optional[Literal["json", "jsonl", "parquet", "csv", "arrow", "text"]] = None
     split: str = "train"
-    name: Optional[str] = None
     # completion
     field: Optional[str] = None
     # chat_template
@@ -54,7 +53,14 @@ class DatasetConfig(_Strict):
     message_field_role: str = "role"
     message_field_content: str = "content"
     roles_to_train: list[str] = Field(default_factory=lambda: ["assistant"])
-    train_on_split: Optional[str] = None
+
+    @field_validator("split")
+    @classmethod
+    def _local_split(cls, value):
+        if value != "train":
+            raise ValueError("tuneloop reads local files, which hold one split, `train`; point `path` or "
+                             "`data_files` at the file of the split you want")
+        return value
 
     @field_validator("type")
     @classmethod
@@ -172,6 +178,22 @@ class TuneloopConfig(_Strict):
             raise ValueError("must be a fraction in [0, 1) or a whole number of rows")
         return value
 
+    @field_validator("eval_steps", "save_steps")
+    @classmethod
+    def _interval(cls, value):
+        if value is None:
+            return value
+        if value <= 0 or (value >= 1 and value != int(value)):
+            raise ValueError("must be a whole number of steps (≥ 1) or a fraction of the run in (0, 1)")
+        return int(value) if value >= 1 else value
+
+    @field_validator("shuffle_merged_datasets")
+    @classmethod
+    def _shuffled(cls, value):
+        if not value:
+            raise ValueError("false is not supported: tuneloop's sampler shuffles rows every epoch (by seed)")
+        return value
+
     @field_validator("warmup_ratio", "cosine_min_lr_ratio")
     @classmethod
     def _ratio(cls, value):
@@ -188,6 +210,8 @@ class TuneloopConfig(_Strict):
         if self.save_strategy == "no" and (self.save_steps is not None or self.saves_per_epoch is not None):
             raise ValueError("`save_strategy: no` turns saving off, but `save_steps`/`saves_per_epoch` is set: "
                              "keep one of them")
+        if self.save_strategy == "epoch" and self.save_steps is not None:
+            raise ValueError("`save_strategy: epoch` and `save_steps` disagree: keep one of them")
         if self.bf16 is True and self.fp16:
             raise ValueError("`bf16` and `fp16` cannot both be true: choose one precision")
         if self.test_datasets and self.val_set_size:
@@ -233,7 +257,7 @@ CUSTOM_FORMAT_KEYS = set(CustomFormat.model_fields)
 DATASET_RESULT_CHANGING = {
     "shards", "shards_idx", "preprocess_shards", "conversation", "field_human", "field_model",
     "roles", "revision", "trust_remote_code", "message_property_mappings", "train_on_eos",
-    "drop_system_message", "field_tools", "chat_template", "split_thinking",
+    "drop_system_message", "field_tools", "chat_template", "split_thinking", "name", "train_on_split",
 }
 
 
@@ -280,7 +304,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set learning_rate=1e-4")
     key, value = text.split("=", 1)
-    parsed = yaml.safe_load(value) if value != "" else None
+    try:
+        parsed = yaml.safe_load(value) if value != "" else None
+    except yaml.YAMLError as error:
+        raise UserError(f"--set {text!r}: the value is not valid YAML ({error.problem})") from None
     return key.strip().split("."), parsed
 
 
@@ -298,8 +325,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         last = path[-1]
         if isinstance(node, list) and last.isdigit() and int(last) < len(node):
             node[int(last)] = value
-        else:
+        elif isinstance(node, dict):
             node[last] = value
+        else:
+            raise UserError(f"--set {text!r}: `{last}` is not an entry of that list")
     return raw
 
 

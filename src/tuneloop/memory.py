@@ -58,7 +58,12 @@ def device_memory_gb() -> tuple[str, float | None]:
 def estimate_memory(cfg, model_source: str, tokens_per_micro_batch: int, precision: str) -> MemoryEstimate:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_source, trust_remote_code=cfg.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(model_source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as error:
+        from tuneloop.errors import UserError
+
+        raise UserError(f"model: cannot read the config of {model_source!r}: {error}") from None
     params = _parameter_count(config)
     trainable = int(params * LORA_TRAINABLE_FRACTION) if cfg.adapter else params
     weight_bytes = 0.5 if cfg.adapter == "qlora" else 4  # fp32 master weights (autocast computes in bf16)

@@ -255,7 +255,8 @@ def _memory_line(plan: TrainingPlan) -> str:
     device = f" of {m['device_gb']:.0f} GB on {m['device']}" if m["device_gb"] else ""
     return (f"~{m['total_gb']:.2f} GB{device} (weights {m['weights_gb']:.2f}, gradients {m['gradients_gb']:.2f}, "
             f"optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}; "
-            f"{m['trainable_parameters']:,} of {m['parameters']:,} parameters trained)")
+            f"{'≈' if m['trainable_parameters'] != m['parameters'] else ''}{m['trainable_parameters']:,} of "
+            f"{m['parameters']:,} parameters trained)")
 
 
 def _short(steps: list[int]) -> str:

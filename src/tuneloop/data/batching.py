@@ -6,6 +6,8 @@ same functions to count steps exactly, so what the plan promises is what the loo
 
 Across ranks, micro-batches are dealt round-robin, and the epoch is cut to a whole number
 per rank (every rank must run the same number of steps); the plan reports what is cut.
+Every epoch has the same number of micro-batches (packing included: see
+pack_best_fit_decreasing), which is what lets the plan count one epoch and trust it for all.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from dataclasses import dataclass
 import numpy as np
 
 MEGABATCH_MICRO_BATCHES = 64  # group_by_length sorts within windows of this many micro-batches
-PACKING_GROUP_SEQUENCES = 100_000  # sequences packed together; bounds the cost of first-fit
 
 
 @dataclass(frozen=True)
@@ -35,54 +36,58 @@ def _chunk(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def pack_first_fit_decreasing(indices: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
-    """Bins of sequence indices, each summing to at most `capacity` tokens (FFD, longest first)."""
+def pack_best_fit_decreasing(indices: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins of sequence indices, each summing to at most `capacity` tokens: longest first, each into the
+    fullest bin it fits (best fit). The bins depend only on the multiset of lengths — equal lengths are
+    interchangeable — so every epoch yields the same number of rows and the plan's count is exact;
+    the shuffle decides which of the equal-length sequences share a row, and the rows' order."""
     order = indices[np.argsort(-lengths[indices], kind="stable")]
-    room = np.empty(len(order), dtype=np.int64)
     bins: list[list[int]] = []
+    by_room: list[list[int]] = [[] for _ in range(capacity + 1)]  # room left -> bins with that room
+    count_by_room = np.zeros(capacity + 1, dtype=np.int64)
     for index in order:
-        length = lengths[index]
-        fits = np.flatnonzero(room[:len(bins)] >= length)
-        if len(fits):
-            slot = fits[0]
-            bins[slot].append(int(index))
-            room[slot] -= length
+        length = int(lengths[index])
+        fitting = np.flatnonzero(count_by_room[length:])
+        if len(fitting):
+            room = length + int(fitting[0])
+            slot = by_room[room].pop()
+            count_by_room[room] -= 1
         else:
-            room[len(bins)] = capacity - length
-            bins.append([int(index)])
+            room, slot = capacity, len(bins)
+            bins.append([])
+        bins[slot].append(int(index))
+        by_room[room - length].append(slot)
+        count_by_room[room - length] += 1
     return bins
 
 
-def epoch_rows(lengths: np.ndarray, spec: BatchingSpec, epoch: int, shuffle: bool = True) -> list[list[int]]:
-    """All rows of one epoch, in the order they will be batched."""
+def epoch_batches(lengths: np.ndarray, spec: BatchingSpec, epoch: int, shuffle: bool = True) -> list[list[list[int]]]:
+    """All micro-batches of one epoch, in order; a micro-batch is a list of rows."""
     n = len(lengths)
     rng = epoch_rng(spec.seed, epoch)
     order = rng.permutation(n) if shuffle else np.arange(n)
     if spec.mode == "packed":
-        rows = []
-        for start in range(0, n, PACKING_GROUP_SEQUENCES):
-            rows.extend(pack_first_fit_decreasing(order[start:start + PACKING_GROUP_SEQUENCES], lengths,
-                                                  spec.sequence_len))
-        if shuffle:  # FFD puts the fullest rows first; shuffle so steps are alike
+        rows = pack_best_fit_decreasing(order, lengths, spec.sequence_len)
+        if shuffle:  # packing puts the fullest rows first; shuffle so steps are alike
             rows = [rows[i] for i in rng.permutation(len(rows))]
-        return rows
+        return _chunk(rows, spec.micro_batch_size)
     if spec.mode == "group_by_length":
         window = spec.micro_batch_size * spec.world_size * MEGABATCH_MICRO_BATCHES
-        ordered = []
+        micro = []
         for start in range(0, n, window):
             chunk = order[start:start + window]
-            ordered.extend(chunk[np.argsort(-lengths[chunk], kind="stable")].tolist())
-        micro = _chunk(ordered, spec.micro_batch_size)
-        if shuffle:  # keep similar lengths together inside a micro-batch, not across the epoch
+            by_length = chunk[np.argsort(-lengths[chunk], kind="stable")].tolist()
+            micro.extend(_chunk([[index] for index in by_length], spec.micro_batch_size))
+        if shuffle:  # similar lengths stay together inside a micro-batch, not across the epoch
             micro = [micro[i] for i in rng.permutation(len(micro))]
-        return [[index] for batch in micro for index in batch]
-    return [[int(index)] for index in order]
+        return micro
+    return _chunk([[int(index)] for index in order], spec.micro_batch_size)
 
 
 def epoch_micro_batches(lengths: np.ndarray, spec: BatchingSpec, epoch: int,
                         shuffle: bool = True, even: bool = True) -> list[list[list[list[int]]]]:
     """Per rank, the epoch's micro-batches. `even` cuts the tail so every rank gets as many."""
-    micro = _chunk(epoch_rows(lengths, spec, epoch, shuffle), spec.micro_batch_size)
+    micro = epoch_batches(lengths, spec, epoch, shuffle)
     per_rank = [micro[rank::spec.world_size] for rank in range(spec.world_size)]
     if even:
         count = len(micro) // spec.world_size

@@ -63,11 +63,15 @@ def render_custom(row: SourceRow, fmt: CustomFormat) -> Rendered:
     given_input = _field(row, fmt.field_input, required=False)
     output = _field(row, fmt.field_output)
     system = _field(row, fmt.field_system, required=False) or fmt.system_prompt
-    prompt = fmt.system_format.format(system=system) if system else ""
-    if given_input:
-        prompt += fmt.format.format(instruction=instruction, input=given_input)
-    else:
-        prompt += fmt.no_input_format.format(instruction=instruction)
+    try:
+        prompt = fmt.system_format.format(system=system) if system else ""
+        if given_input:
+            prompt += fmt.format.format(instruction=instruction, input=given_input)
+        else:
+            prompt += fmt.no_input_format.format(instruction=instruction)
+    except (KeyError, IndexError) as error:
+        raise UserError(f"config: the custom dataset format uses the placeholder {error}, which is not one of "
+                        "{system} (system_format), {instruction} and {input} (format, no_input_format)") from None
     return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
 
 
@@ -103,6 +107,9 @@ def render_chat(row: SourceRow, entry: DatasetConfig, tokenizer, template: str |
     text of `messages[:k+1]` ends where the turn (its end-of-turn token included) ends.
     """
     messages = _messages(row, entry)
+    if not (template or getattr(tokenizer, "chat_template", None)):
+        raise UserError("config: `type: chat_template` needs a chat template, and this tokenizer has none: "
+                        "set `chat_template: chatml` (or `jinja` with `chat_template_jinja`)")
 
     def render(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(messages[:upto], tokenize=False, chat_template=template,

@@ -30,7 +30,9 @@ def data_files_of(entry: DatasetConfig) -> list[Path]:
     base = Path(resolve_data_path(entry.path))
     if entry.data_files:
         names = [entry.data_files] if isinstance(entry.data_files, str) else entry.data_files
-        files = [Path(name) for name in names]
+        # as in axolotl, data_files may be relative to a folder given as `path`
+        files = [base / name if base.is_dir() and not Path(name).is_absolute() and not Path(name).exists()
+                 else Path(name) for name in names]
     elif base.is_dir():
         files = sorted(p for p in base.rglob("*") if p.suffix in SUFFIX_TO_TYPE and p.is_file())
         if not files:
@@ -82,10 +84,13 @@ def _checked_row(row, where: str) -> SourceRow:
 def _table_rows(file: Path, kind: str) -> Iterator[SourceRow]:
     import datasets  # heavy; only needed for these formats
 
-    if kind == "arrow":
-        table = datasets.Dataset.from_file(str(file))
-    else:
-        table = datasets.load_dataset(kind, data_files=str(file), split="train")
+    try:
+        if kind == "arrow":
+            table = datasets.Dataset.from_file(str(file))
+        else:
+            table = datasets.load_dataset(kind, data_files=str(file), split="train")
+    except Exception as error:  # pyarrow and datasets raise many types for a malformed file
+        raise UserError(f"data: {file} could not be read as {kind}: {type(error).__name__}: {error}") from None
     offset = 2 if kind == "csv" else 1  # csv line 1 is the header
     label = "line" if kind in ("csv", "text") else "row"
     for index, row in enumerate(table):

@@ -23,6 +23,7 @@ class LossWatchdog:
         self.patience = torch.tensor([patience or 1, patience or 3], device=device)
         self.consecutive = torch.zeros(2, dtype=torch.long, device=device)
         self.tripped_at = torch.full((2,), -1, dtype=torch.long, device=device)
+        self.first_not_finite = torch.full((), -1, dtype=torch.long, device=device)
 
     def observe(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Device ops only: no sync."""
@@ -32,12 +33,31 @@ class LossWatchdog:
         self.consecutive = (self.consecutive + 1) * bad
         newly = (self.consecutive >= self.patience) & (self.tripped_at < 0)
         self.tripped_at = torch.where(newly, torch.full_like(self.tripped_at, step), self.tripped_at)
+        first = not_finite & (self.first_not_finite < 0)
+        self.first_not_finite = torch.where(first, torch.full_like(self.first_not_finite, step),
+                                            self.first_not_finite)
+
+    @staticmethod
+    def _earliest(values: torch.Tensor, accelerator) -> list[int]:
+        """The earliest step over ranks (-1: never); every rank gets the same answer."""
+        if accelerator.num_processes == 1:
+            return [int(v) for v in values.reshape(-1).tolist()]
+        never = torch.iinfo(torch.long).max
+        as_steps = torch.where(values < 0, torch.full_like(values, never), values)
+        earliest = -accelerator.reduce(-as_steps, reduction="max")  # accelerate has no "min"
+        return [-1 if int(v) == never else int(v) for v in earliest.reshape(-1).tolist()]
+
+    def check_before_save(self, accelerator) -> None:
+        """Whatever the patience, a model that has seen a non-finite step is never checkpointed."""
+        self.check(accelerator)
+        (step,) = self._earliest(self.first_not_finite, accelerator)
+        if step >= 0:
+            raise TrainingDiverged(f"the loss or gradient norm was not finite at step {step}; the model is not "
+                                   "saved over the last good checkpoint")
 
     def check(self, accelerator) -> None:
-        """Host sync; all ranks agree because the trip steps are reduced with max."""
-        tripped = accelerator.reduce(self.tripped_at.clone(), reduction="max") if accelerator.num_processes > 1 \
-            else self.tripped_at
-        nan_step, high_step = (int(v) for v in tripped.tolist())
+        """Host sync; all ranks agree on the outcome."""
+        nan_step, high_step = self._earliest(self.tripped_at, accelerator)
         if nan_step >= 0:
             raise TrainingDiverged(f"the loss or gradient norm is not finite at step {nan_step} "
                                    f"({int(self.patience[0])} bad step(s) in a row); lower learning_rate, "

@@ -44,6 +44,7 @@ class RunOutcome:
     tokens: int
     train_seconds: float
     real_tokens: int = 0
+    targets_collated: int = 0  # target tokens the collator produced: the loss's denominators, summed
     evals: list = field(default_factory=list)
     stopped_by: str | None = None  # "signal", "early_stopping" or None (ran the whole plan)
 
@@ -69,14 +70,19 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
     optimizer = build_optimizer(cfg, model)
     scheduler = build_scheduler(cfg, plan, optimizer)  # stepped by us, once per optimizer step
     model, optimizer = accelerator.prepare(model, optimizer)
-    first_step = checkpoint.read_state(resume_from)["step"] if resume_from is not None else 0
+    state = checkpoint.read_state(resume_from) if resume_from is not None else None
+    first_step = state["step"] if state else 0
     metrics = MetricsLog(output_dir / checkpoint.METRICS_FILE, accelerator.is_main_process, plan.total_steps,
                          first_step)
     watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device)
     early = EarlyStopping(cfg.early_stopping_patience)
     stop = stop or StopRequests()
     eval_at, save_at = set(plan.eval_steps_at), set(plan.save_steps_at)
-    step, tokens_seen, real_tokens_seen, evals = 0, 0, 0, []
+    step, tokens_seen, real_tokens_seen, targets_collated, evals = 0, 0, 0, 0, []
+
+    def gather_counts(count: int) -> list[int]:
+        """Every rank's count, on every rank (collective)."""
+        return [int(v) for v in accelerator.gather(torch.tensor([count], device=accelerator.device)).tolist()]
 
     def run_eval(at_step: int) -> None:
         result = evaluate(accelerator.unwrap_model(model), eval_batches, eval_collate, accelerator)
@@ -86,10 +92,12 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
             save_best(accelerator, model, tokenizer, output_dir)
 
     def save(at_step: int) -> None:
-        watchdog.check(accelerator)  # never checkpoint a diverged model
+        watchdog.check_before_save(accelerator)  # never checkpoint a diverged model
+        per_rank_targets = gather_counts(targets_collated)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
-            state = {"step": at_step, "tokens_seen": tokens_seen, "evals": evals, "best_eval_loss": early.best,
+            state = {"step": at_step, "tokens_seen": tokens_seen, "targets_collated": per_rank_targets,
+                     "evals": evals, "best_eval_loss": early.best,
                      "evals_without_improvement": early.evals_without_improvement, "plan": plan.to_json(),
                      **identity}
             written = checkpoint.write_checkpoint(output_dir, at_step, state, accelerator.unwrap_model(model),
@@ -97,10 +105,11 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
             checkpoint.prune_checkpoints(output_dir, cfg.save_total_limit, keep=written)
         accelerator.wait_for_everyone()
 
-    if resume_from is not None:
-        state = checkpoint.read_state(resume_from)
+    if state is not None:
         checkpoint.load_training_state(resume_from, optimizer, scheduler)
         step, tokens_seen, evals = state["step"], state["tokens_seen"], state["evals"]
+        saved_counts = state.get("targets_collated", [])  # one per rank (a forced resume may change ranks)
+        targets_collated = saved_counts[rank] if len(saved_counts) == world_size else 0
         early.best, early.evals_without_improvement = state["best_eval_loss"], state["evals_without_improvement"]
     elif 0 in eval_at:
         run_eval(0)
@@ -134,6 +143,7 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
                 step_loss += loss_sum.detach().double()
                 window_real += batch.n_real_tokens
                 real_tokens_seen += batch.n_real_tokens
+                targets_collated += batch.n_targets
                 del logits, loss_sum
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
             lr = scheduler.get_last_lr()[0]  # the rate this update uses
@@ -171,17 +181,19 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
                     save(step)
                 stopped_by = "signal"
 
-    watchdog.check(accelerator)
+    watchdog.check_before_save(accelerator)  # the final model is not saved from a diverged run either
     train_seconds = time.perf_counter() - train_start
     accelerator.wait_for_everyone()
     if accelerator.is_main_process and stopped_by != "signal":
-        if stopped_by == "early_stopping" and (output_dir / BEST_DIR).is_dir():
+        kept_best = any((output_dir / name).is_dir() for name in (BEST_DIR, f".old-{BEST_DIR}"))
+        if stopped_by == "early_stopping" and kept_best:
             publish_best(output_dir)
         else:
             save_final(accelerator.unwrap_model(model), tokenizer, output_dir)
-    # real tokens are counted on this rank; every rank's count is reduced once, here
+    # counted on each rank (real tokens this session; targets over the whole run): reduced once, here
     real_total = int(accelerator.reduce(torch.tensor(real_tokens_seen, device=accelerator.device), reduction="sum"))
-    return RunOutcome(step, tokens_seen, train_seconds, real_total, evals, stopped_by)
+    return RunOutcome(step, tokens_seen, train_seconds, real_total, sum(gather_counts(targets_collated)), evals,
+                      stopped_by)
 
 
 BEST_DIR = "best"
@@ -195,14 +207,21 @@ def save_best(accelerator, model, tokenizer, output_dir: Path) -> None:
         shutil.rmtree(temp, ignore_errors=True)
         save_final(accelerator.unwrap_model(model), tokenizer, temp)
         accelerator.unwrap_model(model).config.use_cache = False  # save_final switched it on; keep training
-        shutil.rmtree(output_dir / BEST_DIR, ignore_errors=True)
-        temp.rename(output_dir / BEST_DIR)
+        best, old = output_dir / BEST_DIR, output_dir / f".old-{BEST_DIR}"
+        shutil.rmtree(old, ignore_errors=True)
+        if best.exists():
+            best.rename(old)  # a kill from here on leaves .old-best, which publish_best falls back to
+        temp.rename(best)
+        shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
 
 
 def publish_best(output_dir: Path) -> None:
     """Early stopping: the folder's model is the best one, not the last one."""
-    for path in (output_dir / BEST_DIR).iterdir():
+    best = output_dir / BEST_DIR
+    if not best.is_dir():  # killed between the two renames of save_best
+        (output_dir / f".old-{BEST_DIR}").rename(best)
+    for path in best.iterdir():
         shutil.copy2(path, output_dir / path.name)
 
 
@@ -217,7 +236,8 @@ def save_final(model, tokenizer, output_dir: Path) -> None:
 
 def write_summary(output_dir: Path, outcome: RunOutcome, plan: TrainingPlan) -> dict:
     summary = {"steps": outcome.steps, "planned_steps": plan.total_steps, "tokens": outcome.tokens,
-               "real_tokens": outcome.real_tokens, "train_seconds": round(outcome.train_seconds, 4),
+               "targets_collated": outcome.targets_collated, "real_tokens": outcome.real_tokens,
+               "train_seconds": round(outcome.train_seconds, 4),
                "real_tokens_per_second": round(outcome.real_tokens / outcome.train_seconds, 1)
                if outcome.train_seconds else None, "stopped_by": outcome.stopped_by,
                "first_eval_loss": outcome.evals[0]["eval_loss"] if outcome.evals else None,

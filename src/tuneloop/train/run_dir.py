@@ -15,12 +15,21 @@ from pathlib import Path
 from tuneloop.errors import UserError
 from tuneloop.train import checkpoint
 
-RUN_FILES = ("plan.json", "metrics.jsonl", "summary.json", "model.safetensors", "adapter_model.safetensors",
-             "config.json")
+# everything a run leaves: its records, the model or adapter folder save_pretrained writes, the report
+RUN_FILES = ("plan.json", "metrics.jsonl", "summary.json", "report.md", "report.png", "config.json",
+             "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+             "adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+             "added_tokens.json", "README.md")
 
 
 def previous_run_files(output_dir: Path) -> list[Path]:
+    if not (output_dir / "plan.json").exists() and not checkpoint.complete_checkpoints(output_dir):
+        # not a tuneloop run: refuse only on the files a run would overwrite
+        return [output_dir / name for name in ("model.safetensors", "adapter_model.safetensors", "config.json")
+                if (output_dir / name).exists()]
     found = [output_dir / name for name in RUN_FILES if (output_dir / name).exists()]
+    found += sorted(output_dir.glob("model-*.safetensors"))
     found += sorted(output_dir.glob(f"{checkpoint.PREFIX}*")) + sorted(output_dir.glob(".tmp-*"))
     if (output_dir / "best").exists():
         found.append(output_dir / "best")
@@ -31,7 +40,10 @@ def finished_run(output_dir: Path) -> dict | None:
     summary = output_dir / "summary.json"
     if not summary.is_file():
         return None
-    data = json.loads(summary.read_text())
+    try:
+        data = json.loads(summary.read_text())
+    except json.JSONDecodeError:
+        return None  # torn by a kill while it was written: the run did not finish cleanly
     return data if data.get("stopped_by") != "signal" else None
 
 
@@ -57,20 +69,16 @@ def clear_previous_run(output_dir: Path) -> None:
 
 
 def prepare_output_dir(cfg, output_dir: Path, overwrite: bool) -> Path | None:
-    """Main process only. Returns the checkpoint to resume from, or None for a fresh start."""
+    """Main process only. Returns the checkpoint to resume from, or None for a fresh start (the folder
+    then holds nothing of an earlier run). Changes nothing when it refuses."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint.remove_torn_saves(output_dir)
     resume = choose_checkpoint(cfg, output_dir)
     if resume is not None:
-        saved_metrics = resume / checkpoint.METRICS_FILE
-        if saved_metrics.is_file():
-            shutil.copyfile(saved_metrics, output_dir / checkpoint.METRICS_FILE)
-        else:
-            (output_dir / checkpoint.METRICS_FILE).unlink(missing_ok=True)
-        (output_dir / "summary.json").unlink(missing_ok=True)
         return resume
     leftovers = previous_run_files(output_dir)
-    interrupted_before_first_save = cfg.auto_resume_from_checkpoints and finished_run(output_dir) is None
+    # auto-resume of a tuneloop run killed before its first checkpoint: start it again
+    interrupted_before_first_save = (cfg.auto_resume_from_checkpoints and (output_dir / "plan.json").is_file()
+                                     and finished_run(output_dir) is None)
     if leftovers and not overwrite and not interrupted_before_first_save:
         names = ", ".join(p.name for p in leftovers[:4]) + (" …" if len(leftovers) > 4 else "")
         raise UserError(f"output_dir {output_dir} holds another run's files ({names}). Pass --overwrite to "
@@ -78,6 +86,22 @@ def prepare_output_dir(cfg, output_dir: Path, overwrite: bool) -> Path | None:
                         "choose another output_dir.")
     clear_previous_run(output_dir)
     return None
+
+
+def continue_from(output_dir: Path, resume: Path) -> None:
+    """After the checkpoint passed check_resumable: the folder as it was at that checkpoint — its metrics
+    log, no summary, no torn saves, and no checkpoints of the abandoned steps after it."""
+    checkpoint.remove_torn_saves(output_dir)
+    saved_metrics = resume / checkpoint.METRICS_FILE
+    if saved_metrics.is_file():
+        shutil.copyfile(saved_metrics, output_dir / checkpoint.METRICS_FILE)
+    else:
+        (output_dir / checkpoint.METRICS_FILE).unlink(missing_ok=True)
+    (output_dir / "summary.json").unlink(missing_ok=True)
+    if resume.parent.resolve() == output_dir.resolve():
+        for later in checkpoint.complete_checkpoints(output_dir):
+            if checkpoint.step_of(later) > checkpoint.step_of(resume):
+                shutil.rmtree(later)
 
 
 def check_resumable(state: dict, plan: dict, identity: dict, force: bool) -> None:

@@ -1,0 +1,201 @@
+"""One prepared script for a session that is lent a GPU: check tuneloop's CUDA paths, then benchmark.
+
+    python benchmarks/gpu_check.py --out DIR [--skip-bench]
+
+Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_check.json:
+  1. environment: torch, CUDA device, bf16 support, flash-attn and bitsandbytes availability;
+  2. packed == alone: a packed row's per-sequence losses equal the sequences run alone (fp32) for
+     sdpa, eager and, when flash-attn is installed, flash_attention_2 (the varlen path);
+  3. a bf16 `tuneloop train` run (bf16: auto, fused AdamW by default) of a tiny LLaMA: plan == run,
+     finite losses, the mixed precision really used;
+  4. torch.compile of the model's forward + backward (tuneloop does not compile yet: is it worth it?);
+  5. QLoRA: tuneloop refuses `adapter: qlora` today; reports whether bitsandbytes is there at all;
+  6. the GPU benchmark (`compare.py --gpu`), unless --skip-bench.
+On a CPU machine the same script runs with the GPU-only parts skipped, which is how it was checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests"))  # conftest's tiny tokenizer/model builders and row maker
+
+
+def check_environment() -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if info["cuda"]:
+        info.update(device=torch.cuda.get_device_name(0), bf16=torch.cuda.is_bf16_supported(),
+                    memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 1e9, 1))
+    for module in ("flash_attn", "bitsandbytes", "transformers", "accelerate", "peft", "datasets"):
+        try:
+            info[module] = getattr(__import__(module), "__version__", "installed")
+        except ImportError:
+            info[module] = None
+    return info
+
+
+def build_tiny(workdir: Path) -> tuple[Path, Path]:
+    """The tests' tiny tokenizer and LLaMA, built without pytest."""
+    import conftest
+
+    class Factory:
+        def mktemp(self, name):
+            path = workdir / name
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+
+    tokenizer_dir = conftest.tiny_tokenizer_dir.__wrapped__(Factory())
+    model_dir = conftest.tiny_model_dir.__wrapped__(Factory(), tokenizer_dir)
+    return tokenizer_dir, model_dir
+
+
+def check_packed_equals_alone(workdir: Path, model_dir: Path, tokenizer_dir: Path, device: str) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import conftest
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.collate import Collator
+    from tuneloop.data.prepare import IGNORE_INDEX, prepare
+
+    data = conftest.write_jsonl(workdir / "pack.jsonl", conftest.tiny_rows(12, seed=5))
+    cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(data), "type": "alpaca"}],
+                            "dataset_prepared_path": str(workdir / "prepared"), "sequence_len": 512})
+    prepared = prepare(cfg, AutoTokenizer.from_pretrained(tokenizer_dir))
+    implementations = ["sdpa", "eager"]
+    if device == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            implementations.append("flash_attention_2")
+        except ImportError:
+            pass
+    results = {}
+    for attention in implementations:
+        dtype = torch.bfloat16 if attention == "flash_attention_2" else torch.float32  # FA2 has no fp32
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention)
+        model.config.use_cache = False
+        model.to(device).eval()
+
+        def losses(batch):
+            batch = batch.to(device)
+            with torch.no_grad():
+                logits = model(**batch.inputs).logits.float()
+            return F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="none").view(batch.targets.shape)
+
+        sequences = [0, 1, 2, 3]
+        packed = losses(Collator(prepared.train, 0, packed=True)([sequences]))[0]
+        alone = Collator(prepared.train, 0, packed=False)
+        worst, offset = 0.0, 0
+        for index in sequences:
+            length = prepared.train[index]["length"]
+            single = alone([[index]])
+            mask = (single.targets[0, :length] != IGNORE_INDEX).to(device)
+            expected = losses(single)[0, :length]
+            worst = max(worst, float((packed[offset:offset + length] - expected)[mask].abs().max()))
+            offset += length
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        results[attention] = {"max_abs_diff": worst, "tolerance": tolerance, "ok": worst <= tolerance}
+    return {"ok": all(r["ok"] for r in results.values()), "by_attention": results}
+
+
+def check_bf16_train(workdir: Path, model_dir: Path) -> dict:
+    import conftest
+
+    data = conftest.write_jsonl(workdir / "train.jsonl", conftest.tiny_rows(80, seed=1))
+    keys = conftest.base_config(workdir / "bf16", model_dir, data, sample_packing=True, micro_batch_size=2,
+                                gradient_accumulation_steps=2, max_steps=6, bf16="auto")
+    config = conftest.write_config(workdir / "bf16.yml", **keys)
+    result = conftest.run_cli("train", str(config))
+    out = workdir / "bf16" / "out"
+    if result.returncode != 0:
+        return {"ok": False, "stderr": result.stderr[-2000:]}
+    plan = json.loads((out / "plan.json").read_text())
+    steps = [m for m in conftest.read_metrics(out) if "loss" in m]
+    import math
+
+    from tuneloop.config import load_config
+    from tuneloop.model import mixed_precision
+
+    precision = mixed_precision(load_config(config))
+    ok = len(steps) == plan["total_steps"] and all(math.isfinite(m["loss"]) for m in steps)
+    return {"ok": ok, "mixed_precision": precision, "steps": len(steps), "planned": plan["total_steps"],
+            "losses": [round(m["loss"], 4) for m in steps], "memory": plan.get("memory")}
+
+
+def check_compile(model_dir: Path, device: str) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+    ids = torch.randint(0, model.config.vocab_size, (4, 256), device=device)
+    timings = {}
+    for name, runner in (("eager", model), ("compiled", torch.compile(model))):
+        for attempt in range(4):  # the first call of the compiled model compiles
+            start = time.perf_counter()
+            runner(input_ids=ids, labels=ids).loss.backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            timings.setdefault(name, []).append(time.perf_counter() - start)
+    return {"ok": True, "first_call_s": {k: round(v[0], 3) for k, v in timings.items()},
+            "steady_ms": {k: round(min(v[1:]) * 1000, 2) for k, v in timings.items()}}
+
+
+def run(name: str, function, *args) -> dict:
+    start = time.perf_counter()
+    try:
+        result = function(*args)
+    except Exception:  # a check that breaks is reported, the others still run
+        result = {"ok": False, "error": traceback.format_exc()[-3000:]}
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    print(f"[{'ok' if result.get('ok', True) else 'FAILED'}] {name}: "
+          f"{json.dumps({k: v for k, v in result.items() if k != 'error'})[:600]}", flush=True)
+    if "error" in result:
+        print(result["error"], flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=".", help="folder for gpu_check.json (and gpu_bench.json)")
+    parser.add_argument("--skip-bench", action="store_true")
+    args = parser.parse_args()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"environment": run("environment", check_environment)}
+    device = "cuda" if report["environment"]["cuda"] else "cpu"
+    with tempfile.TemporaryDirectory(prefix="tuneloop-gpu-check-") as temp:
+        workdir = Path(temp)
+        tokenizer_dir, model_dir = build_tiny(workdir)
+        report["packed_equals_alone"] = run("packed == alone", check_packed_equals_alone, workdir, model_dir,
+                                            tokenizer_dir, device)
+        report["bf16_train"] = run("bf16 train", check_bf16_train, workdir, model_dir)
+        report["compile"] = run("torch.compile", check_compile, model_dir, device)
+    report["qlora"] = {"ok": None, "bitsandbytes": report["environment"]["bitsandbytes"],
+                       "note": "tuneloop refuses adapter: qlora until it is implemented"}
+    if device == "cuda" and not args.skip_bench:
+        bench = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--gpu", "--json",
+                                str(out / "gpu_bench.json")], text=True)
+        report["bench"] = {"ok": bench.returncode == 0, "json": str(out / "gpu_bench.json")}
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    print(f"wrote {out / 'gpu_check.json'}")
+    return 0 if all(v.get("ok") is not False for v in report.values() if isinstance(v, dict)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
