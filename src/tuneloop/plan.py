@@ -20,7 +20,7 @@ import numpy as np
 
 from tuneloop.config import TuneloopConfig
 from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
-from tuneloop.data.collate import pad_multiple
+from tuneloop.data.collate import pad_multiple, round_up
 
 FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
 
@@ -128,7 +128,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
                         total_targets += int(train_targets[row].sum())
                         total_real += int(train_lengths[row].sum())
                     width = max(int(train_lengths[row].sum()) for row in micro)
-                    padded = cfg.sequence_len if cfg.pad_to_sequence_len else -(-width // multiple) * multiple
+                    padded = cfg.sequence_len if cfg.pad_to_sequence_len else round_up(width, multiple)
                     computed += len(micro) * padded
                     largest = max(largest, len(micro) * padded)
 
@@ -174,10 +174,8 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
 
 def attach_memory_estimate(plan: TrainingPlan, estimate) -> None:
     """Adds the estimate (memory.py) to the plan, and a warning when it exceeds the device."""
-    from dataclasses import asdict as as_dict
-
     plan.estimated_memory_gb = estimate.total_gb
-    plan.memory = as_dict(estimate)
+    plan.memory = asdict(estimate)
     if estimate.device_gb and estimate.total_gb > estimate.device_gb:
         plan.warnings.append(
             f"estimated memory {estimate.total_gb:.1f} GB (weights {estimate.weights_gb:.1f}, gradients "

@@ -38,7 +38,7 @@ class MicroBatch:
         return MicroBatch(inputs, self.targets.to(device, non_blocking=True), self.n_targets, self.n_real_tokens)
 
 
-def _round_up(value: int, multiple: int) -> int:
+def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
@@ -67,7 +67,7 @@ class Collator:
             row_ids.append(ids)
             row_targets.append(targets)
             row_positions.append(positions)
-        width = self.pad_to or _round_up(max(len(ids) for ids in row_ids), self.multiple)
+        width = self.pad_to or round_up(max(len(ids) for ids in row_ids), self.multiple)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         positions = torch.zeros((len(rows), width), dtype=torch.long)
