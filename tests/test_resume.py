@@ -192,3 +192,32 @@ def test_early_stopping_keeps_the_best_model(tmp_path, tiny_model_dir, data):
     best = evals.index(min(evals))
     assert len(evals) == best + 3  # two evals without improvement after the best, then stop
     assert_identical(weights(out), weights(out / "best"))
+
+
+@pytest.mark.slow
+def test_two_rank_run_killed_mid_save_resumes_bit_identical_with_dropout(tmp_path, tiny_model_dir, data):
+    """Each rank draws its own dropout masks; a resume must give every rank back its own RNG state."""
+    keys = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.2, lora_target_modules=["q_proj", "v_proj"],
+                micro_batch_size=2, gradient_accumulation_steps=1, max_steps=10, save_strategy=None, save_steps=3,
+                learning_rate=1e-2, auto_resume_from_checkpoints=True)
+    port = 31500 + os.getpid() % 1000
+
+    def torchrun(name: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path / name, tiny_model_dir, data, **keys))
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(port), "-m", "tuneloop", "train", str(config)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=600,
+                              env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+
+    straight = torchrun("straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    crashed = torchrun("crashed", env={CRASH_DURING_SAVE_ENV: "6"})
+    assert crashed.returncode != 0
+    out = tmp_path / "crashed" / "out"
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]
+    assert sorted(p.name for p in (out / "checkpoint-3").glob("rng_state_*.pt")) == ["rng_state_0.pt",
+                                                                                     "rng_state_1.pt"]
+    resumed = torchrun("crashed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = load_file(tmp_path / "straight" / "out" / "adapter_model.safetensors")
+    assert_identical(load_file(out / "adapter_model.safetensors"), expected)

@@ -71,8 +71,20 @@ def _fsync_folder(folder: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer, scheduler) -> Path:
-    """Main process only. Raises UserError (old checkpoints intact) when the disk is full."""
+def rank_rng_file(output_dir: Path, step: int, rank: int) -> Path:
+    return output_dir / f".rng-{step}-rank{rank}.pt"
+
+
+def write_rank_rng(output_dir: Path, step: int, rank: int) -> None:
+    """Every rank, before the main process writes the checkpoint: ranks draw different amounts of
+    randomness (dropout on different shapes), so each resumes from its own RNG state."""
+    torch.save(rng_states(), rank_rng_file(output_dir, step, rank))
+
+
+def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer, scheduler,
+                     world_size: int = 1) -> Path:
+    """Main process only, after every rank ran write_rank_rng. Raises UserError (old checkpoints intact)
+    when the disk is full."""
     final = output_dir / f"{PREFIX}{step}"
     temp = output_dir / f".tmp-{PREFIX}{step}"
     shutil.rmtree(temp, ignore_errors=True)
@@ -83,6 +95,8 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer,
             os.kill(os.getpid(), signal.SIGKILL)
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": rng_states()}, temp / TRAINING_STATE_FILE)
+        for rank in range(world_size):
+            os.replace(rank_rng_file(output_dir, step, rank), temp / f"rng_state_{rank}.pt")
         metrics = output_dir / METRICS_FILE
         if metrics.is_file():
             shutil.copyfile(metrics, temp / METRICS_FILE)
@@ -122,6 +136,8 @@ def prune_checkpoints(output_dir: Path, limit: int | None, keep: Path) -> None:
 def remove_torn_saves(output_dir: Path) -> None:
     for leftover in Path(output_dir).glob(f".tmp-{PREFIX}*"):
         shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in Path(output_dir).glob(".rng-*-rank*.pt"):
+        leftover.unlink(missing_ok=True)
 
 
 def read_state(checkpoint: Path) -> dict:
@@ -145,8 +161,9 @@ def incompatibilities(state: dict, plan: dict, data_key: str, base_model: str, a
     return changed
 
 
-def load_training_state(checkpoint: Path, optimizer, scheduler) -> None:
+def load_training_state(checkpoint: Path, optimizer, scheduler, rank: int = 0) -> None:
     saved = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=False)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
-    restore_rng_states(saved["rng"])
+    own = checkpoint / f"rng_state_{rank}.pt"
+    restore_rng_states(torch.load(own, weights_only=False) if own.is_file() else saved["rng"])

@@ -94,6 +94,7 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
     def save(at_step: int) -> None:
         watchdog.check_before_save(accelerator)  # never checkpoint a diverged model
         per_rank_targets = gather_counts(targets_collated)
+        checkpoint.write_rank_rng(output_dir, at_step, rank)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             state = {"step": at_step, "tokens_seen": tokens_seen, "targets_collated": per_rank_targets,
@@ -101,12 +102,12 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
                      "evals_without_improvement": early.evals_without_improvement, "plan": plan.to_json(),
                      **identity}
             written = checkpoint.write_checkpoint(output_dir, at_step, state, accelerator.unwrap_model(model),
-                                                  optimizer, scheduler)
+                                                  optimizer, scheduler, world_size)
             checkpoint.prune_checkpoints(output_dir, cfg.save_total_limit, keep=written)
         accelerator.wait_for_everyone()
 
     if state is not None:
-        checkpoint.load_training_state(resume_from, optimizer, scheduler)
+        checkpoint.load_training_state(resume_from, optimizer, scheduler, rank)
         step, tokens_seen, evals = state["step"], state["tokens_seen"], state["evals"]
         saved_counts = state.get("targets_collated", [])  # one per rank (a forced resume may change ranks)
         targets_collated = saved_counts[rank] if len(saved_counts) == world_size else 0

@@ -31,6 +31,7 @@ def previous_run_files(output_dir: Path) -> list[Path]:
     found = [output_dir / name for name in RUN_FILES if (output_dir / name).exists()]
     found += sorted(output_dir.glob("model-*.safetensors"))
     found += sorted(output_dir.glob(f"{checkpoint.PREFIX}*")) + sorted(output_dir.glob(".tmp-*"))
+    found += sorted(output_dir.glob(".rng-*"))
     if (output_dir / "best").exists():
         found.append(output_dir / "best")
     return found
