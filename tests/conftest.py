@@ -81,6 +81,15 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
     return target
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a torchrun/accelerate rendezvous (a fixed one can be taken)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path

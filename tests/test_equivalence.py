@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import base_config, tiny_rows, write_config, write_jsonl
+from conftest import base_config, free_port, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,7 +84,7 @@ def test_accumulating_4_micro_batches_of_2_equals_one_batch_of_8(tmp_path, tiny_
 
 
 def launcher(kind: str) -> tuple:
-    port = str(29500 + os.getpid() % 1000 + (0 if kind == "torchrun" else 1))
+    port = str(free_port())
     if kind == "torchrun":
         return (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port)
     # on a CPU machine accelerate 1.15 wants --multi_gpu without --cpu (it refuses both; --cpu alone starts

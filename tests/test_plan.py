@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import base_config, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+from conftest import base_config, free_port, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
 
 from tuneloop.config import config_from_dict
 from tuneloop.plan import make_plan
@@ -57,7 +57,7 @@ def test_plan_for_two_ranks_equals_a_real_two_rank_run(tmp_path, tiny_model_dir,
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
     planned = json.loads(run_cli("plan", str(config), "--json", "--world-size", "2").stdout)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(30500 + os.getpid() % 1000), "-m", "tuneloop", "train", str(config)]
+               str(free_port()), "-m", "tuneloop", "train", str(config)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import base_config, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+from conftest import base_config, free_port, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 
 from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV, STATE_FILE, complete_checkpoints
@@ -200,12 +200,11 @@ def test_two_rank_run_killed_mid_save_resumes_bit_identical_with_dropout(tmp_pat
     keys = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.2, lora_target_modules=["q_proj", "v_proj"],
                 micro_batch_size=2, gradient_accumulation_steps=1, max_steps=10, save_strategy=None, save_steps=3,
                 learning_rate=1e-2, auto_resume_from_checkpoints=True)
-    port = 31500 + os.getpid() % 1000
 
     def torchrun(name: str, env: dict | None = None) -> subprocess.CompletedProcess:
         config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path / name, tiny_model_dir, data, **keys))
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(port), "-m", "tuneloop", "train", str(config)]
+                   str(free_port()), "-m", "tuneloop", "train", str(config)]
         return subprocess.run(command, capture_output=True, text=True, timeout=600,
                               env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
