@@ -129,8 +129,13 @@ def command_train(args) -> int:
             print(f"resuming from {resume} (step {checkpoint.step_of(resume)})", flush=True)
     resume = _shared(accelerator, resume)
     model = load_model(cfg, tokenizer, checkpoint=resume)
-    with StopRequests() as stop:
-        outcome = train(cfg, plan, prepared, tokenizer, model, accelerator, identity, resume_from=resume, stop=stop)
+    try:
+        with StopRequests() as stop:
+            outcome = train(cfg, plan, prepared, tokenizer, model, accelerator, identity, resume_from=resume,
+                            stop=stop)
+    except TrainingDiverged:
+        _leave_together(accelerator)  # every rank reaches the watchdog's verdict at the same collective
+        raise
     if accelerator.is_main_process:
         from tuneloop.report import write_report
 
@@ -143,8 +148,21 @@ def command_train(args) -> int:
             print(f"done: {summary['steps']} steps in {summary['train_seconds']} s; eval loss "
                   f"{summary['first_eval_loss']} → {summary['last_eval_loss']}"
                   f"{' (early stopping: best model kept)' if outcome.stopped_by else ''}; model saved to {output_dir}")
-    accelerator.end_training()
+    _leave_together(accelerator)
     return PREEMPTED_EXIT_CODE if outcome.stopped_by == "signal" else 0
+
+
+def _leave_together(accelerator) -> None:
+    """Ranks wait for each other (rank 0 writes the summary and report meanwhile), then tear down.
+
+    Why the wait: gloo's worker thread lets go of the last collective's tensors a moment after the
+    collective returns, and it needs the GIL to do so. A rank that exits at once can reach interpreter
+    finalization first; the worker then dies inside C++ and the process aborts with "terminate called
+    without an active exception" (SIGABRT) after a complete run: seen on rank 1 of 2 in about one
+    run in five on 2 busy cores. A barrier releases the GIL while it waits, so the worker finishes.
+    """
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
 
 
 def _shared(accelerator, value):
