@@ -3,11 +3,14 @@ test_data_formats.py): each gives exit code 2, one clear message, no traceback, 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
-from conftest import base_config, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+from conftest import base_config, free_port, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 
 from tuneloop.train.checkpoint import complete_checkpoints
@@ -63,27 +66,59 @@ def test_checkpoint_from_another_config_is_refused_naming_what_changed(tmp_path,
     assert steps == list(range(1, 7))
 
 
-@pytest.mark.slow
-def test_full_disk_during_a_save_is_a_clear_error_and_the_old_checkpoint_stays(tmp_path, tiny_model_dir, data):
+@contextlib.contextmanager
+def small_disk(tmp_path):
+    """A real full disk: a small tmpfs that holds one checkpoint of the tiny model (about 1.6 MB) but not two."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    # a real full disk: a small tmpfs that holds one checkpoint of the tiny model (about 1.6 MB) but not two
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(disk)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def assert_only_the_first_checkpoint_stays(out):
+    kept = complete_checkpoints(out)
+    assert [p.name for p in kept] == ["checkpoint-2"]
+    assert load_file(kept[0] / "model.safetensors")  # readable, complete
+    assert not list(out.glob(".tmp-*")) and not list(out.glob(".rng-*"))
+
+
+@pytest.mark.slow
+def test_full_disk_during_a_save_is_a_clear_error_and_the_old_checkpoint_stays(tmp_path, tiny_model_dir, data):
+    with small_disk(tmp_path) as disk:
         keys = dict(save_strategy=None, save_steps=2, max_steps=6, output_dir=str(disk / "out"))
         config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
         result = run_cli("train", str(config))
         assert_user_error(result, "could not save step 4", "the disk is full", "newest complete checkpoint is "
                           "checkpoint-2")
-        kept = complete_checkpoints(disk / "out")
-        assert [p.name for p in kept] == ["checkpoint-2"]
-        assert load_file(kept[0] / "model.safetensors")  # readable, complete
-        assert not list((disk / "out").glob(".tmp-*"))
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
-        shutil.rmtree(disk, ignore_errors=True)
+        assert_only_the_first_checkpoint_stays(disk / "out")
+
+
+@pytest.mark.slow
+def test_full_disk_in_a_two_rank_run_stops_every_rank_with_the_message(tmp_path, tiny_model_dir, data):
+    """Whichever rank's write fails, every rank stops with the message and exit code 2. Before, rank 0
+    alone printed it and rank 1 died in the next barrier with gloo's 'Connection closed by peer' traceback."""
+    with small_disk(tmp_path) as disk:
+        keys = dict(save_strategy=None, save_steps=2, max_steps=6, micro_batch_size=1,
+                    output_dir=str(disk / "out"))
+        config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                   str(free_port()), "-m", "tuneloop", "train", str(config)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert result.returncode != 0
+        # both ranks print it (torchrun prefixes nothing on CPU); no rank died of an exception
+        assert result.stderr.count("could not save step 4") == 2, result.stderr[-3000:]
+        assert "the disk is full" in result.stderr and "newest complete checkpoint is checkpoint-2" in result.stderr
+        # the one traceback is torchrun's own report that a child exited non-zero (with our code 2)
+        assert result.stderr.count("Traceback") == 1 and "raise ChildFailedError" in result.stderr
+        assert "exitcode  : 2" in result.stderr
+        assert_only_the_first_checkpoint_stays(disk / "out")
 
 
 def test_base_model_folder_that_does_not_exist(tmp_path, data):

@@ -13,7 +13,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from tuneloop.errors import DIVERGED_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingDiverged, UserError
+from tuneloop.errors import (DIVERGED_EXIT_CODE, PREEMPTED_EXIT_CODE, CheckpointFailed, TrainingDiverged,
+                             UserError)
 
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
 
@@ -133,8 +134,8 @@ def command_train(args) -> int:
         with StopRequests() as stop:
             outcome = train(cfg, plan, prepared, tokenizer, model, accelerator, identity, resume_from=resume,
                             stop=stop)
-    except TrainingDiverged:
-        _leave_together(accelerator)  # every rank reaches the watchdog's verdict at the same collective
+    except (TrainingDiverged, CheckpointFailed):
+        _leave_together(accelerator)  # raised on every rank at the same collective
         raise
     if accelerator.is_main_process:
         from tuneloop.report import write_report

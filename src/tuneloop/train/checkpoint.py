@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tuneloop.errors import UserError
+from tuneloop.errors import CheckpointFailed, UserError
 
 STATE_FILE = "tuneloop_state.json"
 TRAINING_STATE_FILE = "training_state.pt"
@@ -81,10 +81,57 @@ def write_rank_rng(output_dir: Path, step: int, rank: int) -> None:
     torch.save(rng_states(), rank_rng_file(output_dir, step, rank))
 
 
+def save_on_every_rank(accelerator, output_dir: Path, step: int, write_main) -> None:
+    """Every rank writes its RNG state, then the main process calls `write_main()` (which writes the
+    checkpoint). A failure on any rank (a full disk) becomes the same CheckpointFailed on every rank,
+    so a multi-rank run stops together with one message, instead of the other ranks crashing in (or,
+    while the failed rank lives, waiting at) the next barrier."""
+    failure = _attempt(lambda: write_rank_rng(output_dir, step, accelerator.process_index), output_dir, step)
+    failures = _gathered(accelerator, failure)
+    if not any(failures):
+        failure = _attempt(write_main, output_dir, step) if accelerator.is_main_process else None
+        failures = [_from_main(accelerator, failure)]
+    message = next((f for f in failures if f), None)
+    if message:
+        for rank in range(accelerator.num_processes):  # the RNG files of a checkpoint that never came
+            rank_rng_file(output_dir, step, rank).unlink(missing_ok=True)
+        raise CheckpointFailed(message)
+
+
+def _attempt(action, output_dir: Path, step: int) -> str | None:
+    """None when `action()` worked, else the user's message (the half-written folder is gone by then)."""
+    try:
+        action()
+        return None
+    except Exception as error:  # torch.save and safetensors report a full disk as RuntimeError and friends
+        reason = "the disk is full" if _looks_like_full_disk(error, output_dir) else f"{type(error).__name__}: {error}"
+        kept = complete_checkpoints(output_dir)
+        return (f"checkpoint: could not save step {step} to {output_dir}: {reason}. Nothing was overwritten; "
+                f"the newest complete checkpoint is {kept[-1].name if kept else 'none'}. Free space and resume.")
+
+
+def _gathered(accelerator, value) -> list:
+    """Every rank's value, on every rank (a collective)."""
+    if accelerator.num_processes == 1:
+        return [value]
+    from accelerate.utils import gather_object
+
+    return gather_object([value])
+
+
+def _from_main(accelerator, value):
+    """The main process's value, on every rank (a collective)."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]
+
+
 def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer, scheduler,
                      world_size: int = 1) -> Path:
-    """Main process only, after every rank ran write_rank_rng. Raises UserError (old checkpoints intact)
-    when the disk is full."""
+    """Main process only, after every rank ran write_rank_rng (see save_on_every_rank). A failure
+    removes the temporary folder and re-raises: the old checkpoints are never touched."""
     final = output_dir / f"{PREFIX}{step}"
     temp = output_dir / f".tmp-{PREFIX}{step}"
     shutil.rmtree(temp, ignore_errors=True)
@@ -105,14 +152,9 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer,
         if final.exists():  # a stale folder of the same step without the marker (a torn earlier run)
             shutil.rmtree(final)
         os.replace(temp, final)
-    except Exception as error:  # torch.save and safetensors report a full disk as RuntimeError and friends
-        disk_full = _looks_like_full_disk(error, output_dir)
+    except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
-        kept = complete_checkpoints(output_dir)
-        reason = "the disk is full" if disk_full else f"{type(error).__name__}: {error}"
-        raise UserError(f"checkpoint: could not save step {step} to {output_dir}: {reason}. Nothing was "
-                        f"overwritten; the newest complete checkpoint is "
-                        f"{kept[-1].name if kept else 'none'}. Free space and resume.") from None
+        raise
     return final
 
 

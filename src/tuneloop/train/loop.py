@@ -94,9 +94,8 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
     def save(at_step: int) -> None:
         watchdog.check_before_save(accelerator)  # never checkpoint a diverged model
         per_rank_targets = gather_counts(targets_collated)
-        checkpoint.write_rank_rng(output_dir, at_step, rank)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
+
+        def write_on_main() -> None:
             state = {"step": at_step, "tokens_seen": tokens_seen, "targets_collated": per_rank_targets,
                      "evals": evals, "best_eval_loss": early.best,
                      "evals_without_improvement": early.evals_without_improvement, "plan": plan.to_json(),
@@ -104,7 +103,8 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
             written = checkpoint.write_checkpoint(output_dir, at_step, state, accelerator.unwrap_model(model),
                                                   optimizer, scheduler, world_size)
             checkpoint.prune_checkpoints(output_dir, cfg.save_total_limit, keep=written)
-        accelerator.wait_for_everyone()
+
+        checkpoint.save_on_every_rank(accelerator, output_dir, at_step, write_on_main)
 
     if state is not None:
         checkpoint.load_training_state(resume_from, optimizer, scheduler, rank)
