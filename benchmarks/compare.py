@@ -500,7 +500,7 @@ def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
 
     Light hooks on names loop.py looks up at call time: `Collator` is subclassed to count the real and
     padded tokens of every micro-batch (as the other variants count theirs in their collator), and
-    `save_final` is replaced so the trained model stays in memory for the eval, peak memory is read as the
+    `publish_final` is replaced so the trained model stays in memory for the eval, peak memory is read as the
     loop ends and nothing is written. With `profile`, the functions the loop calls are also timed
     (with a CUDA sync around each on GPU): sampler, collate, to(device), forward, loss, backward, clip,
     optimizer, scheduler, logging; what is left of the loop's wall time is its own overhead."""
@@ -548,7 +548,7 @@ def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
         kept["peak_mem_mb"] = peak_memory_mb(device)
         kept["model"] = model
 
-    loop.save_final = keep_model
+    loop.publish_final = keep_model
     if profile:
         CountingCollator.__call__ = timed("collate", CountingCollator.__call__)
         collate_module.MicroBatch.to = timed("to(device)", collate_module.MicroBatch.to)

@@ -67,11 +67,12 @@ def test_checkpoint_from_another_config_is_refused_naming_what_changed(tmp_path,
 
 
 @contextlib.contextmanager
-def small_disk(tmp_path):
-    """A real full disk: a small tmpfs that holds one checkpoint of the tiny model (about 1.6 MB) but not two."""
+def small_disk(tmp_path, size: str = "2600k"):
+    """A real full disk: a small tmpfs (by default it holds one checkpoint of the tiny model, about 1.6 MB,
+    but not two)."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(disk)], capture_output=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
@@ -119,6 +120,20 @@ def test_full_disk_in_a_two_rank_run_stops_every_rank_with_the_message(tmp_path,
         assert result.stderr.count("Traceback") == 1 and "raise ChildFailedError" in result.stderr
         assert "exitcode  : 2" in result.stderr
         assert_only_the_first_checkpoint_stays(disk / "out")
+
+
+@pytest.mark.slow
+def test_full_disk_during_the_final_save_leaves_no_torn_model(tmp_path, tiny_model_dir, data):
+    with small_disk(tmp_path, size="400k") as disk:  # the tiny model's weights alone are about 0.5 MB
+        out = disk / "out"
+        config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=3,
+                                                                   output_dir=str(out)))
+        result = run_cli("train", str(config))
+        assert_user_error(result, "could not save the final model", "the disk is full")
+        # nothing that from_pretrained would pick up half-written, and the run is not marked finished
+        assert not list(out.glob("*.safetensors")) and not (out / "config.json").exists()
+        assert not (out / "summary.json").exists() and not list(out.glob(".tmp-*"))
+        assert [m["step"] for m in read_metrics(out) if "loss" in m] == [1, 2, 3]
 
 
 def test_base_model_folder_that_does_not_exist(tmp_path, data):

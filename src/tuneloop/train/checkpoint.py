@@ -81,33 +81,42 @@ def write_rank_rng(output_dir: Path, step: int, rank: int) -> None:
     torch.save(rng_states(), rank_rng_file(output_dir, step, rank))
 
 
-def save_on_every_rank(accelerator, output_dir: Path, step: int, write_main) -> None:
-    """Every rank writes its RNG state, then the main process calls `write_main()` (which writes the
-    checkpoint). A failure on any rank (a full disk) becomes the same CheckpointFailed on every rank,
-    so a multi-rank run stops together with one message, instead of the other ranks crashing in (or,
-    while the failed rank lives, waiting at) the next barrier."""
-    failure = _attempt(lambda: write_rank_rng(output_dir, step, accelerator.process_index), output_dir, step)
+def write_on_every_rank(accelerator, output_dir: Path, what: str, on_main, on_every_rank=None,
+                        clean_up=None) -> None:
+    """Every rank runs `on_every_rank()` (its own RNG file, say), then the main process `on_main()`.
+    A failure on any rank (a full disk) becomes the same CheckpointFailed on every rank, so a
+    multi-rank run stops together with one message, instead of the other ranks crashing in (or,
+    while the failed rank lives, waiting at) the next collective. `clean_up()` runs on failure."""
+    failure = _attempt(on_every_rank, output_dir, what) if on_every_rank else None
     failures = _gathered(accelerator, failure)
     if not any(failures):
-        failure = _attempt(write_main, output_dir, step) if accelerator.is_main_process else None
+        failure = _attempt(on_main, output_dir, what) if accelerator.is_main_process else None
         failures = [_from_main(accelerator, failure)]
     message = next((f for f in failures if f), None)
     if message:
-        for rank in range(accelerator.num_processes):  # the RNG files of a checkpoint that never came
-            rank_rng_file(output_dir, step, rank).unlink(missing_ok=True)
+        if clean_up and accelerator.is_main_process:
+            clean_up()
         raise CheckpointFailed(message)
 
 
-def _attempt(action, output_dir: Path, step: int) -> str | None:
+def remove_rank_rngs(output_dir: Path, step: int, world_size: int) -> None:
+    """The RNG files of a checkpoint that never came."""
+    for rank in range(world_size):
+        rank_rng_file(output_dir, step, rank).unlink(missing_ok=True)
+
+
+def _attempt(action, output_dir: Path, what: str) -> str | None:
     """None when `action()` worked, else the user's message (the half-written folder is gone by then)."""
     try:
         action()
         return None
     except Exception as error:  # torch.save and safetensors report a full disk as RuntimeError and friends
-        reason = "the disk is full" if _looks_like_full_disk(error, output_dir) else f"{type(error).__name__}: {error}"
+        full = _looks_like_full_disk(error, output_dir)
+        reason = "the disk is full" if full else f"{type(error).__name__}: {error}"
         kept = complete_checkpoints(output_dir)
-        return (f"checkpoint: could not save step {step} to {output_dir}: {reason}. Nothing was overwritten; "
-                f"the newest complete checkpoint is {kept[-1].name if kept else 'none'}. Free space and resume.")
+        return (f"checkpoint: could not save {what} to {output_dir}: {reason}. Nothing was overwritten; "
+                f"the newest complete checkpoint is {kept[-1].name if kept else 'none'}. Free space and resume "
+                "(auto_resume_from_checkpoints: true).")
 
 
 def _gathered(accelerator, value) -> list:
@@ -130,7 +139,7 @@ def _from_main(accelerator, value):
 
 def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer, scheduler,
                      world_size: int = 1) -> Path:
-    """Main process only, after every rank ran write_rank_rng (see save_on_every_rank). A failure
+    """Main process only, after every rank ran write_rank_rng (see write_on_every_rank). A failure
     removes the temporary folder and re-raises: the old checkpoints are never touched."""
     final = output_dir / f"{PREFIX}{step}"
     temp = output_dir / f".tmp-{PREFIX}{step}"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from tuneloop.train import checkpoint
 from tuneloop.train.evaluate import evaluate
 from tuneloop.train.guards import EarlyStopping, LossWatchdog, StopRequests
 from tuneloop.train.losses import summed_token_loss
+from tuneloop.train.model_folder import has_best, publish_best, publish_final, save_best
 from tuneloop.train.optim import build_optimizer, build_scheduler
 from tuneloop.train.track import MetricsLog
 
@@ -89,7 +89,9 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
         metrics.write({"step": at_step, "epoch": round(at_step / plan.steps_per_epoch, 4), **result})
         evals.append({"step": at_step, **result})
         if early.update(result["eval_loss"]) and cfg.early_stopping_patience:
-            save_best(accelerator, model, tokenizer, output_dir)
+            checkpoint.write_on_every_rank(accelerator, output_dir, "the best model",
+                                           on_main=lambda: save_best(accelerator.unwrap_model(model), tokenizer,
+                                                                     output_dir))
 
     def save(at_step: int) -> None:
         watchdog.check_before_save(accelerator)  # never checkpoint a diverged model
@@ -104,7 +106,10 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
                                                   optimizer, scheduler, world_size)
             checkpoint.prune_checkpoints(output_dir, cfg.save_total_limit, keep=written)
 
-        checkpoint.save_on_every_rank(accelerator, output_dir, at_step, write_on_main)
+        checkpoint.write_on_every_rank(accelerator, output_dir, f"step {at_step}", on_main=write_on_main,
+                                       on_every_rank=lambda: checkpoint.write_rank_rng(output_dir, at_step, rank),
+                                       clean_up=lambda: checkpoint.remove_rank_rngs(output_dir, at_step,
+                                                                                   world_size))
 
     if state is not None:
         checkpoint.load_training_state(resume_from, optimizer, scheduler, rank)
@@ -184,55 +189,16 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
 
     watchdog.check_before_save(accelerator)  # the final model is not saved from a diverged run either
     train_seconds = time.perf_counter() - train_start
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process and stopped_by != "signal":
-        kept_best = any((output_dir / name).is_dir() for name in (BEST_DIR, f".old-{BEST_DIR}"))
-        if stopped_by == "early_stopping" and kept_best:
-            publish_best(output_dir)
-        else:
-            save_final(accelerator.unwrap_model(model), tokenizer, output_dir)
+    if stopped_by != "signal":
+        best_instead = stopped_by == "early_stopping" and has_best(output_dir)
+        checkpoint.write_on_every_rank(
+            accelerator, output_dir, "the final model",
+            on_main=lambda: publish_best(output_dir) if best_instead
+            else publish_final(accelerator.unwrap_model(model), tokenizer, output_dir))
     # counted on each rank (real tokens this session; targets over the whole run): reduced once, here
     real_total = int(accelerator.reduce(torch.tensor(real_tokens_seen, device=accelerator.device), reduction="sum"))
     return RunOutcome(step, tokens_seen, train_seconds, real_total, sum(gather_counts(targets_collated)), evals,
                       stopped_by)
-
-
-BEST_DIR = "best"
-
-
-def save_best(accelerator, model, tokenizer, output_dir: Path) -> None:
-    """The best model so far (by eval loss), kept for early stopping; written atomically."""
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        temp = output_dir / f".tmp-{BEST_DIR}"
-        shutil.rmtree(temp, ignore_errors=True)
-        save_final(accelerator.unwrap_model(model), tokenizer, temp)
-        accelerator.unwrap_model(model).config.use_cache = False  # save_final switched it on; keep training
-        best, old = output_dir / BEST_DIR, output_dir / f".old-{BEST_DIR}"
-        shutil.rmtree(old, ignore_errors=True)
-        if best.exists():
-            best.rename(old)  # a kill from here on leaves .old-best, which publish_best falls back to
-        temp.rename(best)
-        shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-def publish_best(output_dir: Path) -> None:
-    """Early stopping: the folder's model is the best one, not the last one."""
-    best = output_dir / BEST_DIR
-    if not best.is_dir():  # killed between the two renames of save_best
-        (output_dir / f".old-{BEST_DIR}").rename(best)
-    for path in best.iterdir():
-        shutil.copy2(path, output_dir / path.name)
-
-
-def save_final(model, tokenizer, output_dir: Path) -> None:
-    """A standard Hugging Face folder: from_pretrained(output_dir) loads it (the adapter, for LoRA)."""
-    config = getattr(model, "config", None)
-    if config is not None:
-        config.use_cache = True  # off for training (packing needs it off); on for whoever generates next
-    model.save_pretrained(output_dir, safe_serialization=True)
-    tokenizer.save_pretrained(output_dir)
 
 
 def write_summary(output_dir: Path, outcome: RunOutcome, plan: TrainingPlan) -> dict:
