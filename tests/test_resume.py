@@ -195,6 +195,34 @@ def test_early_stopping_keeps_the_best_model(tmp_path, tiny_model_dir, data):
 
 
 @pytest.mark.slow
+def test_resuming_from_the_checkpoint_where_early_stopping_fired_stops_again(tmp_path, tiny_model_dir, data):
+    """The final save failed after early stopping (say, a full disk): resuming from the checkpoint of the
+    stop step must not train on past the stop."""
+    keys = dict(val_set_size=0.2, eval_steps=1, save_steps=1, save_strategy=None, save_total_limit=2,
+                early_stopping_patience=2, learning_rate=0.05, lr_scheduler="constant", num_epochs=4,
+                max_grad_norm=None, auto_resume_from_checkpoints=True)
+    config = write_config(tmp_path / "early.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+    first = run_cli("train", str(config))
+    assert first.returncode == 0, first.stderr[-2000:]
+    out = tmp_path / "out"
+    stop_step = json.loads((out / "summary.json").read_text())["steps"]
+    assert complete_checkpoints(out)[-1].name == f"checkpoint-{stop_step}"
+    best = weights(out / "best")
+    for name in ("summary.json", "model.safetensors"):  # as if the final save had failed …
+        (out / name).unlink()
+    for torn in (".tmp-final", ".tmp-best"):  # … half-way, and an earlier best-model save too
+        (out / torn).mkdir()
+        (out / torn / "model.safetensors").write_bytes(b"torn")
+    resumed = run_cli("train", str(config))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_by"] == "early_stopping" and summary["steps"] == stop_step
+    assert max(m["step"] for m in read_metrics(out)) == stop_step
+    assert_identical(weights(out), best)
+    assert not list(out.glob(".tmp-*"))
+
+
+@pytest.mark.slow
 def test_two_rank_run_killed_mid_save_resumes_bit_identical_with_dropout(tmp_path, tiny_model_dir, data):
     """Each rank draws its own dropout masks; a resume must give every rank back its own RNG state."""
     keys = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.2, lora_target_modules=["q_proj", "v_proj"],

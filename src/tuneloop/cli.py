@@ -103,7 +103,7 @@ def command_train(args) -> int:
     from tuneloop.plan import describe
     from tuneloop.train import checkpoint, run_dir
     from tuneloop.train.guards import StopRequests
-    from tuneloop.train.loop import train, write_summary
+    from tuneloop.train.loop import train
 
     cfg = _config(args)
     output_dir = Path(cfg.output_dir)
@@ -137,20 +137,34 @@ def command_train(args) -> int:
     except (TrainingDiverged, CheckpointFailed):
         _leave_together(accelerator)  # raised on every rank at the same collective
         raise
-    if accelerator.is_main_process:
-        from tuneloop.report import write_report
+    try:
+        if accelerator.is_main_process:
+            _finish_on_main(output_dir, outcome, plan)
+    finally:
+        _leave_together(accelerator)  # every rank, also when the main process could not write the summary
+    return PREEMPTED_EXIT_CODE if outcome.stopped_by == "signal" else 0
 
+
+def _finish_on_main(output_dir: Path, outcome, plan) -> None:
+    from tuneloop.report import write_report
+    from tuneloop.train.loop import write_summary
+
+    try:
         summary = write_summary(output_dir, outcome, plan)
         write_report(output_dir)
-        if outcome.stopped_by == "signal":
-            print(f"stopped by a signal after step {outcome.steps}; checkpoint saved in {output_dir}. "
-                  "Run again with auto_resume_from_checkpoints: true to continue.")
-        else:
-            print(f"done: {summary['steps']} steps in {summary['train_seconds']} s; eval loss "
-                  f"{summary['first_eval_loss']} → {summary['last_eval_loss']}"
-                  f"{' (early stopping: best model kept)' if outcome.stopped_by else ''}; model saved to {output_dir}")
-    _leave_together(accelerator)
-    return PREEMPTED_EXIT_CODE if outcome.stopped_by == "signal" else 0
+    except OSError as error:
+        saved = "a checkpoint is" if outcome.stopped_by == "signal" else "the model is"
+        raise UserError(f"output: {saved} saved in {output_dir}, but the summary or report could not be written "
+                        f"({error.strerror or error}). `tuneloop report {output_dir}` redraws the report; "
+                        "resuming (auto_resume_from_checkpoints: true) repeats the steps after the last "
+                        "checkpoint.") from None
+    if outcome.stopped_by == "signal":
+        print(f"stopped by a signal after step {outcome.steps}; checkpoint saved in {output_dir}. "
+              "Run again with auto_resume_from_checkpoints: true to continue.")
+    else:
+        print(f"done: {summary['steps']} steps in {summary['train_seconds']} s; eval loss "
+              f"{summary['first_eval_loss']} → {summary['last_eval_loss']}"
+              f"{' (early stopping: best model kept)' if outcome.stopped_by else ''}; model saved to {output_dir}")
 
 
 def _leave_together(accelerator) -> None:

@@ -64,11 +64,21 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_files(folder: Path) -> None:
+    """The folder's files' contents on disk (a rename is only as durable as what it renames)."""
     for path in folder.iterdir():
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+
+
+def fsync_folder_entry(folder: Path) -> None:
+    """The folder's own entries (the renames into it) on disk."""
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
 
 
 def rank_rng_file(output_dir: Path, step: int, rank: int) -> Path:
@@ -111,11 +121,15 @@ def _attempt(action, output_dir: Path, what: str) -> str | None:
         action()
         return None
     except Exception as error:  # torch.save and safetensors report a full disk as RuntimeError and friends
-        full = _looks_like_full_disk(error, output_dir)
+        try:  # looking at the disk can fail too (EIO, a vanished mount): this rank must still answer
+            full = _looks_like_full_disk(error, output_dir)
+            kept = complete_checkpoints(output_dir)
+            newest = kept[-1].name if kept else "none"
+        except OSError:
+            full, newest = False, "unknown (the output folder cannot be read)"
         reason = "the disk is full" if full else f"{type(error).__name__}: {error}"
-        kept = complete_checkpoints(output_dir)
         return (f"checkpoint: could not save {what} to {output_dir}: {reason}. Nothing was overwritten; "
-                f"the newest complete checkpoint is {kept[-1].name if kept else 'none'}. Free space and resume "
+                f"the newest complete checkpoint is {newest}. Free space and resume "
                 "(auto_resume_from_checkpoints: true).")
 
 
@@ -157,10 +171,11 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer,
         if metrics.is_file():
             shutil.copyfile(metrics, temp / METRICS_FILE)
         (temp / STATE_FILE).write_text(json.dumps(state, indent=2))
-        _fsync_folder(temp)
+        fsync_files(temp)
         if final.exists():  # a stale folder of the same step without the marker (a torn earlier run)
             shutil.rmtree(final)
         os.replace(temp, final)
+        fsync_folder_entry(output_dir)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
@@ -185,8 +200,10 @@ def prune_checkpoints(output_dir: Path, limit: int | None, keep: Path) -> None:
 
 
 def remove_torn_saves(output_dir: Path) -> None:
-    for leftover in Path(output_dir).glob(f".tmp-{PREFIX}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    """What a kill or a full disk left half-written. Not `.old-best`: it can be the only best model."""
+    for pattern in (f".tmp-{PREFIX}*", ".tmp-best", ".tmp-final"):
+        for leftover in Path(output_dir).glob(pattern):
+            shutil.rmtree(leftover, ignore_errors=True)
     for leftover in Path(output_dir).glob(".rng-*-rank*.pt"):
         leftover.unlink(missing_ok=True)
 

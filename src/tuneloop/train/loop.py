@@ -122,7 +122,8 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
 
     window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
     window_tokens, window_real, window_start, train_start = 0, 0, time.perf_counter(), time.perf_counter()
-    stopped_by = None
+    # a checkpoint written at the step early stopping fired (a later final save failed): stop again at once
+    stopped_by = "early_stopping" if state is not None and early.should_stop else None
     model.train()
 
     for epoch in range(step // plan.steps_per_epoch, plan.epochs_to_run):

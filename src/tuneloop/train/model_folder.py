@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from tuneloop.train.checkpoint import fsync_files, fsync_folder_entry
+
 BEST_DIR = "best"
 _OLD_BEST = f".old-{BEST_DIR}"
 
@@ -44,8 +46,14 @@ def save_best(model, tokenizer, output_dir: Path) -> None:
     """Main process only: the best model so far (by eval loss), for early stopping; replaced atomically."""
     temp = output_dir / f".tmp-{BEST_DIR}"
     shutil.rmtree(temp, ignore_errors=True)
-    save_hf_folder(model, tokenizer, temp)
-    model.config.use_cache = False  # save_hf_folder switched it on; training goes on
+    try:
+        save_hf_folder(model, tokenizer, temp)
+        fsync_files(temp)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    finally:
+        model.config.use_cache = False  # save_hf_folder switched it on; training goes on
     best, old = output_dir / BEST_DIR, output_dir / _OLD_BEST
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
@@ -69,6 +77,10 @@ def publish_best(output_dir: Path) -> None:
 
 
 def _move_files_into(source: Path, output_dir: Path) -> None:
-    # a rename within one file system is atomic: each file in output_dir is either the old one or whole
+    # on disk before the renames (a power loss must not leave an empty model.safetensors behind a
+    # summary.json that says the run finished); a rename within one file system is atomic, so each file
+    # in output_dir is either the old one or whole
+    fsync_files(source)
     for path in sorted(source.iterdir()):
         os.replace(path, output_dir / path.name)
+    fsync_folder_entry(output_dir)
