@@ -20,6 +20,7 @@ from conftest import base_config, free_port, read_metrics, run_cli, tiny_rows, w
 from safetensors.torch import load_file
 
 from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV, STATE_FILE, complete_checkpoints
+from tuneloop.train.guards import SIGNAL_AT_STEP_ENV
 
 VARIANTS = {
     "padded_accum2": dict(micro_batch_size=2, gradient_accumulation_steps=2),
@@ -100,8 +101,9 @@ def test_sigkill_at_a_random_point_then_auto_resume_is_bit_identical(tmp_path, t
 
 @pytest.mark.slow
 def test_a_kill_during_a_save_leaves_no_checkpoint_that_is_resumed(tmp_path, tiny_model_dir, data):
-    keys = {**RESUMABLE, **VARIANTS["padded_accum2"]}
-    expected_weights, _ = uninterrupted(tmp_path, tiny_model_dir, data, keys)
+    # logging every 4 steps, saving every 3: saves log too, so the resumed run's lines equal the straight run's
+    keys = {**RESUMABLE, **VARIANTS["padded_accum2"], "logging_steps": 4}
+    expected_weights, expected_metrics = uninterrupted(tmp_path, tiny_model_dir, data, keys)
     run_dir = tmp_path / "torn"
     config = write_config(tmp_path / "torn.yml", **base_config(run_dir, tiny_model_dir, data, **keys))
     crashed = start_train(config, env={CRASH_DURING_SAVE_ENV: "6"})
@@ -115,6 +117,8 @@ def test_a_kill_during_a_save_leaves_no_checkpoint_that_is_resumed(tmp_path, tin
     assert "resuming from" in resumed.stdout and "checkpoint-3" in resumed.stdout
     assert_identical(weights(out), expected_weights)
     assert not (out / ".tmp-checkpoint-6").exists()
+    assert read_metrics(out) and [{k: v for k, v in m.items() if "per_second" not in k} for m in read_metrics(out)] \
+        == [{k: v for k, v in m.items() if "per_second" not in k} for m in expected_metrics]
 
 
 def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
@@ -222,6 +226,35 @@ def test_resuming_from_the_checkpoint_where_early_stopping_fired_stops_again(tmp
     assert not list(out.glob(".tmp-*"))
 
 
+def two_ranks(tmp_path: Path, name: str, model_dir: Path, data: Path, keys: dict,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """`tuneloop train` on 2 gloo ranks through torchrun, in tmp_path/name."""
+    config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path / name, model_dir, data, **keys))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "tuneloop", "train", str(config)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+
+
+@pytest.mark.slow
+def test_a_signal_on_one_rank_stops_every_rank_at_the_next_step_and_resumes_exactly(tmp_path, tiny_model_dir,
+                                                                                      data):
+    """Between logging steps too: rank 1 alone gets SIGTERM after step 3; both ranks checkpoint step 4
+    (the flag is agreed one step later, without a sync) and exit 75; the resumed run ends bit-identical."""
+    keys = dict(micro_batch_size=2, max_steps=10, logging_steps=50, save_strategy=None, save_steps=100,
+                learning_rate=1e-2, auto_resume_from_checkpoints=True)
+    straight = two_ranks(tmp_path, "straight", tiny_model_dir, data, keys)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    stopped = two_ranks(tmp_path, "stopped", tiny_model_dir, data, keys, env={SIGNAL_AT_STEP_ENV: "1:3"})
+    assert stopped.returncode != 0 and stopped.stderr.count("exitcode  : 75") >= 1, stopped.stderr[-3000:]
+    assert "SIGTERM received" in stopped.stdout and "stopped by a signal after step 4" in stopped.stdout
+    out = tmp_path / "stopped" / "out"
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-4"]
+    resumed = two_ranks(tmp_path, "stopped", tiny_model_dir, data, keys)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_identical(weights(out), weights(tmp_path / "straight" / "out"))
+
+
 @pytest.mark.slow
 def test_two_rank_run_killed_mid_save_resumes_bit_identical_with_dropout(tmp_path, tiny_model_dir, data):
     """Each rank draws its own dropout masks; a resume must give every rank back its own RNG state."""
@@ -230,11 +263,7 @@ def test_two_rank_run_killed_mid_save_resumes_bit_identical_with_dropout(tmp_pat
                 learning_rate=1e-2, auto_resume_from_checkpoints=True)
 
     def torchrun(name: str, env: dict | None = None) -> subprocess.CompletedProcess:
-        config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path / name, tiny_model_dir, data, **keys))
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                   str(free_port()), "-m", "tuneloop", "train", str(config)]
-        return subprocess.run(command, capture_output=True, text=True, timeout=600,
-                              env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+        return two_ranks(tmp_path, name, tiny_model_dir, data, keys, env)
 
     straight = torchrun("straight")
     assert straight.returncode == 0, straight.stderr[-3000:]

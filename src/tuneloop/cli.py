@@ -160,11 +160,12 @@ def _finish_on_main(output_dir: Path, outcome, plan) -> None:
                         "checkpoint.") from None
     if outcome.stopped_by == "signal":
         print(f"stopped by a signal after step {outcome.steps}; checkpoint saved in {output_dir}. "
-              "Run again with auto_resume_from_checkpoints: true to continue.")
+              "Run again with auto_resume_from_checkpoints: true to continue.", flush=True)
     else:
         print(f"done: {summary['steps']} steps in {summary['train_seconds']} s; eval loss "
               f"{summary['first_eval_loss']} → {summary['last_eval_loss']}"
-              f"{' (early stopping: best model kept)' if outcome.stopped_by else ''}; model saved to {output_dir}")
+              f"{' (early stopping: best model kept)' if outcome.stopped_by else ''}; model saved to {output_dir}",
+              flush=True)  # before the other ranks leave: a launcher may stop this process when they do
 
 
 def _leave_together(accelerator) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 def read_run(output_dir: Path) -> tuple[dict, list[dict], dict]:
     plan = json.loads((output_dir / "plan.json").read_text())
-    metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line]
+    log = output_dir / "metrics.jsonl"  # absent when a run stopped before its first logging step
+    metrics = [json.loads(line) for line in log.read_text().splitlines() if line] if log.is_file() else []
     summary_path = output_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     return plan, metrics, summary

@@ -67,13 +67,26 @@ class LossWatchdog:
                                    f"{int(self.patience[1])} steps in a row, reaching step {high_step}")
 
 
+# Test hook: "RANK:STEP" makes that rank send itself SIGTERM after that step, so a test can show that
+# a signal reaching one rank stops every rank at the same step, without timing a kill from outside.
+SIGNAL_AT_STEP_ENV = "TUNELOOP_TEST_SIGNAL_AT_STEP"
+
+
 class StopRequests:
-    """SIGTERM/SIGINT ask the loop to checkpoint and leave at the next step boundary;
-    a second signal leaves at once (every write is atomic, so nothing is torn)."""
+    """SIGTERM/SIGINT ask the loop to checkpoint and leave at a step boundary; a second signal
+    leaves at once (every write is atomic, so nothing is torn).
+
+    With several ranks, all must stop at the same step. Each step starts an asynchronous max-reduce
+    of this rank's flag on a CPU (gloo) side group and reads the one started a step earlier, which
+    has long finished: every rank learns of a signal one step after it arrived, at the same step,
+    without a device sync or a wait in the step.
+    """
 
     def __init__(self):
         self.received: int | None = None
         self._previous = {}
+        self._group = None
+        self._pending = None  # (work, flag) of the reduce started last step
 
     def __enter__(self):
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -83,6 +96,9 @@ class StopRequests:
     def __exit__(self, *exc):
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if self._pending is not None:  # no collective may outlive the loop (see cli._leave_together)
+            self._pending[0].wait()
+            self._pending = None
 
     def _handle(self, signum, frame):
         if self.received is not None:
@@ -91,13 +107,24 @@ class StopRequests:
         print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of this step "
               "(send it again to stop at once)", flush=True)
 
-    def requested(self, accelerator, check_all_ranks: bool) -> bool:
+    def requested(self, accelerator, step: int) -> bool:
+        """Called by every rank after every step but the last."""
+        if os.environ.get(SIGNAL_AT_STEP_ENV) == f"{accelerator.process_index}:{step}":
+            os.kill(os.getpid(), signal.SIGTERM)
         if accelerator.num_processes == 1:
             return self.received is not None
-        if not check_all_ranks:  # a collective each step would be a sync each step
-            return False
-        flag = torch.tensor([1 if self.received is not None else 0], device=accelerator.device)
-        return bool(accelerator.reduce(flag, reduction="max").item())
+        import torch.distributed as dist
+
+        if self._group is None:  # every rank gets here at the same step: new_group is a collective
+            self._group = dist.new_group(backend="gloo")
+        agreed = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = bool(flag.item())
+        flag = torch.tensor([int(self.received is not None)], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return agreed
 
 
 class EarlyStopping:

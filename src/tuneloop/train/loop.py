@@ -163,7 +163,11 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
             window_loss += step_loss
             watchdog.observe(step, step_loss * world_size / step_tokens, grad_norm)
 
-            logging_step = step % cfg.logging_steps == 0 or step == plan.total_steps
+            # a signal during the last step changes nothing: the run is complete and saves its model
+            signalled = step < plan.total_steps and stop.requested(accelerator, step)
+            # a save also logs, so the metrics of a resumed run equal those of an uninterrupted one (the
+            # window being averaged is not part of the checkpoint)
+            logging_step = step % cfg.logging_steps == 0 or step == plan.total_steps or step in save_at or signalled
             if logging_step:
                 loss = float(accelerator.reduce(window_loss, reduction="sum")) / window_tokens
                 real = int(accelerator.reduce(torch.tensor(window_real, device=accelerator.device), reduction="sum"))
@@ -179,14 +183,10 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
                 run_eval(step)
                 if early.should_stop:
                     stopped_by = "early_stopping"
-            if step in save_at:
-                save(step)
-            # a signal during the last step changes nothing: the run is complete and saves its model
-            if step < plan.total_steps and not stopped_by and \
-                    stop.requested(accelerator, check_all_ranks=logging_step or step in save_at):
-                if step not in save_at:
-                    save(step)
+            if signalled and not stopped_by:
                 stopped_by = "signal"
+            if step in save_at or stopped_by == "signal":
+                save(step)
 
     watchdog.check_before_save(accelerator)  # the final model is not saved from a diverged run either
     train_seconds = time.perf_counter() - train_start
