@@ -134,15 +134,19 @@ def command_train(args) -> int:
         with StopRequests() as stop:
             outcome = train(cfg, plan, prepared, tokenizer, model, accelerator, identity, resume_from=resume,
                             stop=stop)
-    except (TrainingDiverged, CheckpointFailed):
-        _leave_together(accelerator)  # raised on every rank at the same collective
-        raise
-    try:
-        if accelerator.is_main_process:
+    except (TrainingDiverged, CheckpointFailed) as error:  # raised on every rank at the same collective
+        # said before the ranks leave: a launcher stops the other ranks as soon as one exits non-zero
+        exit_code = _say_error(error)
+        _leave_together(accelerator)
+        return exit_code
+    exit_code = PREEMPTED_EXIT_CODE if outcome.stopped_by == "signal" else 0
+    if accelerator.is_main_process:
+        try:
             _finish_on_main(output_dir, outcome, plan)
-    finally:
-        _leave_together(accelerator)  # every rank, also when the main process could not write the summary
-    return PREEMPTED_EXIT_CODE if outcome.stopped_by == "signal" else 0
+        except UserError as error:  # the summary or report could not be written
+            exit_code = _say_error(error)
+    _leave_together(accelerator)  # every rank, also when the main process could not write the summary
+    return exit_code
 
 
 def _finish_on_main(output_dir: Path, outcome, plan) -> None:
@@ -266,12 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except TrainingDiverged as error:
-        print(f"error: training stopped: {error}. The last complete checkpoint is kept.", file=sys.stderr)
+    except (UserError, TrainingDiverged) as error:
+        return _say_error(error)
+
+
+def _say_error(error: UserError | TrainingDiverged) -> int:
+    """One line on stderr, no traceback; returns the exit code."""
+    if isinstance(error, TrainingDiverged):
+        print(f"error: training stopped: {error}. The last complete checkpoint is kept.", file=sys.stderr,
+              flush=True)
         return DIVERGED_EXIT_CODE
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":
