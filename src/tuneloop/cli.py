@@ -140,12 +140,14 @@ def command_train(args) -> int:
         _leave_together(accelerator)
         return exit_code
     exit_code = PREEMPTED_EXIT_CODE if outcome.stopped_by == "signal" else 0
-    if accelerator.is_main_process:
-        try:
-            _finish_on_main(output_dir, outcome, plan)
-        except UserError as error:  # the summary or report could not be written
-            exit_code = _say_error(error)
-    _leave_together(accelerator)  # every rank, also when the main process could not write the summary
+    try:
+        if accelerator.is_main_process:
+            try:
+                _finish_on_main(output_dir, outcome, plan)
+            except UserError as error:  # the summary or report could not be written
+                exit_code = _say_error(error)
+    finally:
+        _leave_together(accelerator)  # every rank, also when the main process failed here
     return exit_code
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 
@@ -76,10 +77,11 @@ class StopRequests:
     """SIGTERM/SIGINT ask the loop to checkpoint and leave at a step boundary; a second signal
     leaves at once (every write is atomic, so nothing is torn).
 
-    With several ranks, all must stop at the same step. Each step starts an asynchronous max-reduce
-    of this rank's flag on a CPU (gloo) side group and reads the one started a step earlier, which
-    has long finished: every rank learns of a signal one step after it arrived, at the same step,
-    without a device sync or a wait in the step.
+    One process acts at the end of the step in which the signal arrived (after that step's eval and
+    save). Several ranks must all stop at the same step: after each step, each rank starts an
+    asynchronous max-reduce of its flag on a CPU (gloo) side group and reads the one it started a
+    step earlier, long finished. So every rank stops at the end of the step after the one in which
+    the signal arrived, without a device sync or a wait in the step.
     """
 
     def __init__(self):
@@ -89,6 +91,14 @@ class StopRequests:
         self._pending = None  # (work, flag) of the reduce started last step
 
     def __enter__(self):
+        """Every rank, at the same point before training (creating a group is a collective)."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # gloo even when training on NCCL: a CPU flag is read without touching the device. Made here,
+            # not at the first step, so a network that gloo cannot use fails before any training
+            # (GLOO_SOCKET_IFNAME picks the interface on multi-node clusters).
+            self._group = dist.new_group(backend="gloo")
         for signum in (signal.SIGTERM, signal.SIGINT):
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
@@ -99,6 +109,9 @@ class StopRequests:
         if self._pending is not None:  # no collective may outlive the loop (see cli._leave_together)
             self._pending[0].wait()
             self._pending = None
+            # gloo's worker lets go of the flag a moment after wait() returns and needs the GIL for it;
+            # give it the GIL now, in case an unexpected error takes this rank straight to exit
+            time.sleep(0.05)
 
     def _handle(self, signum, frame):
         if self.received is not None:
@@ -115,8 +128,6 @@ class StopRequests:
             return self.received is not None
         import torch.distributed as dist
 
-        if self._group is None:  # every rank gets here at the same step: new_group is a collective
-            self._group = dist.new_group(backend="gloo")
         agreed = False
         if self._pending is not None:
             work, flag = self._pending

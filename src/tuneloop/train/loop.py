@@ -35,7 +35,7 @@ from tuneloop.train.guards import EarlyStopping, LossWatchdog, StopRequests
 from tuneloop.train.losses import summed_token_loss
 from tuneloop.train.model_folder import has_best, publish_best, publish_final, save_best
 from tuneloop.train.optim import build_optimizer, build_scheduler
-from tuneloop.train.track import MetricsLog
+from tuneloop.train.track import LossWindow, MetricsLog
 
 
 @dataclass
@@ -50,7 +50,7 @@ class RunOutcome:
 
 
 def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, identity: dict,
-          resume_from: Path | None = None, stop: StopRequests | None = None) -> RunOutcome:
+          stop: StopRequests, resume_from: Path | None = None) -> RunOutcome:
     output_dir = Path(cfg.output_dir)
     world_size, rank = accelerator.num_processes, accelerator.process_index
     accum = cfg.gradient_accumulation_steps
@@ -76,7 +76,6 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
                          first_step)
     watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device)
     early = EarlyStopping(cfg.early_stopping_patience)
-    stop = stop or StopRequests()
     eval_at, save_at = set(plan.eval_steps_at), set(plan.save_steps_at)
     step, tokens_seen, real_tokens_seen, targets_collated, evals = 0, 0, 0, 0, []
 
@@ -92,6 +91,14 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
             checkpoint.write_on_every_rank(accelerator, output_dir, "the best model",
                                            on_main=lambda: save_best(accelerator.unwrap_model(model), tokenizer,
                                                                      output_dir))
+
+    def log_train_line(at_step: int, lr: float, grad_norm: torch.Tensor) -> None:
+        closed = loss_window.close(accelerator)
+        metrics.write({"step": at_step, "epoch": round(at_step / plan.steps_per_epoch, 4), "loss": closed["loss"],
+                       "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens_seen,
+                       "tokens_per_second": closed["tokens_per_second"],
+                       "real_tokens_per_second": closed["real_tokens_per_second"]})
+        watchdog.check(accelerator)
 
     def save(at_step: int) -> None:
         watchdog.check_before_save(accelerator)  # never checkpoint a diverged model
@@ -120,8 +127,7 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
     elif 0 in eval_at:
         run_eval(0)
 
-    window_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-    window_tokens, window_real, window_start, train_start = 0, 0, time.perf_counter(), time.perf_counter()
+    loss_window, train_start = LossWindow(accelerator.device), time.perf_counter()
     # a checkpoint written at the step early stopping fired (a later final save failed): stop again at once
     stopped_by = "early_stopping" if state is not None and early.should_stop else None
     model.train()
@@ -148,7 +154,7 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
                     loss_sum = summed_token_loss(logits, batch.targets)
                     accelerator.backward(loss_sum * (world_size / step_tokens))
                 step_loss += loss_sum.detach().double()
-                window_real += batch.n_real_tokens
+                loss_window.real_tokens += batch.n_real_tokens
                 real_tokens_seen += batch.n_real_tokens
                 targets_collated += batch.n_targets
                 del logits, loss_sum
@@ -159,34 +165,28 @@ def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, iden
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += step_tokens
-            window_tokens += step_tokens
-            window_loss += step_loss
+            loss_window.tokens += step_tokens
+            loss_window.loss += step_loss
             watchdog.observe(step, step_loss * world_size / step_tokens, grad_norm)
 
-            # a signal during the last step changes nothing: the run is complete and saves its model
-            signalled = step < plan.total_steps and stop.requested(accelerator, step)
             # a save also logs, so the metrics of a resumed run equal those of an uninterrupted one (the
             # window being averaged is not part of the checkpoint)
-            logging_step = step % cfg.logging_steps == 0 or step == plan.total_steps or step in save_at or signalled
-            if logging_step:
-                loss = float(accelerator.reduce(window_loss, reduction="sum")) / window_tokens
-                real = int(accelerator.reduce(torch.tensor(window_real, device=accelerator.device), reduction="sum"))
-                elapsed = time.perf_counter() - window_start
-                metrics.write({"step": step, "epoch": round(step / plan.steps_per_epoch, 4), "loss": loss,
-                               "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens_seen,
-                               "tokens_per_second": round(window_tokens / elapsed, 1),
-                               "real_tokens_per_second": round(real / elapsed, 1)})
-                watchdog.check(accelerator)
-                window_loss.zero_()
-                window_tokens, window_real, window_start = 0, 0, time.perf_counter()
+            logged = step % cfg.logging_steps == 0 or step == plan.total_steps or step in save_at
+            if logged:
+                log_train_line(step, lr, grad_norm)
             if step in eval_at:
                 run_eval(step)
                 if early.should_stop:
                     stopped_by = "early_stopping"
-            if signalled and not stopped_by:
-                stopped_by = "signal"
-            if step in save_at or stopped_by == "signal":
+            if step in save_at:
                 save(step)
+            # a signal during the last step changes nothing: the run is complete and saves its model
+            if step < plan.total_steps and not stopped_by and stop.requested(accelerator, step):
+                stopped_by = "signal"
+                if step not in save_at:
+                    if not logged:
+                        log_train_line(step, lr, grad_norm)
+                    save(step)
 
     watchdog.check_before_save(accelerator)  # the final model is not saved from a diverged run either
     train_seconds = time.perf_counter() - train_start

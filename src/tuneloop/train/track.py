@@ -8,6 +8,8 @@ import math
 import time
 from pathlib import Path
 
+import torch
+
 
 class MetricsLog:
     def __init__(self, path: Path, enabled: bool, total_steps: int, first_step: int = 0):
@@ -48,3 +50,26 @@ def format_duration(seconds: float) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+class LossWindow:
+    """The optimizer steps since the last train line. The summed loss stays on the device, so a step
+    that is not logged costs no host sync; tokens and real tokens are counted on the host."""
+
+    def __init__(self, device):
+        self.loss = torch.zeros((), device=device, dtype=torch.float64)
+        self.tokens = 0
+        self.real_tokens = 0
+        self.start = time.perf_counter()
+
+    def close(self, accelerator) -> dict:
+        """Loss per token and throughput over the window, summed over ranks (collectives: every rank
+        calls it at the same step); the next window starts now."""
+        loss = float(accelerator.reduce(self.loss, reduction="sum")) / self.tokens
+        real = int(accelerator.reduce(torch.tensor(self.real_tokens, device=self.loss.device), reduction="sum"))
+        elapsed = time.perf_counter() - self.start
+        closed = {"loss": loss, "tokens_per_second": round(self.tokens / elapsed, 1),
+                  "real_tokens_per_second": round(real / elapsed, 1)}
+        self.loss.zero_()
+        self.tokens, self.real_tokens, self.start = 0, 0, time.perf_counter()
+        return closed
