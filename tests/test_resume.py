@@ -121,6 +121,19 @@ def test_a_kill_during_a_save_leaves_no_checkpoint_that_is_resumed(tmp_path, tin
         == [{k: v for k, v in m.items() if "per_second" not in k} for m in expected_metrics]
 
 
+def test_overwrite_clears_every_folder_an_earlier_run_left(tmp_path):
+    from tuneloop.train.run_dir import clear_previous_run
+
+    out = tmp_path / "out"
+    for name in ("checkpoint-3", ".tmp-checkpoint-6", "best", ".old-best", ".tmp-final"):
+        (out / name).mkdir(parents=True)
+        (out / name / "model.safetensors").write_bytes(b"x")
+    (out / "plan.json").write_text("{}")
+    (out / "notes.txt").write_text("the user's own file")
+    clear_previous_run(out)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
 def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
     from tuneloop.config import config_from_dict
     from tuneloop.train.run_dir import choose_checkpoint

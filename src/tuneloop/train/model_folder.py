@@ -15,7 +15,7 @@ from pathlib import Path
 from tuneloop.train.checkpoint import fsync_files, fsync_folder_entry
 
 BEST_DIR = "best"
-_OLD_BEST = f".old-{BEST_DIR}"
+OLD_BEST_DIR = f".old-{BEST_DIR}"
 
 
 def save_hf_folder(model, tokenizer, folder: Path) -> None:
@@ -39,7 +39,7 @@ def publish_final(model, tokenizer, output_dir: Path) -> None:
 
 
 def has_best(output_dir: Path) -> bool:
-    return any((output_dir / name).is_dir() for name in (BEST_DIR, _OLD_BEST))
+    return any((output_dir / name).is_dir() for name in (BEST_DIR, OLD_BEST_DIR))
 
 
 def save_best(model, tokenizer, output_dir: Path) -> None:
@@ -54,7 +54,7 @@ def save_best(model, tokenizer, output_dir: Path) -> None:
         raise
     finally:
         model.config.use_cache = False  # save_hf_folder switched it on; training goes on
-    best, old = output_dir / BEST_DIR, output_dir / _OLD_BEST
+    best, old = output_dir / BEST_DIR, output_dir / OLD_BEST_DIR
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
         best.rename(old)  # a kill from here on leaves .old-best, which publish_best falls back to
@@ -66,7 +66,7 @@ def publish_best(output_dir: Path) -> None:
     """Early stopping: the folder's model is the best one, not the last one."""
     best = output_dir / BEST_DIR
     if not best.is_dir():  # killed between the two renames of save_best
-        (output_dir / _OLD_BEST).rename(best)
+        (output_dir / OLD_BEST_DIR).rename(best)
     temp = output_dir / ".tmp-final"
     shutil.rmtree(temp, ignore_errors=True)
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tuneloop.errors import UserError
 from tuneloop.train import checkpoint
+from tuneloop.train.model_folder import BEST_DIR, OLD_BEST_DIR
 
 # everything a run leaves: its records, the model or adapter folder save_pretrained writes, the report
 RUN_FILES = ("plan.json", "metrics.jsonl", "summary.json", "report.md", "report.png", "config.json",
@@ -32,8 +33,8 @@ def previous_run_files(output_dir: Path) -> list[Path]:
     found += sorted(output_dir.glob("model-*.safetensors"))
     found += sorted(output_dir.glob(f"{checkpoint.PREFIX}*")) + sorted(output_dir.glob(".tmp-*"))
     found += sorted(output_dir.glob(".rng-*"))
-    if (output_dir / "best").exists():
-        found.append(output_dir / "best")
+    # the early-stopping best model, and the copy save_best keeps while it replaces it
+    found += [output_dir / name for name in (BEST_DIR, OLD_BEST_DIR) if (output_dir / name).exists()]
     return found
 
 
