@@ -2,7 +2,7 @@
 
 Five variants, each in its own fresh process, interleaved A B C D E, A B C D E, ... for `--repeats` rounds:
 
-  tuneloop                 tuneloop's own loop through its real CLI path (tuneloop.cli.main train), unpacked
+  tuneloop                 tuneloop's real run (tuneloop.run.TrainingSession, what `tuneloop train` runs), unpacked
   trainer                  transformers Trainer, default arguments, DataCollatorForSeq2Seq (pad to longest)
   trainer_group_by_length  the same with train_sampling_strategy="group_by_length"
   bare_loop                a bare Accelerate loop as in Accelerate's docs (DataLoader shuffle + padding collator,
@@ -26,7 +26,7 @@ See benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import json
 import math
 import os
@@ -38,8 +38,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
+
+from tuneloop.train.hooks import RunHooks  # light: torch and transformers load in the children
 
 VARIANTS = ["tuneloop", "trainer", "trainer_group_by_length", "bare_loop", "tuneloop_packed"]
 H200_BF16_DENSE_FLOPS = 989e12
@@ -66,7 +67,7 @@ MODEL_NAMES = {"embedded": "smollm2-135m (embedded)", "tiny-llama": "tiny LLaMA 
 
 # ======================================================================================== parent: assets
 def chatterbot_messages() -> list[list[dict]]:
-    from tuneloop.embedded import ensure_embedded_dataset
+    from tuneloop.demo.embedded import ensure_embedded_dataset
 
     path = ensure_embedded_dataset()
     return [json.loads(line)["messages"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -117,7 +118,7 @@ def build_llama(target: Path, tokenizer_dir: Path, shape: str) -> Path:
 
 
 def embedded_model_dir() -> Path:
-    from tuneloop.embedded import ensure_embedded_model
+    from tuneloop.demo.embedded import ensure_embedded_model
 
     return Path(ensure_embedded_model())
 
@@ -244,10 +245,9 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
     elif model_key == "llama-1b":
         model_dir = build_llama(workdir / "model", embedded_model_dir(), "llama-1b")
     elif model_key == "config":
-        from tuneloop.embedded import resolve_model_path
+        from tuneloop.run import load_run_config
 
-        model_dir = Path(resolve_model_path(config_from_dict(yaml.safe_load(Path(args.config).read_text()))
-                                            .base_model))
+        model_dir = Path(load_run_config(args.config).base_model)
     else:
         model_dir = embedded_model_dir()
     if setup["device"] == "auto":
@@ -495,126 +495,69 @@ def train_loss_of_last_log(log_history: list[dict]) -> float | None:
 
 
 # ======================================================================================== child variants
+class BenchHooks(RunHooks):
+    """How the benchmark watches a tuneloop run, through its hooks (tuneloop/train/hooks.py): it counts the real
+    and computed tokens of every micro-batch (as the other variants count theirs in their collator), keeps the
+    trained model and reads peak memory when the loop ends, and with `profile` times each phase of the loop (with
+    a CUDA sync around each on GPU). What is left of the loop's wall time is the loop's own code."""
+
+    def __init__(self, device: str, profile: bool):
+        self.device, self.profile = device, profile
+        self.real = self.computed = 0
+        self.phases: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.kept: dict = {}
+
+    def micro_batch(self, batch) -> None:
+        self.real += batch.n_real_tokens
+        self.computed += batch.inputs["input_ids"].numel()
+
+    def loop_started(self) -> None:
+        sync(self.device)
+        self.kept["loop_start"] = time.perf_counter()
+
+    def loop_ended(self, model) -> None:
+        sync(self.device)
+        self.kept.update(loop_end=time.perf_counter(), peak_mem_mb=peak_memory_mb(self.device), model=model)
+
+    def phase(self, name: str):
+        return self._timed(name) if self.profile else super().phase(name)
+
+    @contextlib.contextmanager
+    def _timed(self, name: str):
+        sync(self.device)
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            sync(self.device)
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - begin
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+
 def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
-    """`tuneloop.cli.main(["train", ...])` in this process: the real code path, loop.py untouched.
-
-    Light hooks on names loop.py looks up at call time: `Collator` is subclassed to count the real and
-    padded tokens of every micro-batch (as the other variants count theirs in their collator), and
-    `publish_final` is replaced so the trained model stays in memory for the eval, peak memory is read as the
-    loop ends and nothing is written. With `profile`, the functions the loop calls are also timed
-    (with a CUDA sync around each on GPU): sampler, collate, to(device), forward, loss, backward, clip,
-    optimizer, scheduler, logging; what is left of the loop's wall time is its own overhead."""
-    import tuneloop.data.collate as collate_module
-    import tuneloop.model as model_module
-    import tuneloop.train.loop as loop
-    from accelerate import Accelerator
-
-    from tuneloop.cli import main
+    """tuneloop's real run (tuneloop.run.TrainingSession, what `tuneloop train` runs) in this process, watched
+    through its hooks (BenchHooks): nothing of tuneloop is patched."""
+    from tuneloop.run import TrainingSession, load_run_config
 
     device = job["device"]
-    counted = {"real": 0, "computed": 0}
-    kept: dict = {}
-    phases: dict[str, float] = {}
-    calls: dict[str, int] = {}
-
-    def timed(name: str, fn):
-        phases.setdefault(name, 0.0)
-        calls.setdefault(name, 0)
-
-        @functools.wraps(fn)  # keeps the signature: Accelerate inspects zero_grad's parameters
-        def wrapper(*args, **kwargs):
-            sync(device)
-            begin = time.perf_counter()
-            if name.startswith("sampler"):
-                kept.setdefault("loop_start", begin)  # the loop's first act: this epoch's micro-batches
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                sync(device)
-                phases[name] += time.perf_counter() - begin
-                calls[name] += 1
-        return wrapper
-
-    class CountingCollator(loop.Collator):
-        def __call__(self, rows):
-            batch = super().__call__(rows)
-            counted["real"] += batch.n_real_tokens
-            counted["computed"] += batch.inputs["input_ids"].numel()
-            return batch
-
-    def keep_model(model, tokenizer, output_dir):
-        sync(device)
-        kept["loop_end"] = time.perf_counter()
-        kept["peak_mem_mb"] = peak_memory_mb(device)
-        kept["model"] = model
-
-    loop.publish_final = keep_model
-    if profile:
-        CountingCollator.__call__ = timed("collate", CountingCollator.__call__)
-        collate_module.MicroBatch.to = timed("to(device)", collate_module.MicroBatch.to)
-        loop.epoch_micro_batches = timed("sampler (epoch's micro-batches)", loop.epoch_micro_batches)
-        loop.summed_token_loss = timed("loss (summed CE)", loop.summed_token_loss)
-        Accelerator.backward = timed("backward", Accelerator.backward)
-        Accelerator.clip_grad_norm_ = timed("clip grad norm", Accelerator.clip_grad_norm_)
-        Accelerator.reduce = timed("logging: reduce + host sync", Accelerator.reduce)
-
-        class TimedMetricsLog(loop.MetricsLog):
-            write = timed("logging: metrics write + print", loop.MetricsLog.write)
-
-        loop.MetricsLog = TimedMetricsLog
-        build_optimizer, build_scheduler, load_model = loop.build_optimizer, loop.build_scheduler, \
-            model_module.load_model
-
-        def timed_optimizer(*args, **kwargs):
-            optimizer = build_optimizer(*args, **kwargs)
-            # bound methods: the LR scheduler re-wraps optimizer.step and needs its __func__
-            optimizer.step = types.MethodType(timed("optimizer step", type(optimizer).step), optimizer)
-            optimizer.zero_grad = types.MethodType(timed("zero_grad", type(optimizer).zero_grad), optimizer)
-            return optimizer
-
-        def timed_scheduler(*args, **kwargs):
-            scheduler = build_scheduler(*args, **kwargs)
-            scheduler.step = types.MethodType(timed("scheduler step", type(scheduler).step), scheduler)
-            return scheduler
-
-        def timed_model(*args, **kwargs):
-            model = load_model(*args, **kwargs)
-            phases.setdefault("forward", 0.0)
-            calls.setdefault("forward", 0)
-
-            def before(module, inputs):
-                sync(device)
-                kept["forward_start"] = time.perf_counter()
-
-            def after(module, inputs, output):
-                sync(device)
-                phases["forward"] += time.perf_counter() - kept["forward_start"]
-                calls["forward"] += 1
-
-            model.register_forward_pre_hook(before)
-            model.register_forward_hook(after)
-            return model
-
-        loop.build_optimizer, loop.build_scheduler, model_module.load_model = (timed_optimizer, timed_scheduler,
-                                                                               timed_model)
-    loop.Collator = CountingCollator
-
+    hooks = BenchHooks(device, profile)
     overrides = [*job.get("tuneloop_set", []), f"output_dir={job['output_dir']}",
                  f"sample_packing={'true' if packed else 'false'}"]
-    code = main(["train", job["config_path"], *[item for o in overrides for item in ("--set", o)]])
-    if code != 0 or "model" not in kept:
-        raise SystemExit(f"tuneloop train exited {code}" + ("" if "model" in kept else " without a final model"))
-    out = Path(job["output_dir"])
-    summary = json.loads((out / "summary.json").read_text())
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    model = kept["model"]
+    with TrainingSession(load_run_config(job["config_path"], overrides), hooks) as session:
+        result = session.run(overwrite=True)
+    if result.error is not None or "model" not in hooks.kept:
+        raise SystemExit(f"tuneloop train failed: {result.error or 'no final model'}")
+    summary = result.summary
+    metrics = [json.loads(line) for line in (Path(job["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    model = hooks.kept["model"]
     if profile:
-        total = kept["loop_end"] - kept["loop_start"]
+        total = hooks.kept["loop_end"] - hooks.kept["loop_start"]
         return {"variant": "tuneloop_packed" if packed else "tuneloop", "steps": summary["steps"],
-                "micro_batches": calls.get("collate", 0), "total_seconds": total,
-                "phases": phases, "calls": calls, "other_seconds": total - sum(phases.values())}
-    return {"real_tokens": counted["real"], "train_seconds": summary["train_seconds"], "steps": summary["steps"],
-            "peak_mem_mb": kept["peak_mem_mb"], "computed_tokens": counted["computed"],
+                "micro_batches": hooks.calls.get("collate", 0), "total_seconds": total,
+                "phases": hooks.phases, "calls": hooks.calls, "other_seconds": total - sum(hooks.phases.values())}
+    return {"real_tokens": hooks.real, "train_seconds": summary["train_seconds"], "steps": summary["steps"],
+            "peak_mem_mb": hooks.kept["peak_mem_mb"], "computed_tokens": hooks.computed,
             "train_loss_last": [m["loss"] for m in metrics if "loss" in m][-1],
             "eval_loss": eval_loss_per_token(model, job["eval_cache"], job_tokenizer(job).pad_token_id,
                                              device, job["bf16"]),
@@ -624,7 +567,6 @@ def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
 
 def child_trainer(job: dict, group_by_length: bool) -> dict:
     import datasets
-    import torch
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 
     device = job["device"]

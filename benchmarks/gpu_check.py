@@ -69,7 +69,8 @@ def check_packed_equals_alone(workdir: Path, model_dir: Path, tokenizer_dir: Pat
     import conftest
     from tuneloop.config import config_from_dict
     from tuneloop.data.collate import Collator
-    from tuneloop.data.prepare import IGNORE_INDEX, prepare
+    from tuneloop.data.labels import IGNORE_INDEX
+    from tuneloop.data.prepare import prepare
 
     data = conftest.write_jsonl(workdir / "pack.jsonl", conftest.tiny_rows(12, seed=5))
     cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(data), "type": "alpaca"}],

@@ -121,10 +121,31 @@ def base_config(tmp_path: Path, model_dir: Path, data_file: Path, **overrides) -
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
             timeout: int = 600) -> subprocess.CompletedProcess:
-    """The real command line in a fresh process, as a user runs it."""
+    """The real command line in a fresh process, as a user runs it: for runs that are killed or signalled,
+    and for what only a fresh process shows (the exit code of the console entry point)."""
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "tuneloop", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`tuneloop ARGS` through the same code as the command line (cli.main), in this process: no kill, signal
+    or second rank involved, and without the ~7 s that starting an interpreter with torch and transformers
+    costs here. Output is captured as a subprocess's would be; an unexpected exception fails the test with
+    its traceback. (Each single-process run forgets accelerate's process-wide state when it ends, so runs
+    with different settings follow each other in one process.)"""
+    import contextlib
+    import io
+
+    from tuneloop.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse
+            code = exit_.code
+    return subprocess.CompletedProcess(["tuneloop", *args], code, out.getvalue(), err.getvalue())
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

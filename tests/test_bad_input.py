@@ -10,10 +10,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import base_config, free_port, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+from conftest import base_config, free_port, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 
-from tuneloop.train.checkpoint import complete_checkpoints
+from tuneloop.run_files import complete_checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +32,22 @@ def test_empty_dataset_and_dataset_empty_after_filtering(tmp_path, tiny_model_di
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     config = write_config(tmp_path / "empty.yml", **base_config(tmp_path, tiny_model_dir, empty))
-    assert_user_error(run_cli("plan", str(config)), "no training rows left: read 0")
+    assert_user_error(run_in_process("plan", str(config)), "no training rows left: read 0")
     long_rows = write_jsonl(tmp_path / "long.jsonl", [{"instruction": "Count. " * 100, "output": "one"}] * 3)
     config = write_config(tmp_path / "long.yml", **base_config(tmp_path, tiny_model_dir, long_rows, sequence_len=32))
-    assert_user_error(run_cli("plan", str(config)), "no training rows left: read 3, dropped 3 longer than "
+    assert_user_error(run_in_process("plan", str(config)), "no training rows left: read 3, dropped 3 longer than "
                       "sequence_len=32")
 
 
 def test_output_dir_with_another_runs_files_is_refused_unless_overwrite(tmp_path, tiny_model_dir, data):
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=2))
-    assert run_cli("train", str(config)).returncode == 0
+    assert run_in_process("train", str(config)).returncode == 0
     before = load_file(tmp_path / "out" / "model.safetensors")
-    again = run_cli("train", str(config), "--set", "learning_rate=0.5")
+    again = run_in_process("train", str(config), "--set", "learning_rate=0.5")
     assert_user_error(again, "holds another run's files", "--overwrite", "auto_resume_from_checkpoints")
     after = load_file(tmp_path / "out" / "model.safetensors")
     assert all((before[k] == after[k]).all() for k in before)  # nothing was touched
-    replaced = run_cli("train", str(config), "--set", "learning_rate=0.5", "--overwrite")
+    replaced = run_in_process("train", str(config), "--set", "learning_rate=0.5", "--overwrite")
     assert replaced.returncode == 0, replaced.stderr[-1500:]
     assert max(m["step"] for m in read_metrics(tmp_path / "out")) == 2
 
@@ -55,11 +55,11 @@ def test_output_dir_with_another_runs_files_is_refused_unless_overwrite(tmp_path
 def test_checkpoint_from_another_config_is_refused_naming_what_changed(tmp_path, tiny_model_dir, data):
     keys = dict(save_strategy=None, save_steps=2, max_steps=4, auto_resume_from_checkpoints=True)
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
-    assert run_cli("train", str(config)).returncode == 0
+    assert run_in_process("train", str(config)).returncode == 0
     (tmp_path / "out" / "summary.json").unlink()  # as if the run had been killed after its last checkpoint
-    changed = run_cli("train", str(config), "--set", "micro_batch_size=2", "--set", "sequence_len=200")
+    changed = run_in_process("train", str(config), "--set", "micro_batch_size=2", "--set", "sequence_len=200")
     assert_user_error(changed, "different run", "micro_batch_size (4 → 2)", "the prepared data", "--force-resume")
-    forced = run_cli("train", str(config), "--set", "max_steps=6", "--force-resume")
+    forced = run_in_process("train", str(config), "--set", "max_steps=6", "--force-resume")
     assert forced.returncode == 0, forced.stderr[-1500:]
     assert "resuming from" in forced.stdout
     steps = [m["step"] for m in read_metrics(tmp_path / "out") if "loss" in m]
@@ -94,7 +94,7 @@ def test_full_disk_during_a_save_is_a_clear_error_and_the_old_checkpoint_stays(t
     with small_disk(tmp_path) as disk:
         keys = dict(save_strategy=None, save_steps=2, max_steps=6, output_dir=str(disk / "out"))
         config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
-        result = run_cli("train", str(config))
+        result = run_in_process("train", str(config))
         assert_user_error(result, "could not save step 4", "the disk is full", "newest complete checkpoint is "
                           "checkpoint-2")
         assert_only_the_first_checkpoint_stays(disk / "out")
@@ -128,7 +128,7 @@ def test_full_disk_during_the_final_save_leaves_no_torn_model(tmp_path, tiny_mod
         out = disk / "out"
         config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=3,
                                                                    output_dir=str(out)))
-        result = run_cli("train", str(config))
+        result = run_in_process("train", str(config))
         assert_user_error(result, "could not save the final model", "the disk is full")
         # nothing that from_pretrained would pick up half-written, and the run is not marked finished
         assert not list(out.glob("*.safetensors")) and not (out / "config.json").exists()
@@ -138,4 +138,4 @@ def test_full_disk_during_the_final_save_leaves_no_torn_model(tmp_path, tiny_mod
 
 def test_base_model_folder_that_does_not_exist(tmp_path, data):
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tmp_path / "no-such-model", data))
-    assert_user_error(run_cli("plan", str(config)), "`base_model:", "no-such-model` is not an existing folder")
+    assert_user_error(run_in_process("plan", str(config)), "`base_model:", "no-such-model` is not an existing folder")

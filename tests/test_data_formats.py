@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import base_config, run_cli, write_config, write_jsonl
+from conftest import base_config, run_in_process, write_config, write_jsonl
 from transformers import AutoTokenizer
 
 from tuneloop.config import config_from_dict
 from tuneloop.data.formats import ALPACA_SYSTEM_NO_INPUT, ALPACA_SYSTEM_WITH_INPUT
-from tuneloop.data.prepare import IGNORE_INDEX, prepare
+from tuneloop.data.labels import IGNORE_INDEX
+from tuneloop.data.prepare import prepare
 from tuneloop.errors import UserError
 
 
@@ -129,11 +130,11 @@ def test_malformed_json_line_names_the_file_and_line(tmp_path, tiny_model_dir):
     data = tmp_path / "broken.jsonl"
     data.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + '{"instruction": "a", "output": \n')
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data))
-    result = run_cli("preprocess", str(config))
+    result = run_in_process("preprocess", str(config))
     assert result.returncode == 2 and "broken.jsonl:2: malformed JSON line" in result.stderr
     assert "Traceback" not in result.stderr
     missing = write_config(tmp_path / "missing.yml", **base_config(tmp_path, tiny_model_dir, tmp_path / "nope.jsonl"))
-    result = run_cli("preprocess", str(missing))
+    result = run_in_process("preprocess", str(missing))
     assert result.returncode == 2 and "no such file" in result.stderr and "nope.jsonl" in result.stderr
 
 
@@ -167,7 +168,7 @@ def test_val_set_size_splits_deterministically_by_seed(tmp_path, tokenizer):
 def test_preprocess_show_marks_the_trained_text(tmp_path, tiny_model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "Say hello.", "output": "Hello there"}])
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data))
-    result = run_cli("preprocess", str(config), "--show", "1")
+    result = run_in_process("preprocess", str(config), "--show", "1")
     assert result.returncode == 0, result.stderr
     assert "### Response:\n⟦Hello there<|endoftext|>⟧" in result.stdout
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tuneloop import embedded
+from tuneloop.demo import embedded
 from tuneloop.errors import UserError
 
 SAMPLE = "The quick brown fox jumps over the lazy dog."
@@ -199,7 +199,7 @@ def test_concurrent_builders_build_once(tmp_path):
         f"""
         import os, time
         from pathlib import Path
-        from tuneloop import embedded
+        from tuneloop.demo import embedded
 
         def slow_build(gguf_path, out_dir):
             with open({str(log)!r}, "a") as handle:

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import base_config, free_port, tiny_rows, write_config, write_jsonl
+from conftest import base_config, free_port, run_in_process, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -24,20 +24,22 @@ from tuneloop.data.batching import epoch_micro_batches
 from tuneloop.data.collate import Collator
 from tuneloop.data.prepare import prepare
 from tuneloop.plan import train_spec
-from tuneloop.train.losses import summed_token_loss
+from tuneloop.train.objectives import summed_token_loss
 
 ONE_SGD_STEP = {"optimizer": "sgd", "learning_rate": 1.0, "max_grad_norm": None, "max_steps": 1,
                 "lr_scheduler": "constant", "num_epochs": 1}
 
 
 def one_step_update(tmp_path, model_dir, data, name, launcher=(), **keys) -> dict:
+    """The weight change of one step: `tuneloop train` in this process, or under `launcher` (several ranks)."""
     run_dir = tmp_path / name
     run_dir.mkdir()
     config = write_config(run_dir / "run.yml", **base_config(run_dir, model_dir, data, **ONE_SGD_STEP, **keys))
-    command = [*launcher, "-m", "tuneloop", "train", str(config)] if launcher else \
-        [sys.executable, "-m", "tuneloop", "train", str(config)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if launcher:
+        result = subprocess.run([*launcher, "-m", "tuneloop", "train", str(config)], capture_output=True, text=True,
+                                timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    else:
+        result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     after = load_file(run_dir / "out" / "model.safetensors")
     before = load_file(model_dir / "model.safetensors")
@@ -56,9 +58,16 @@ def uneven_data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", tiny_rows(64, seed=3))
 
 
-def test_accumulating_4_micro_batches_of_2_equals_one_batch_of_8(tmp_path, tiny_model_dir, uneven_data):
-    accumulated = one_step_update(tmp_path, tiny_model_dir, uneven_data, "accum",
-                                  micro_batch_size=2, gradient_accumulation_steps=4)
+@pytest.fixture(scope="module")
+def accumulated_update(tmp_path_factory, tiny_model_dir, uneven_data) -> dict:
+    """One process, 4 micro-batches of 2: the reference the one-batch and the two-rank updates must equal."""
+    return one_step_update(tmp_path_factory.mktemp("accum"), tiny_model_dir, uneven_data, "accum",
+                           micro_batch_size=2, gradient_accumulation_steps=4)
+
+
+def test_accumulating_4_micro_batches_of_2_equals_one_batch_of_8(tmp_path, tiny_model_dir, uneven_data,
+                                                                accumulated_update):
+    accumulated = accumulated_update
     one_batch = one_step_update(tmp_path, tiny_model_dir, uneven_data, "batch",
                                 micro_batch_size=8, gradient_accumulation_steps=1)
     assert relative_difference(accumulated, one_batch) < 1e-5
@@ -95,9 +104,8 @@ def launcher(kind: str) -> tuple:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["torchrun", "accelerate"])
-def test_two_ddp_ranks_equal_one_process(tmp_path, tiny_model_dir, uneven_data, kind):
-    one_process = one_step_update(tmp_path, tiny_model_dir, uneven_data, "single",
-                                  micro_batch_size=2, gradient_accumulation_steps=4)
+def test_two_ddp_ranks_equal_one_process(tmp_path, tiny_model_dir, uneven_data, accumulated_update, kind):
+    one_process = accumulated_update  # 4 micro-batches of 2 in one process
     two_ranks = one_step_update(tmp_path, tiny_model_dir, uneven_data, "ddp", launcher=launcher(kind),
                                 micro_batch_size=2, gradient_accumulation_steps=2)
     plan = (tmp_path / "ddp" / "out" / "plan.json").read_text()

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tuneloop.config import config_from_dict
 from tuneloop.data.batching import BatchingSpec, epoch_batches, epoch_micro_batches, pack_best_fit_decreasing
 from tuneloop.data.collate import Collator
-from tuneloop.data.prepare import IGNORE_INDEX, prepare
+from tuneloop.data.labels import IGNORE_INDEX
+from tuneloop.data.prepare import prepare
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,7 @@ def test_eval_metrics_are_the_same_packed_or_padded(prepared, tiny_model_dir):
     from accelerate import Accelerator
 
     from tuneloop.train.evaluate import evaluate
+    from tuneloop.train.objectives import OBJECTIVES
 
     model = model_with("sdpa", tiny_model_dir)
     lengths = np.asarray(prepared.train["length"])
@@ -122,7 +124,8 @@ def test_eval_metrics_are_the_same_packed_or_padded(prepared, tiny_model_dir):
     for mode, packed in (("packed", True), ("group_by_length", False)):
         spec = BatchingSpec(mode, micro_batch_size=3, sequence_len=512, world_size=1, seed=0)
         batches = epoch_micro_batches(lengths, spec, 0, shuffle=False, even=False)[0]
-        results[mode] = evaluate(model, batches, Collator(prepared.train, 0, packed=packed), accelerator)
+        results[mode] = evaluate(model, batches, Collator(prepared.train, 0, packed=packed),
+                                   OBJECTIVES["language_model"], accelerator)
     packed, padded = results["packed"], results["group_by_length"]
     assert packed["eval_tokens"] == padded["eval_tokens"] == int(np.sum(prepared.train["n_targets"]))
     assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-6)

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import base_config, free_port, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+from conftest import base_config, free_port, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
 
 from tuneloop.config import config_from_dict
 from tuneloop.plan import make_plan
@@ -35,7 +35,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_plan_total_steps_and_tokens_equal_the_run(tmp_path, tiny_model_dir, data, case):
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **CASES[case]))
-    result = run_cli("train", str(config))
+    result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     steps = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
@@ -55,7 +55,7 @@ def test_plan_for_two_ranks_equals_a_real_two_rank_run(tmp_path, tiny_model_dir,
     keys = dict(sample_packing=True, sequence_len=256, micro_batch_size=1, gradient_accumulation_steps=2,
                 num_epochs=2)
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
-    planned = json.loads(run_cli("plan", str(config), "--json", "--world-size", "2").stdout)
+    planned = json.loads(run_in_process("plan", str(config), "--json", "--world-size", "2").stdout)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), "-m", "tuneloop", "train", str(config)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600,
@@ -69,7 +69,7 @@ def test_plan_for_two_ranks_equals_a_real_two_rank_run(tmp_path, tiny_model_dir,
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["targets_collated"] == planned["total_trainable_tokens"]  # both ranks' collators, summed
     # and the world-size-1 plan of the same config really differs: twice the steps
-    single = json.loads(run_cli("plan", str(config), "--json", "--world-size", "1").stdout)
+    single = json.loads(run_in_process("plan", str(config), "--json", "--world-size", "1").stdout)
     assert single["steps_per_epoch"] >= 2 * planned["steps_per_epoch"] - 1
 
 

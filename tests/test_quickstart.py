@@ -1,4 +1,5 @@
-"""The quickstart config, on the embedded SmolLM2 and chatterbot data, end to end (few steps in CI)."""
+"""The quickstart config, on the embedded SmolLM2 and chatterbot data, end to end (two steps in CI: each step of
+the 135M model takes ~15 s on 2 CPU cores, and two already lower the eval loss from 3.31 to 2.14)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_cli
+from conftest import read_metrics, run_in_process
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yml"
 
@@ -14,15 +15,15 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.yml"
 @pytest.mark.slow
 def test_quickstart_trains_the_embedded_model_and_lowers_eval_loss(tmp_path):
     out = tmp_path / "out"
-    result = run_cli("train", str(QUICKSTART), "--set", "max_steps=4", "--set", f"output_dir={out}",
-                     "--set", f"dataset_prepared_path={tmp_path / 'prepared'}", "--set", "evals_per_epoch=1")
+    result = run_in_process("train", str(QUICKSTART), "--set", "max_steps=2", "--set", f"output_dir={out}",
+                            "--set", f"dataset_prepared_path={tmp_path / 'prepared'}", "--set", "evals_per_epoch=1")
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads((out / "plan.json").read_text())
     metrics = read_metrics(out)
     evals = [m for m in metrics if "eval_loss" in m]
-    assert plan["batching"] == "packed" and plan["total_steps"] == 4
-    assert max(m["step"] for m in metrics if "loss" in m) == 4
-    assert [m["step"] for m in evals] == [0, 4]
+    assert plan["batching"] == "packed" and plan["total_steps"] == 2
+    assert max(m["step"] for m in metrics if "loss" in m) == 2
+    assert [m["step"] for m in evals] == [0, 2]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 0.5
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import base_config, free_port, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+from conftest import base_config, free_port, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 
-from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV, STATE_FILE, complete_checkpoints
+from tuneloop.run_files import STATE, complete_checkpoints
+from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
 from tuneloop.train.guards import SIGNAL_AT_STEP_ENV
 
 VARIANTS = {
@@ -62,7 +63,7 @@ def assert_identical(a: dict, b: dict) -> None:
 
 def uninterrupted(tmp_path, model_dir, data, keys) -> tuple[dict, list[dict]]:
     config = write_config(tmp_path / "straight.yml", **base_config(tmp_path / "straight", model_dir, data, **keys))
-    result = run_cli("train", str(config))
+    result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr[-2000:]
     return weights(tmp_path / "straight" / "out"), read_metrics(tmp_path / "straight" / "out")
 
@@ -84,7 +85,7 @@ def test_sigkill_at_a_random_point_then_auto_resume_is_bit_identical(tmp_path, t
     process.wait()
     assert process.returncode == -signal.SIGKILL, f"the run ended before the kill (seed {seed})"
     newest = complete_checkpoints(run_dir / "out")[-1]
-    resumed = run_cli("train", str(config))
+    resumed = run_in_process("train", str(config))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming from {newest}" in resumed.stdout, f"seed {seed}"
 
@@ -112,7 +113,7 @@ def test_a_kill_during_a_save_leaves_no_checkpoint_that_is_resumed(tmp_path, tin
     out = run_dir / "out"
     assert (out / ".tmp-checkpoint-6").is_dir()  # the torn save is there …
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]  # … and not a checkpoint
-    resumed = run_cli("train", str(config))
+    resumed = run_in_process("train", str(config))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stdout and "checkpoint-3" in resumed.stdout
     assert_identical(weights(out), expected_weights)
@@ -122,7 +123,7 @@ def test_a_kill_during_a_save_leaves_no_checkpoint_that_is_resumed(tmp_path, tin
 
 
 def test_overwrite_clears_every_folder_an_earlier_run_left(tmp_path):
-    from tuneloop.train.run_dir import clear_previous_run
+    from tuneloop.run_files import clear_previous_run
 
     out = tmp_path / "out"
     for name in ("checkpoint-3", ".tmp-checkpoint-6", "best", ".old-best", ".tmp-final"):
@@ -136,7 +137,7 @@ def test_overwrite_clears_every_folder_an_earlier_run_left(tmp_path):
 
 def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
     from tuneloop.config import config_from_dict
-    from tuneloop.train.run_dir import choose_checkpoint
+    from tuneloop.train.resume import choose_checkpoint
 
     out = tmp_path / "out"
     for step, complete in ((3, True), (6, True), (9, False)):
@@ -144,7 +145,7 @@ def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"x")
         if complete:
-            (folder / STATE_FILE).write_text("{}")
+            (folder / STATE).write_text("{}")
     cfg = config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "auto_resume_from_checkpoints": True})
     assert choose_checkpoint(cfg, out).name == "checkpoint-6"
 
@@ -162,7 +163,7 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir, da
     assert process.returncode == 75, stdout[-2000:]
     saved = complete_checkpoints(run_dir / "out")
     assert len(saved) == 1 and "stopped by a signal" in stdout
-    resumed = run_cli("train", str(config))
+    resumed = run_in_process("train", str(config))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_identical(weights(run_dir / "out"), expected_weights)
 
@@ -173,7 +174,7 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tm
                 save_strategy=None,
                 num_epochs=3, micro_batch_size=2)
     config = write_config(tmp_path / "nan.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
-    result = run_cli("train", str(config))
+    result = run_in_process("train", str(config))
     assert result.returncode == 3, result.stdout[-2000:] + result.stderr[-2000:]
     assert "not finite at step" in result.stderr and "Traceback" not in result.stderr
     bad_step = int(result.stderr.split("not finite at step ")[1].split()[0])
@@ -189,7 +190,7 @@ def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tm
 def test_loss_watchdog_threshold_stops_after_patience(tmp_path, tiny_model_dir, data):
     config = write_config(tmp_path / "high.yml", **base_config(
         tmp_path, tiny_model_dir, data, loss_watchdog_threshold=0.5, loss_watchdog_patience=2, max_steps=6))
-    result = run_cli("train", str(config))
+    result = run_in_process("train", str(config))
     assert result.returncode == 3 and "loss_watchdog_threshold=0.5 for 2 steps in a row, reaching step 2" \
         in result.stderr
 
@@ -199,7 +200,7 @@ def test_early_stopping_keeps_the_best_model(tmp_path, tiny_model_dir, data):
     keys = dict(val_set_size=0.2, eval_steps=1, early_stopping_patience=2, learning_rate=0.05,
                 lr_scheduler="constant", num_epochs=4, max_grad_norm=None)
     config = write_config(tmp_path / "early.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
-    result = run_cli("train", str(config))
+    result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr[-2000:]
     out = tmp_path / "out"
     summary = json.loads((out / "summary.json").read_text())
@@ -219,7 +220,7 @@ def test_resuming_from_the_checkpoint_where_early_stopping_fired_stops_again(tmp
                 early_stopping_patience=2, learning_rate=0.05, lr_scheduler="constant", num_epochs=4,
                 max_grad_norm=None, auto_resume_from_checkpoints=True)
     config = write_config(tmp_path / "early.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
-    first = run_cli("train", str(config))
+    first = run_in_process("train", str(config))
     assert first.returncode == 0, first.stderr[-2000:]
     out = tmp_path / "out"
     stop_step = json.loads((out / "summary.json").read_text())["steps"]
@@ -230,7 +231,7 @@ def test_resuming_from_the_checkpoint_where_early_stopping_fired_stops_again(tmp
     for torn in (".tmp-final", ".tmp-best"):  # … half-way, and an earlier best-model save too
         (out / torn).mkdir()
         (out / torn / "model.safetensors").write_bytes(b"torn")
-    resumed = run_cli("train", str(config))
+    resumed = run_in_process("train", str(config))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped_by"] == "early_stopping" and summary["steps"] == stop_step

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tuneloop.train.optim import lr_multiplier
+from tuneloop.optim import lr_multiplier
 
 
 class Plan:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import base_config, read_metrics, run_cli, tiny_rows, write_config, write_jsonl
+from conftest import base_config, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def test_train_runs_exactly_the_planned_steps_and_saves_a_loadable_model(tmp_pat
     config = write_config(tmp_path / "run.yml", **base_config(
         tmp_path, tiny_model_dir, alpaca_file, val_set_size=0.1, gradient_accumulation_steps=2, num_epochs=3,
         learning_rate=3e-3, eval_on_start=True, evals_per_epoch=1, warmup_steps=2))
-    result = run_cli("train", str(config))
+    result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr
     out = tmp_path / "out"
     plan = json.loads((out / "plan.json").read_text())
@@ -58,7 +58,7 @@ def test_train_runs_exactly_the_planned_steps_and_saves_a_loadable_model(tmp_pat
 def test_plan_command_prints_the_same_numbers_as_train_writes(tmp_path, tiny_model_dir, alpaca_file):
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, alpaca_file, max_steps=5,
                                                               num_epochs=2))
-    result = run_cli("plan", str(config), "--json")
+    result = run_in_process("plan", str(config), "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     for key in ("world_size", "micro_batch_size", "gradient_accumulation_steps", "global_batch_size", "train_rows",
@@ -67,10 +67,10 @@ def test_plan_command_prints_the_same_numbers_as_train_writes(tmp_path, tiny_mod
         assert key in plan
     assert plan["total_steps"] == 5
     assert any("max_steps=5" in warning for warning in plan["warnings"])
-    human = run_cli("plan", str(config))
+    human = run_in_process("plan", str(config))
     assert "5 in total" in human.stdout and "warning: max_steps=5" in human.stdout
 
-    assert run_cli("train", str(config)).returncode == 0
+    assert run_in_process("train", str(config)).returncode == 0
     assert json.loads((tmp_path / "out" / "plan.json").read_text()) == plan
     assert max(m["step"] for m in read_metrics(tmp_path / "out")) == 5
 
@@ -79,7 +79,7 @@ def test_lora_trains_only_the_adapter_and_saves_a_loadable_adapter(tmp_path, tin
     config = write_config(tmp_path / "lora.yml", **base_config(
         tmp_path, tiny_model_dir, alpaca_file, adapter="lora", lora_r=4, lora_alpha=8,
         lora_target_modules=["q_proj", "v_proj"], max_steps=4, learning_rate=1e-2))
-    result = run_cli("train", str(config))
+    result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
     assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()

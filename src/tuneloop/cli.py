@@ -13,64 +13,39 @@ import sys
 import warnings
 from pathlib import Path
 
-from tuneloop.errors import (DIVERGED_EXIT_CODE, PREEMPTED_EXIT_CODE, CheckpointFailed, TrainingDiverged,
-                             UserError)
+from tuneloop.errors import DIVERGED_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingDiverged, UserError
+from tuneloop.train.hooks import RunHooks  # light: the heavy imports stay inside the commands
 
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
 
 
 def _config(args):
-    from tuneloop.config import load_config
+    from tuneloop.run import load_run_config
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cfg = load_config(args.config, args.set)
+        cfg = load_run_config(args.config, args.set)
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     return cfg
 
 
-def _prepared(cfg, force: bool = False):
-    from transformers.utils import logging as transformers_logging
-
-    from tuneloop.data.prepare import prepare
-    from tuneloop.model import load_tokenizer
-
-    transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
-
-    tokenizer = load_tokenizer(cfg)
-    return tokenizer, prepare(cfg, tokenizer, force=force)
-
-
-def _plan(cfg, prepared, world_size: int):
-    import numpy as np
-
-    from tuneloop.embedded import resolve_model_path
-    from tuneloop.memory import estimate_memory
-    from tuneloop.model import mixed_precision
-    from tuneloop.plan import attach_memory_estimate, make_plan
-
-    plan = make_plan(cfg, np.asarray(prepared.train["length"]), np.asarray(prepared.train["n_targets"]),
-                     prepared.stats.eval_rows, prepared.stats.dropped_too_long, world_size)
-    estimate = estimate_memory(cfg, resolve_model_path(cfg.base_model), plan.max_micro_batch_tokens,
-                               mixed_precision(cfg))
-    attach_memory_estimate(plan, estimate)
-    return plan
-
-
 def command_plan(args) -> int:
     from tuneloop.plan import describe, world_size_from_env
+    from tuneloop.run import plan_run, prepare_data
 
     cfg = _config(args)
-    _, prepared = _prepared(cfg)
-    plan = _plan(cfg, prepared, args.world_size or world_size_from_env())
+    _, prepared = prepare_data(cfg)
+    plan = plan_run(cfg, prepared, args.world_size or world_size_from_env())
     print(json.dumps(plan.to_json(), indent=2) if args.json else describe(plan))
     return 0
 
 
 def command_preprocess(args) -> int:
+    from tuneloop.run import prepare_data
+
     cfg = _config(args)
-    tokenizer, prepared = _prepared(cfg, force=args.force)
+    tokenizer, prepared = prepare_data(cfg, force=args.force)
     stats = prepared.stats
     print(f"prepared {stats.train_rows} train and {stats.eval_rows} eval rows from {stats.rows_read} read "
           f"({stats.dropped_too_long} longer than sequence_len={cfg.sequence_len} dropped, "
@@ -85,123 +60,77 @@ def command_preprocess(args) -> int:
 
 def marked_text(input_ids: list[int], labels: list[int], tokenizer) -> str:
     """The row's text with each run of trained tokens wrapped in ⟦ ⟧."""
+    from tuneloop.data.labels import IGNORE_INDEX
+
     pieces, start = [], 0
     for end in range(1, len(input_ids) + 1):
-        if end == len(input_ids) or (labels[end] != -100) != (labels[start] != -100):
+        if end == len(input_ids) or (labels[end] != IGNORE_INDEX) != (labels[start] != IGNORE_INDEX):
             text = tokenizer.decode(input_ids[start:end])
-            pieces.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if labels[start] != -100 else text)
+            pieces.append(f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}" if labels[start] != IGNORE_INDEX else text)
             start = end
     return "".join(pieces)
 
 
 def command_train(args) -> int:
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    from tuneloop.model import load_model, mixed_precision
-    from tuneloop.plan import describe
-    from tuneloop.train import checkpoint, run_dir
-    from tuneloop.train.guards import StopRequests
-    from tuneloop.train.loop import train
+    from tuneloop.run import TrainingSession
 
     cfg = _config(args)
-    output_dir = Path(cfg.output_dir)
-    if cfg.auto_resume_from_checkpoints and not args.overwrite and run_dir.finished_run(output_dir):
-        print(f"{output_dir} holds a finished run (summary.json); nothing to resume")
-        return 0
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(cfg))
-    if cfg.tf32 and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-    set_seed(cfg.seed)
-    with accelerator.main_process_first():  # rank 0 fills the data cache, the others read it
-        tokenizer, prepared = _prepared(cfg)
-    plan = _plan(cfg, prepared, accelerator.num_processes)
-    identity = {"data_key": prepared.cache_dir.name, "base_model": cfg.base_model, "adapter": cfg.adapter}
-    resume = None
-    if accelerator.is_main_process:
-        resume = run_dir.prepare_output_dir(cfg, output_dir, args.overwrite)
-        if resume is not None:
-            run_dir.check_resumable(checkpoint.read_state(resume), plan.to_json(), identity, args.force_resume)
-            run_dir.continue_from(output_dir, resume)
-        (output_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
-        print(describe(plan), flush=True)
-        if resume is not None:
-            print(f"resuming from {resume} (step {checkpoint.step_of(resume)})", flush=True)
-    resume = _shared(accelerator, resume)
-    model = load_model(cfg, tokenizer, checkpoint=resume)
-    try:
-        with StopRequests() as stop:
-            outcome = train(cfg, plan, prepared, tokenizer, model, accelerator, identity, resume_from=resume,
-                            stop=stop)
-    except (TrainingDiverged, CheckpointFailed) as error:  # raised on every rank at the same collective
-        # said before the ranks leave: a launcher stops the other ranks as soon as one exits non-zero
-        exit_code = _say_error(error)
-        _leave_together(accelerator)
-        return exit_code
-    exit_code = PREEMPTED_EXIT_CODE if outcome.stopped_by == "signal" else 0
-    try:
-        if accelerator.is_main_process:
-            try:
-                _finish_on_main(output_dir, outcome, plan)
-            except UserError as error:  # the summary or report could not be written
-                exit_code = _say_error(error)
-    finally:
-        _leave_together(accelerator)  # every rank, also when the main process failed here
-    return exit_code
+    with TrainingSession(cfg, hooks=ConsoleHooks()) as session:  # leaving it, the ranks wait for each other
+        result = session.run(overwrite=args.overwrite, force_resume=args.force_resume)
+        if result.error is not None:
+            # said before the ranks leave: a launcher stops the other ranks as soon as one exits non-zero
+            return _say_error(result.error)
+        if session.is_main:
+            _say_outcome(result)
+        return PREEMPTED_EXIT_CODE if result.stopped_by_signal else 0
 
 
-def _finish_on_main(output_dir: Path, outcome, plan) -> None:
-    from tuneloop.report import write_report
-    from tuneloop.train.loop import write_summary
-
-    try:
-        summary = write_summary(output_dir, outcome, plan)
-        write_report(output_dir)
-    except OSError as error:
-        saved = "a checkpoint is" if outcome.stopped_by == "signal" else "the model is"
-        raise UserError(f"output: {saved} saved in {output_dir}, but the summary or report could not be written "
-                        f"({error.strerror or error}). `tuneloop report {output_dir}` redraws the report; "
-                        "resuming (auto_resume_from_checkpoints: true) repeats the steps after the last "
-                        "checkpoint.") from None
-    if outcome.stopped_by == "signal":
-        print(f"stopped by a signal after step {outcome.steps}; checkpoint saved in {output_dir}. "
+def _say_outcome(result) -> None:
+    if result.already_finished:
+        print(f"{result.output_dir} holds a finished run (summary.json); nothing to resume")
+    elif result.stopped_by_signal:
+        print(f"stopped by a signal after step {result.outcome.steps}; checkpoint saved in {result.output_dir}. "
               "Run again with auto_resume_from_checkpoints: true to continue.", flush=True)
     else:
+        summary = result.summary
         print(f"done: {summary['steps']} steps in {summary['train_seconds']} s; eval loss "
               f"{summary['first_eval_loss']} → {summary['last_eval_loss']}"
-              f"{' (early stopping: best model kept)' if outcome.stopped_by else ''}; model saved to {output_dir}",
-              flush=True)  # before the other ranks leave: a launcher may stop this process when they do
+              f"{' (early stopping: best model kept)' if result.outcome.stopped_by else ''}; model saved to "
+              f"{result.output_dir}", flush=True)  # before the other ranks leave: a launcher may stop this one
 
 
-def _leave_together(accelerator) -> None:
-    """Ranks wait for each other (rank 0 writes the summary and report meanwhile), then tear down.
+class ConsoleHooks(RunHooks):
+    """What `tuneloop train` shows while it runs: the plan, then a progress line per metrics record."""
 
-    Why the wait: gloo's worker thread lets go of the last collective's tensors a moment after the
-    collective returns, and it needs the GIL to do so. A rank that exits at once can reach interpreter
-    finalization first; the worker then dies inside C++ and the process aborts with "terminate called
-    without an active exception" (SIGABRT) after a complete run: seen on rank 1 of 2 in about one
-    run in five on 2 busy cores. A barrier releases the GIL while it waits, so the worker finishes.
-    """
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    progress = None
 
+    def planned(self, plan, resume_from) -> None:
+        from tuneloop.plan import describe
+        from tuneloop.run_files import step_of
+        from tuneloop.train.track import ProgressLines
 
-def _shared(accelerator, value):
-    """The main process's value on every rank (a path decided once, by rank 0)."""
-    if accelerator.num_processes == 1:
-        return value
-    from accelerate.utils import broadcast_object_list
+        print(describe(plan), flush=True)
+        first_step = 0
+        if resume_from is not None:
+            first_step = step_of(resume_from)
+            print(f"resuming from {resume_from} (step {first_step})", flush=True)
+        self.progress = ProgressLines(plan.total_steps, first_step)
 
-    return broadcast_object_list([value])[0]
+    def loop_started(self) -> None:
+        if self.progress is not None:
+            self.progress.restart()
+
+    def logged(self, record: dict) -> None:
+        print(self.progress.line(record), flush=True)
 
 
 def command_report(args) -> int:
+    from tuneloop import run_files
     from tuneloop.report import write_report
 
     output_dir = Path(args.output_dir)
-    if not (output_dir / "plan.json").is_file() or not (output_dir / "metrics.jsonl").is_file():
-        raise UserError(f"report: {output_dir} holds no run (plan.json and metrics.jsonl are missing)")
+    if not (output_dir / run_files.PLAN).is_file() or not (output_dir / run_files.METRICS).is_file():
+        raise UserError(f"report: {output_dir} holds no run ({run_files.PLAN} and {run_files.METRICS} are missing)")
     for path in write_report(output_dir):
         print(path)
     return 0
@@ -219,7 +148,7 @@ def command_bench(args) -> int:
 
 
 def command_setup(args) -> int:
-    from tuneloop.embedded import ensure_embedded_dataset, ensure_embedded_model
+    from tuneloop.demo.embedded import ensure_embedded_dataset, ensure_embedded_model
 
     print(f"embedded model: {ensure_embedded_model()}")
     print(f"embedded data:  {ensure_embedded_dataset()}")

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tuneloop.model import auto_class, model_kind
+from tuneloop.optim import OPTIMIZERS
+
 ACTIVATION_VALUES_PER_TOKEN_HIDDEN = 34
-OPTIMIZER_BYTES_PER_PARAM = {"adamw_torch": 8, "adamw_torch_fused": 8, "sgd": 0, "adafactor": 4}
 LORA_TRAINABLE_FRACTION = 0.01  # a typical r=8..64 adapter on the projections trains ~0.1–2% of weights
 
 
@@ -30,12 +32,11 @@ class MemoryEstimate:
     device_gb: float | None
 
 
-def _parameter_count(config) -> int:
+def _parameter_count(config, cfg) -> int:
     import torch
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto_class(model_kind(cfg)).from_config(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -64,7 +65,7 @@ def estimate_memory(cfg, model_source: str, tokens_per_micro_batch: int, precisi
         from tuneloop.errors import UserError
 
         raise UserError(f"model: cannot read the config of {model_source!r}: {error}") from None
-    params = _parameter_count(config)
+    params = _parameter_count(config, cfg)
     trainable = int(params * LORA_TRAINABLE_FRACTION) if cfg.adapter else params
     weight_bytes = 0.5 if cfg.adapter == "qlora" else 4  # fp32 master weights (autocast computes in bf16)
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
@@ -79,7 +80,7 @@ def estimate_memory(cfg, model_source: str, tokens_per_micro_batch: int, precisi
     activations += tokens_per_micro_batch * vocab * 4 * 2  # logits in fp32 and their gradient
     gb = 1e9
     weights, grads = params * weight_bytes / gb, trainable * 4 / gb
-    optimizer = trainable * OPTIMIZER_BYTES_PER_PARAM[cfg.optimizer] / gb
+    optimizer = trainable * OPTIMIZERS[cfg.optimizer].state_bytes_per_param / gb
     device, device_gb = device_memory_gb()
     total = weights + grads + optimizer + activations / gb
     return MemoryEstimate(params, trainable, round(weights, 3), round(grads, 3), round(optimizer, 3),

@@ -1,20 +1,42 @@
-"""Load the tokenizer and the model: attention choice, precision, adapters, checkpointing."""
+"""Load the tokenizer and the model: model kind, attention choice, precision, adapters, checkpointing."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from tuneloop.config import TuneloopConfig
-from tuneloop.embedded import resolve_model_path
+from tuneloop.data.formats import chat_template_of
 from tuneloop.errors import UserError
+from tuneloop.registry import Registry
+
+
+@dataclass(frozen=True)
+class ModelKind:
+    auto_class: str  # the transformers Auto class that builds and loads it
+    peft_task_type: str  # what peft calls it, for LoRA
+
+
+MODEL_KINDS: Registry[ModelKind] = Registry("model kind", "model_type")
+MODEL_KINDS.add("causal", ModelKind("AutoModelForCausalLM", peft_task_type="CAUSAL_LM"))
+
+
+def model_kind(cfg: TuneloopConfig) -> ModelKind:
+    """Causal language models today; seq2seq (T5) will be chosen here from the config or the checkpoint."""
+    return MODEL_KINDS["causal"]
+
+
+def auto_class(kind: ModelKind):
+    import transformers
+
+    return getattr(transformers, kind.auto_class)
 
 
 def _checked_source(name: str, key: str) -> str:
-    """The embedded alias resolved; a local-looking path that does not exist is the user's to fix."""
-    source = resolve_model_path(name)
-    if source.startswith(("/", "./", "../", "~")) and not Path(source).expanduser().exists():
+    """A local-looking path that does not exist is the user's to fix (aliases are resolved upstream)."""
+    if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
         raise UserError(f"config: `{key}: {name}` is not an existing folder")
-    return source
+    return name
 
 
 def load_tokenizer(cfg: TuneloopConfig):
@@ -35,8 +57,6 @@ def load_tokenizer(cfg: TuneloopConfig):
         # padding positions never reach the loss or attention, so any id will do; eos is the convention
         tokenizer.pad_token = tokenizer.eos_token
     if cfg.chat_template in ("chatml", "jinja"):
-        from tuneloop.data.prepare import chat_template_of
-
         tokenizer.chat_template = chat_template_of(cfg, tokenizer)  # saved with the model, for inference
     return tokenizer
 
@@ -75,13 +95,13 @@ def attention_implementation(cfg: TuneloopConfig) -> str:
 def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     """The model to train; from a checkpoint's weights when resuming (the adapter's, for LoRA)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
+    kind = model_kind(cfg)
     source = _checked_source(cfg.base_model, "base_model")
     if checkpoint is not None and not cfg.adapter:
         source = str(checkpoint)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class(kind).from_pretrained(
             source, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
             attn_implementation=attention_implementation(cfg),
         )
@@ -94,11 +114,11 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.adapter:
-        model = add_adapter(cfg, model, checkpoint)
+        model = add_adapter(cfg, model, kind, checkpoint)
     return model
 
 
-def add_adapter(cfg: TuneloopConfig, model, checkpoint=None):
+def add_adapter(cfg: TuneloopConfig, model, kind: ModelKind, checkpoint=None):
     if cfg.adapter == "qlora":
         raise UserError("model: `adapter: qlora` needs bitsandbytes on a CUDA GPU; it is not available here. "
                         "Use `adapter: lora`.")
@@ -111,7 +131,8 @@ def add_adapter(cfg: TuneloopConfig, model, checkpoint=None):
     else:
         raise UserError("config: `adapter: lora` needs `lora_target_modules` or `lora_target_linear: true`")
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
+                      target_modules=targets, modules_to_save=cfg.lora_modules_to_save,
+                      task_type=kind.peft_task_type)
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()
     if checkpoint is not None:

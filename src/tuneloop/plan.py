@@ -58,9 +58,19 @@ class TrainingPlan:
     estimated_memory_gb: float | None = None
     memory: dict | None = None  # the estimate's parts: weights, gradients, optimizer, activations, device
     warnings: list[str] = field(default_factory=list)
+    # what the loop's sampler and collator are given; not in plan.json, whose numbers above say it all
+    train_batching: BatchingSpec | None = None
+    eval_batching: BatchingSpec | None = None
+    pad_to: int | None = None  # pad_to_sequence_len: every micro-batch this wide
 
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        for name in NOT_IN_JSON:
+            data.pop(name)
+        return data
+
+
+NOT_IN_JSON = ("train_batching", "eval_batching", "pad_to")
 
 
 def world_size_from_env() -> int:
@@ -166,7 +176,8 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         eval_count=len(eval_at), save_steps_at=save_at, save_count=len(save_at),
         tokens_per_step=round(total_targets / total_steps, 2), total_trainable_tokens=total_targets,
         total_real_tokens=total_real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
-        max_micro_batch_tokens=largest,
+        max_micro_batch_tokens=largest, train_batching=spec, eval_batching=eval_spec(cfg, world_size),
+        pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None,
     )
     plan.warnings = plan_warnings(cfg, plan)
     return plan

@@ -10,13 +10,14 @@ import json
 import math
 from pathlib import Path
 
+from tuneloop import run_files
+
 
 def read_run(output_dir: Path) -> tuple[dict, list[dict], dict]:
-    plan = json.loads((output_dir / "plan.json").read_text())
-    log = output_dir / "metrics.jsonl"  # absent when a run stopped before its first logging step
+    plan = json.loads((output_dir / run_files.PLAN).read_text())
+    log = output_dir / run_files.METRICS  # absent when a run stopped before its first logging step
     metrics = [json.loads(line) for line in log.read_text().splitlines() if line] if log.is_file() else []
-    summary_path = output_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    summary = run_files.read_json(output_dir / run_files.SUMMARY) or {}
     return plan, metrics, summary
 
 
@@ -44,8 +45,8 @@ def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: d
         lines.append(f"| eval token accuracy last | {evals[-1]['eval_token_accuracy']:.4f} |")
     if plan.get("warnings"):
         lines += ["", "Plan warnings:", *[f"- {w}" for w in plan["warnings"]]]
-    lines += ["", "![loss curves](report.png)", ""]
-    path = output_dir / "report.md"
+    lines += ["", f"![loss curves]({run_files.REPORT_PNG})", ""]
+    path = output_dir / run_files.REPORT_MD
     path.write_text("\n".join(lines))
     return path
 
@@ -76,7 +77,7 @@ def write_plot(output_dir: Path, plan: dict, metrics: list[dict]) -> Path | None
     lr_axis.set_xlabel("optimizer step")
     lr_axis.grid(alpha=0.3)
     figure.tight_layout()
-    path = output_dir / "report.png"
+    path = output_dir / run_files.REPORT_PNG
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tuneloop.data.prepare import IGNORE_INDEX
-
+from tuneloop.data.labels import IGNORE_INDEX, shifted_targets
 
 
 def pad_multiple() -> int:
@@ -40,10 +39,6 @@ class MicroBatch:
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def shifted_targets(labels: list[int]) -> list[int]:
-    return list(labels[1:]) + [IGNORE_INDEX]
 
 
 class Collator:

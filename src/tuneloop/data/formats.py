@@ -9,10 +9,14 @@ mask independent of how a tokenizer merges characters at a prompt/response bound
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
-from tuneloop.config import CustomFormat, DatasetConfig
 from tuneloop.data.load import SourceRow
 from tuneloop.errors import UserError
+from tuneloop.registry import Registry
+
+# The config validates a dataset's `type:` against FORMATS, so this module sits under the config and does
+# not import it: `entry` is a dataset entry of the config (DatasetConfig), `fmt` a custom format mapping.
 
 # axolotl's alpaca prompt, character for character
 ALPACA_SYSTEM_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides "
@@ -48,7 +52,7 @@ def _field(row: SourceRow, name: str, required: bool = True) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def render_alpaca(row: SourceRow) -> Rendered:
+def render_alpaca(row: SourceRow, entry, tokenizer, template: str | None) -> Rendered:
     instruction, given_input = _field(row, "instruction"), _field(row, "input", required=False)
     output = _field(row, "output")
     if given_input:
@@ -58,7 +62,7 @@ def render_alpaca(row: SourceRow) -> Rendered:
     return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
 
 
-def render_custom(row: SourceRow, fmt: CustomFormat) -> Rendered:
+def render_custom(row: SourceRow, fmt) -> Rendered:
     instruction = _field(row, fmt.field_instruction)
     given_input = _field(row, fmt.field_input, required=False)
     output = _field(row, fmt.field_output)
@@ -75,12 +79,12 @@ def render_custom(row: SourceRow, fmt: CustomFormat) -> Rendered:
     return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
 
 
-def render_completion(row: SourceRow, entry: DatasetConfig) -> Rendered:
+def render_completion(row: SourceRow, entry, tokenizer, template: str | None) -> Rendered:
     text = _field(row, entry.field or "text")
     return Rendered(text, [(0, len(text))])
 
 
-def _messages(row: SourceRow, entry: DatasetConfig) -> list[dict]:
+def _messages(row: SourceRow, entry) -> list[dict]:
     sharegpt = entry.type == "sharegpt"
     name = entry.field_messages or ("conversations" if sharegpt or "messages" not in row.values else "messages")
     raw = row.values.get(name)
@@ -99,7 +103,7 @@ def _messages(row: SourceRow, entry: DatasetConfig) -> list[dict]:
     return messages
 
 
-def render_chat(row: SourceRow, entry: DatasetConfig, tokenizer, template: str | None) -> Rendered:
+def render_chat(row: SourceRow, entry, tokenizer, template: str | None) -> Rendered:
     """Render with the chat template; train the turns whose role is in `roles_to_train`.
 
     A turn's span is found by rendering the conversation up to that turn: the text of
@@ -129,11 +133,24 @@ def render_chat(row: SourceRow, entry: DatasetConfig, tokenizer, template: str |
     return Rendered(full, spans, add_special_tokens=False, append_eos=False)
 
 
-def render_row(row: SourceRow, entry: DatasetConfig, tokenizer, template: str | None) -> Rendered:
-    if isinstance(entry.type, CustomFormat):
+# dataset `type:` -> its renderer, (row, dataset entry, tokenizer, chat template) -> Rendered
+FORMATS: Registry[Callable] = Registry("dataset type", "type")
+FORMATS.add("alpaca", render_alpaca)  # instruction / input / output in axolotl's Alpaca prompt
+FORMATS.add("completion", render_completion)  # one text field, all of it trained
+FORMATS.add("chat_template", render_chat)  # a list of messages through the chat template
+FORMATS.add("sharegpt", render_chat)  # `conversations` of from/value through the chat template
+
+
+def render_row(row: SourceRow, entry, tokenizer, template: str | None) -> Rendered:
+    if not isinstance(entry.type, str):  # a mapping: axolotl's user-defined format
         return render_custom(row, entry.type)
-    if entry.type == "alpaca":
-        return render_alpaca(row)
-    if entry.type == "completion":
-        return render_completion(row, entry)
-    return render_chat(row, entry, tokenizer, template)
+    return FORMATS[entry.type](row, entry, tokenizer, template)
+
+
+def chat_template_of(cfg, tokenizer) -> str | None:
+    """The chat template the config asks for: a named one, the config's own jinja, or the tokenizer's."""
+    if cfg.chat_template == "chatml":
+        return CHATML_TEMPLATE
+    if cfg.chat_template == "jinja":
+        return cfg.chat_template_jinja
+    return tokenizer.chat_template

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from tuneloop.config import DatasetConfig
-from tuneloop.embedded import resolve_data_path
 from tuneloop.errors import UserError
+
+# `entry` below is a dataset entry of the config (DatasetConfig); data/ sits under the config (prepare.py says why).
 
 SUFFIX_TO_TYPE = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv",
                   ".arrow": "arrow", ".txt": "text"}
@@ -25,9 +25,9 @@ class SourceRow:
     where: str  # e.g. "data/train.jsonl:17"
 
 
-def data_files_of(entry: DatasetConfig) -> list[Path]:
+def data_files_of(entry) -> list[Path]:
     """The local files an entry reads, in a stable order."""
-    base = Path(resolve_data_path(entry.path))
+    base = Path(entry.path)
     if entry.data_files:
         names = [entry.data_files] if isinstance(entry.data_files, str) else entry.data_files
         # as in axolotl, data_files may be relative to a folder given as `path`
@@ -46,7 +46,7 @@ def data_files_of(entry: DatasetConfig) -> list[Path]:
     return files
 
 
-def _file_type(entry: DatasetConfig, file: Path) -> str:
+def _file_type(entry, file: Path) -> str:
     if entry.ds_type:
         return "json" if entry.ds_type == "jsonl" else entry.ds_type
     if file.suffix in SUFFIX_TO_TYPE:
@@ -97,7 +97,7 @@ def _table_rows(file: Path, kind: str) -> Iterator[SourceRow]:
         yield SourceRow(dict(row), f"{file} {label} {index + offset}")
 
 
-def read_rows(entry: DatasetConfig) -> list[SourceRow]:
+def read_rows(entry) -> list[SourceRow]:
     rows: list[SourceRow] = []
     for file in data_files_of(entry):
         kind = _file_type(entry, file)

@@ -3,6 +3,9 @@
 The cache key is a hash of everything that changes the prepared tokens: the data files'
 bytes, the dataset entries, the tokenizer (vocabulary, special tokens, chat template) and
 the settings sequence_len, train_on_inputs, val_set_size and seed. Same key, same tokens.
+
+Like every module of data/, this one sits under the config (which validates a dataset's `type:`
+against formats.FORMATS): it takes the config's objects (`cfg`, dataset entries) without importing it.
 """
 
 from __future__ import annotations
@@ -17,13 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from tuneloop.config import DatasetConfig, TuneloopConfig
-from tuneloop.data.formats import render_row
+from tuneloop.data.formats import chat_template_of, render_row
+from tuneloop.data.labels import IGNORE_INDEX, count_targets
 from tuneloop.data.load import data_files_of, read_rows
 from tuneloop.errors import UserError
 
 PREPARE_VERSION = 1  # bump when the tokenization or masking rules change
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -41,16 +43,6 @@ class PreparedData:
     eval: "datasets.Dataset | None"  # noqa: F821
     stats: PrepareStats
     cache_dir: Path
-
-
-def chat_template_of(cfg: TuneloopConfig, tokenizer) -> str | None:
-    from tuneloop.data.formats import CHATML_TEMPLATE
-
-    if cfg.chat_template == "chatml":
-        return CHATML_TEMPLATE
-    if cfg.chat_template == "jinja":
-        return cfg.chat_template_jinja
-    return tokenizer.chat_template
 
 
 def tokenize_batch(rendered: list, tokenizer, train_on_inputs: bool) -> list[tuple[list[int], list[int]]]:
@@ -80,18 +72,13 @@ def tokenize_batch(rendered: list, tokenizer, train_on_inputs: bool) -> list[tup
     return results
 
 
-def count_targets(labels: list[int]) -> int:
-    """Positions the loss sees: a label at position t is predicted from position t-1, so t=0 never counts."""
-    return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
-
-
 def _hash_file(path: Path, digest) -> None:
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
 
 
-def cache_key(cfg: TuneloopConfig, tokenizer) -> str:
+def cache_key(cfg, tokenizer) -> str:
     digest = hashlib.sha256()
     settings = {
         "version": PREPARE_VERSION,
@@ -118,7 +105,7 @@ def cache_key(cfg: TuneloopConfig, tokenizer) -> str:
 TOKENIZE_BATCH_ROWS = 1000
 
 
-def _tokenize_entries(entries: list[DatasetConfig], cfg, tokenizer, template, stats: PrepareStats,
+def _tokenize_entries(entries: list, cfg, tokenizer, template, stats: PrepareStats,
                       shard: tuple[int, int] | None = None) -> dict:
     columns = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
 
@@ -165,7 +152,7 @@ def _split_eval(columns: dict, val_set_size: float, seed: int) -> tuple[dict, di
     return pick(train_index), pick(eval_index)
 
 
-def _build(cfg: TuneloopConfig, tokenizer, target: Path) -> None:
+def _build(cfg, tokenizer, target: Path) -> None:
     import datasets
 
     template = chat_template_of(cfg, tokenizer)
@@ -197,7 +184,7 @@ def _build(cfg: TuneloopConfig, tokenizer, target: Path) -> None:
             raise
 
 
-def prepare(cfg: TuneloopConfig, tokenizer, force: bool = False) -> PreparedData:
+def prepare(cfg, tokenizer, force: bool = False) -> PreparedData:
     import datasets
 
     datasets.disable_progress_bars()

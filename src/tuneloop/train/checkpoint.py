@@ -16,20 +16,17 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import shutil
 import signal
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from tuneloop import run_files
 from tuneloop.errors import CheckpointFailed, UserError
+from tuneloop.run_files import complete_checkpoints
+from tuneloop.train.state import restore_rng_states, rng_states
 
-STATE_FILE = "tuneloop_state.json"
-TRAINING_STATE_FILE = "training_state.pt"
-METRICS_FILE = "metrics.jsonl"
-PREFIX = "checkpoint-"
 # plan keys that must match for a checkpoint to continue the same run
 COMPATIBLE_PLAN_KEYS = ("world_size", "micro_batch_size", "gradient_accumulation_steps", "batching",
                         "sequence_len", "train_rows", "train_tokens", "steps_per_epoch", "total_steps")
@@ -39,56 +36,10 @@ CRASH_DURING_SAVE_ENV = "TUNELOOP_TEST_CRASH_DURING_SAVE"
 FULL_DISK_BYTES = 1 << 20
 
 
-def rng_states() -> dict:
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def restore_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def step_of(path: Path) -> int:
-    return int(path.name[len(PREFIX):])
-
-
-def complete_checkpoints(output_dir: Path) -> list[Path]:
-    found = [p for p in Path(output_dir).glob(f"{PREFIX}*") if p.is_dir() and p.name[len(PREFIX):].isdigit()
-             and (p / STATE_FILE).is_file()]
-    return sorted(found, key=step_of)
-
-
-def fsync_files(folder: Path) -> None:
-    """The folder's files' contents on disk (a rename is only as durable as what it renames)."""
-    for path in folder.iterdir():
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-
-
-def fsync_folder_entry(folder: Path) -> None:
-    """The folder's own entries (the renames into it) on disk."""
-    handle = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(handle)
-    finally:
-        os.close(handle)
-
-
-def rank_rng_file(output_dir: Path, step: int, rank: int) -> Path:
-    return output_dir / f".rng-{step}-rank{rank}.pt"
-
-
 def write_rank_rng(output_dir: Path, step: int, rank: int) -> None:
     """Every rank, before the main process writes the checkpoint: ranks draw different amounts of
     randomness (dropout on different shapes), so each resumes from its own RNG state."""
-    torch.save(rng_states(), rank_rng_file(output_dir, step, rank))
+    torch.save(rng_states(), run_files.pending_rank_rng(output_dir, step, rank))
 
 
 def write_on_every_rank(accelerator, output_dir: Path, what: str, on_main, on_every_rank=None,
@@ -112,7 +63,7 @@ def write_on_every_rank(accelerator, output_dir: Path, what: str, on_main, on_ev
 def remove_rank_rngs(output_dir: Path, step: int, world_size: int) -> None:
     """The RNG files of a checkpoint that never came."""
     for rank in range(world_size):
-        rank_rng_file(output_dir, step, rank).unlink(missing_ok=True)
+        run_files.pending_rank_rng(output_dir, step, rank).unlink(missing_ok=True)
 
 
 def _attempt(action, output_dir: Path, what: str) -> str | None:
@@ -155,8 +106,8 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer,
                      world_size: int = 1) -> Path:
     """Main process only, after every rank ran write_rank_rng (see write_on_every_rank). A failure
     removes the temporary folder and re-raises: the old checkpoints are never touched."""
-    final = output_dir / f"{PREFIX}{step}"
-    temp = output_dir / f".tmp-{PREFIX}{step}"
+    final = run_files.checkpoint_dir(output_dir, step)
+    temp = run_files.temp_checkpoint_dir(output_dir, step)
     shutil.rmtree(temp, ignore_errors=True)
     try:
         temp.mkdir(parents=True)
@@ -164,18 +115,18 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer,
         if os.environ.get(CRASH_DURING_SAVE_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": rng_states()}, temp / TRAINING_STATE_FILE)
+                    "rng": rng_states()}, temp / run_files.TRAINING_STATE)
         for rank in range(world_size):
-            os.replace(rank_rng_file(output_dir, step, rank), temp / f"rng_state_{rank}.pt")
-        metrics = output_dir / METRICS_FILE
+            os.replace(run_files.pending_rank_rng(output_dir, step, rank), temp / run_files.RANK_RNG.format(rank=rank))
+        metrics = output_dir / run_files.METRICS
         if metrics.is_file():
-            shutil.copyfile(metrics, temp / METRICS_FILE)
-        (temp / STATE_FILE).write_text(json.dumps(state, indent=2))
-        fsync_files(temp)
+            shutil.copyfile(metrics, temp / run_files.METRICS)
+        (temp / run_files.STATE).write_text(json.dumps(state, indent=2))
+        run_files.fsync_files(temp)
         if final.exists():  # a stale folder of the same step without the marker (a torn earlier run)
             shutil.rmtree(final)
         os.replace(temp, final)
-        fsync_folder_entry(output_dir)
+        run_files.fsync_folder_entry(output_dir)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
@@ -199,19 +150,10 @@ def prune_checkpoints(output_dir: Path, limit: int | None, keep: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def remove_torn_saves(output_dir: Path) -> None:
-    """What a kill or a full disk left half-written. Not `.old-best`: it can be the only best model."""
-    for pattern in (f".tmp-{PREFIX}*", ".tmp-best", ".tmp-final"):
-        for leftover in Path(output_dir).glob(pattern):
-            shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in Path(output_dir).glob(".rng-*-rank*.pt"):
-        leftover.unlink(missing_ok=True)
-
-
 def read_state(checkpoint: Path) -> dict:
-    if not (checkpoint / STATE_FILE).is_file():
-        raise UserError(f"checkpoint: {checkpoint} is not a complete tuneloop checkpoint (no {STATE_FILE})")
-    return json.loads((checkpoint / STATE_FILE).read_text())
+    if not (checkpoint / run_files.STATE).is_file():
+        raise UserError(f"checkpoint: {checkpoint} is not a complete tuneloop checkpoint (no {run_files.STATE})")
+    return json.loads((checkpoint / run_files.STATE).read_text())
 
 
 def incompatibilities(state: dict, plan: dict, data_key: str, base_model: str, adapter: str | None) -> list[str]:
@@ -230,8 +172,8 @@ def incompatibilities(state: dict, plan: dict, data_key: str, base_model: str, a
 
 
 def load_training_state(checkpoint: Path, optimizer, scheduler, rank: int = 0) -> None:
-    saved = torch.load(checkpoint / TRAINING_STATE_FILE, weights_only=False)
+    saved = torch.load(checkpoint / run_files.TRAINING_STATE, weights_only=False)
     optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
-    own = checkpoint / f"rng_state_{rank}.pt"
+    own = checkpoint / run_files.RANK_RNG.format(rank=rank)
     restore_rng_states(torch.load(own, weights_only=False) if own.is_file() else saved["rng"])

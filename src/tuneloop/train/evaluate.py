@@ -10,11 +10,11 @@ import math
 
 import torch
 
-from tuneloop.train.losses import correct_predictions, summed_token_loss
+from tuneloop.train.objectives import correct_predictions
 
 
 @torch.no_grad()
-def evaluate(model, micro_batches, collator, accelerator) -> dict:
+def evaluate(model, micro_batches, collator, objective, accelerator) -> dict:
     """`micro_batches` are this rank's; ranks may hold different counts (no collective inside the loop)."""
     was_training = model.training
     model.eval()
@@ -25,7 +25,7 @@ def evaluate(model, micro_batches, collator, accelerator) -> dict:
         batch = collator(rows).to(device)
         with accelerator.autocast():
             logits = model(**batch.inputs).logits
-        loss_sum += summed_token_loss(logits, batch.targets).double()
+        loss_sum += objective.summed_loss(logits, batch.targets).double()
         counts[0] += batch.n_targets
         counts[1] += correct_predictions(logits, batch.targets)
         del logits

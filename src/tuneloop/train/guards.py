@@ -1,5 +1,5 @@
-"""What stops a run early and loudly: a diverged loss (watchdog), a signal (preemption), a plateau
-(early stopping).
+"""What stops a run early and loudly: a diverged loss (watchdog) and a signal (preemption). (A plateau,
+early stopping, is counted in the run state: state.py.)
 
 The watchdog keeps its counters on the device so a healthy step costs no host sync; it is
 read at logging steps, before every save and at the end, and it remembers the first step at
@@ -136,22 +136,3 @@ class StopRequests:
         flag = torch.tensor([int(self.received is not None)], dtype=torch.int32)
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
         return agreed
-
-
-class EarlyStopping:
-    def __init__(self, patience: int | None):
-        self.patience = patience
-        self.best: float | None = None
-        self.evals_without_improvement = 0
-
-    def update(self, eval_loss: float) -> bool:
-        """True when this eval is the best so far."""
-        if self.best is None or eval_loss < self.best:
-            self.best, self.evals_without_improvement = eval_loss, 0
-            return True
-        self.evals_without_improvement += 1
-        return False
-
-    @property
-    def should_stop(self) -> bool:
-        return self.patience is not None and self.evals_without_improvement >= self.patience

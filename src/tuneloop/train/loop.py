@@ -12,13 +12,13 @@ We use `accelerator.no_sync` for the non-final micro-batches of a step rather th
 micro-batch means) and ties stepping to the dataloader's end, which would break both the
 exact normalisation and the plan's step count on a short last window.
 
-The host waits for the device only at logging, eval and save steps.
+The host waits for the device only at logging, eval and save steps. Everything a resume needs
+lives in one RunState (state.py); the loop advances it and a checkpoint writes it whole.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +26,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tuneloop import run_files
 from tuneloop.data.batching import epoch_micro_batches
 from tuneloop.data.collate import Collator
-from tuneloop.plan import TrainingPlan, eval_spec, train_spec
+from tuneloop.plan import TrainingPlan
 from tuneloop.train import checkpoint
 from tuneloop.train.evaluate import evaluate
-from tuneloop.train.guards import EarlyStopping, LossWatchdog, StopRequests
-from tuneloop.train.losses import summed_token_loss
+from tuneloop.train.guards import LossWatchdog, StopRequests
+from tuneloop.train.hooks import RunHooks
 from tuneloop.train.model_folder import has_best, publish_best, publish_final, save_best
-from tuneloop.train.optim import build_optimizer, build_scheduler
+from tuneloop.train.objectives import Objective
+from tuneloop.optim import build_optimizer, build_scheduler
+from tuneloop.train.state import RunState
 from tuneloop.train.track import LossWindow, MetricsLog
 
 
@@ -49,166 +52,190 @@ class RunOutcome:
     stopped_by: str | None = None  # "signal", "early_stopping" or None (ran the whole plan)
 
 
-def train(cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, identity: dict,
-          stop: StopRequests, resume_from: Path | None = None) -> RunOutcome:
-    output_dir = Path(cfg.output_dir)
-    world_size, rank = accelerator.num_processes, accelerator.process_index
-    accum = cfg.gradient_accumulation_steps
-    lengths = np.asarray(prepared.train["length"])
-    targets_per_row = np.asarray(prepared.train["n_targets"])
-    spec = train_spec(cfg, world_size)
-    collate = Collator(prepared.train, tokenizer.pad_token_id, plan.batching == "packed",
-                       pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None)
+class TrainingLoop:
+    """One run's loop on this rank. Built once (optimizer, scheduler, collators, restored state), run once."""
 
-    eval_batches = eval_collate = None
-    if prepared.eval is not None:
-        eval_lengths = np.asarray(prepared.eval["length"])
-        eval_batches = epoch_micro_batches(eval_lengths, eval_spec(cfg, world_size), 0, shuffle=False,
-                                           even=False)[rank]
-        eval_collate = Collator(prepared.eval, tokenizer.pad_token_id, cfg.resolved_eval_sample_packing)
+    def __init__(self, cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, objective: Objective,
+                 identity: dict, stop: StopRequests, hooks: RunHooks, resume_from: Path | None = None):
+        self.cfg, self.plan, self.tokenizer, self.accelerator = cfg, plan, tokenizer, accelerator
+        self.objective, self.identity, self.stop, self.hooks = objective, identity, stop, hooks
+        self.output_dir = Path(cfg.output_dir)
+        self.rank, self.world_size = accelerator.process_index, plan.world_size
+        self.lengths = np.asarray(prepared.train["length"])
+        self.targets_per_row = np.asarray(prepared.train["n_targets"])
+        self.collate = Collator(prepared.train, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
+                                pad_to=plan.pad_to)
+        self.eval_batches, self.eval_collate = [], None
+        if prepared.eval is not None:
+            spec = plan.eval_batching
+            self.eval_batches = epoch_micro_batches(np.asarray(prepared.eval["length"]), spec, 0, shuffle=False,
+                                                    even=False)[self.rank]
+            self.eval_collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed")
 
-    optimizer = build_optimizer(cfg, model)
-    scheduler = build_scheduler(cfg, plan, optimizer)  # stepped by us, once per optimizer step
-    model, optimizer = accelerator.prepare(model, optimizer)
-    state = checkpoint.read_state(resume_from) if resume_from is not None else None
-    first_step = state["step"] if state else 0
-    metrics = MetricsLog(output_dir / checkpoint.METRICS_FILE, accelerator.is_main_process, plan.total_steps,
-                         first_step)
-    watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device)
-    early = EarlyStopping(cfg.early_stopping_patience)
-    eval_at, save_at = set(plan.eval_steps_at), set(plan.save_steps_at)
-    step, tokens_seen, real_tokens_seen, targets_collated, evals = 0, 0, 0, 0, []
+        optimizer = build_optimizer(cfg, model)
+        self.scheduler = build_scheduler(cfg, plan, optimizer)  # stepped by us, once per optimizer step
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.state = RunState()
+        if resume_from is not None:
+            self.state = RunState.from_json(checkpoint.read_state(resume_from), self.rank, self.world_size)
+            checkpoint.load_training_state(resume_from, self.optimizer, self.scheduler, self.rank)
+        self.resumed = resume_from is not None
+        self.metrics = MetricsLog(self.output_dir / run_files.METRICS, accelerator.is_main_process)
+        self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device)
+        self.loss_window = LossWindow(accelerator.device)
+        self.real_tokens = 0  # this session's, on this rank: for throughput, not part of the run state
 
-    def gather_counts(count: int) -> list[int]:
-        """Every rank's count, on every rank (collective)."""
-        return [int(v) for v in accelerator.gather(torch.tensor([count], device=accelerator.device)).tolist()]
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> RunOutcome:
+        plan, state, accum = self.plan, self.state, self.plan.gradient_accumulation_steps
+        eval_at, save_at = set(plan.eval_steps_at), set(plan.save_steps_at)
+        if not self.resumed and 0 in eval_at:
+            self.evaluate(0)
+        # a checkpoint written at the step early stopping fired (a later final save failed): stop again at once
+        stopped_by = "early_stopping" if self.resumed and state.plateaued(self.cfg.early_stopping_patience) else None
+        self.model.train()
+        self.loss_window.restart()
+        self.hooks.loop_started()
+        train_start = time.perf_counter()
 
-    def run_eval(at_step: int) -> None:
-        result = evaluate(accelerator.unwrap_model(model), eval_batches, eval_collate, accelerator)
-        metrics.write({"step": at_step, "epoch": round(at_step / plan.steps_per_epoch, 4), **result})
-        evals.append({"step": at_step, **result})
-        if early.update(result["eval_loss"]) and cfg.early_stopping_patience:
-            checkpoint.write_on_every_rank(accelerator, output_dir, "the best model",
-                                           on_main=lambda: save_best(accelerator.unwrap_model(model), tokenizer,
-                                                                     output_dir))
-
-    def log_train_line(at_step: int, lr: float, grad_norm: torch.Tensor) -> None:
-        closed = loss_window.close(accelerator)
-        metrics.write({"step": at_step, "epoch": round(at_step / plan.steps_per_epoch, 4), "loss": closed["loss"],
-                       "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens_seen,
-                       "tokens_per_second": closed["tokens_per_second"],
-                       "real_tokens_per_second": closed["real_tokens_per_second"]})
-        watchdog.check(accelerator)
-
-    def save(at_step: int) -> None:
-        watchdog.check_before_save(accelerator)  # never checkpoint a diverged model
-        per_rank_targets = gather_counts(targets_collated)
-
-        def write_on_main() -> None:
-            state = {"step": at_step, "tokens_seen": tokens_seen, "targets_collated": per_rank_targets,
-                     "evals": evals, "best_eval_loss": early.best,
-                     "evals_without_improvement": early.evals_without_improvement, "plan": plan.to_json(),
-                     **identity}
-            written = checkpoint.write_checkpoint(output_dir, at_step, state, accelerator.unwrap_model(model),
-                                                  optimizer, scheduler, world_size)
-            checkpoint.prune_checkpoints(output_dir, cfg.save_total_limit, keep=written)
-
-        checkpoint.write_on_every_rank(accelerator, output_dir, f"step {at_step}", on_main=write_on_main,
-                                       on_every_rank=lambda: checkpoint.write_rank_rng(output_dir, at_step, rank),
-                                       clean_up=lambda: checkpoint.remove_rank_rngs(output_dir, at_step,
-                                                                                   world_size))
-
-    if state is not None:
-        checkpoint.load_training_state(resume_from, optimizer, scheduler, rank)
-        step, tokens_seen, evals = state["step"], state["tokens_seen"], state["evals"]
-        saved_counts = state.get("targets_collated", [])  # one per rank (a forced resume may change ranks)
-        targets_collated = saved_counts[rank] if len(saved_counts) == world_size else 0
-        early.best, early.evals_without_improvement = state["best_eval_loss"], state["evals_without_improvement"]
-    elif 0 in eval_at:
-        run_eval(0)
-
-    loss_window, train_start = LossWindow(accelerator.device), time.perf_counter()
-    # a checkpoint written at the step early stopping fired (a later final save failed): stop again at once
-    stopped_by = "early_stopping" if state is not None and early.should_stop else None
-    model.train()
-
-    for epoch in range(step // plan.steps_per_epoch, plan.epochs_to_run):
-        if step == plan.total_steps or stopped_by:
-            break
-        per_rank = epoch_micro_batches(lengths, spec, epoch)
-        # on resume, the first epoch starts at the exact micro-batch after the checkpoint
-        first = (step - epoch * plan.steps_per_epoch) * accum
-        for start in range(first, plan.micro_batches_per_epoch, accum):
-            if step == plan.total_steps or stopped_by:
+        for epoch in range(state.step // plan.steps_per_epoch, plan.epochs_to_run):
+            if state.step == plan.total_steps or stopped_by:
                 break
-            step_tokens = sum(int(targets_per_row[row].sum()) for batches in per_rank
-                              for micro in batches[start:start + accum] for row in micro)
-            window = per_rank[rank][start:start + accum]
-            step_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-            for index, rows in enumerate(window):
-                batch = collate(rows).to(accelerator.device)
-                last = index == len(window) - 1
-                with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                    with accelerator.autocast():
-                        logits = model(**batch.inputs).logits
-                    loss_sum = summed_token_loss(logits, batch.targets)
-                    accelerator.backward(loss_sum * (world_size / step_tokens))
-                step_loss += loss_sum.detach().double()
-                loss_window.real_tokens += batch.n_real_tokens
-                real_tokens_seen += batch.n_real_tokens
-                targets_collated += batch.n_targets
-                del logits, loss_sum
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm or float("inf"))
-            lr = scheduler.get_last_lr()[0]  # the rate this update uses
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens_seen += step_tokens
-            loss_window.tokens += step_tokens
-            loss_window.loss += step_loss
-            watchdog.observe(step, step_loss * world_size / step_tokens, grad_norm)
+            with self.hooks.phase("sampler"):
+                per_rank = epoch_micro_batches(self.lengths, plan.train_batching, epoch)
+            # on resume, the first epoch starts at the exact micro-batch after the checkpoint
+            first = (state.step - epoch * plan.steps_per_epoch) * accum
+            for start in range(first, plan.micro_batches_per_epoch, accum):
+                if state.step == plan.total_steps or stopped_by:
+                    break
+                step_tokens = sum(int(self.targets_per_row[row].sum()) for batches in per_rank
+                                  for micro in batches[start:start + accum] for row in micro)
+                lr, grad_norm = self.train_step(per_rank[self.rank][start:start + accum], step_tokens)
+                step = state.step
 
-            # a save also logs, so the metrics of a resumed run equal those of an uninterrupted one (the
-            # window being averaged is not part of the checkpoint)
-            logged = step % cfg.logging_steps == 0 or step == plan.total_steps or step in save_at
-            if logged:
-                log_train_line(step, lr, grad_norm)
-            if step in eval_at:
-                run_eval(step)
-                if early.should_stop:
-                    stopped_by = "early_stopping"
-            if step in save_at:
-                save(step)
-            # a signal during the last step changes nothing: the run is complete and saves its model
-            if step < plan.total_steps and not stopped_by and stop.requested(accelerator, step):
-                stopped_by = "signal"
-                if step not in save_at:
-                    if not logged:
-                        log_train_line(step, lr, grad_norm)
-                    save(step)
+                # a save also logs, so the metrics of a resumed run equal those of an uninterrupted one (the
+                # window being averaged is not part of the run state)
+                logged = step % self.cfg.logging_steps == 0 or step == plan.total_steps or step in save_at
+                if logged:
+                    self.log_train_line(step, lr, grad_norm)
+                if step in eval_at:
+                    self.evaluate(step)
+                    if state.plateaued(self.cfg.early_stopping_patience):
+                        stopped_by = "early_stopping"
+                if step in save_at:
+                    self.save(step)
+                # a signal during the last step changes nothing: the run is complete and saves its model
+                if step < plan.total_steps and not stopped_by and self.stop.requested(self.accelerator, step):
+                    stopped_by = "signal"
+                    if step not in save_at:
+                        if not logged:
+                            self.log_train_line(step, lr, grad_norm)
+                        self.save(step)
 
-    watchdog.check_before_save(accelerator)  # the final model is not saved from a diverged run either
-    train_seconds = time.perf_counter() - train_start
-    if stopped_by != "signal":
-        best_instead = stopped_by == "early_stopping" and has_best(output_dir)
+        self.watchdog.check_before_save(self.accelerator)  # the final model is not saved from a diverged run
+        train_seconds = time.perf_counter() - train_start
+        self.hooks.loop_ended(self.accelerator.unwrap_model(self.model))
+        if stopped_by != "signal":
+            self.publish_model(best_instead=stopped_by == "early_stopping" and has_best(self.output_dir))
+        # counted on each rank (real tokens this session; targets over the whole run): reduced once, here
+        device = self.accelerator.device
+        real_total = int(self.accelerator.reduce(torch.tensor(self.real_tokens, device=device), reduction="sum"))
+        return RunOutcome(state.step, state.tokens_seen, train_seconds, real_total,
+                          sum(self.gather_counts(state.targets_collated)), state.evals, stopped_by)
+
+    def train_step(self, window: list, step_tokens: int) -> tuple[float, torch.Tensor]:
+        """One optimizer step over this rank's micro-batches `window`; returns the rate it used and the grad norm."""
+        accelerator, hooks, model = self.accelerator, self.hooks, self.model
+        scale = self.world_size / step_tokens  # DDP averages over ranks; the step's loss is a mean per token
+        step_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+        for index, rows in enumerate(window):
+            with hooks.phase("collate"):
+                batch = self.collate(rows)
+            hooks.micro_batch(batch)
+            with hooks.phase("to(device)"):
+                batch = batch.to(accelerator.device)
+            last = index == len(window) - 1
+            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                with hooks.phase("forward"), accelerator.autocast():
+                    logits = model(**batch.inputs).logits
+                with hooks.phase("loss"):
+                    loss_sum = self.objective.summed_loss(logits, batch.targets)
+                with hooks.phase("backward"):
+                    accelerator.backward(loss_sum * scale)
+            step_loss += loss_sum.detach().double()
+            self.loss_window.real_tokens += batch.n_real_tokens
+            self.real_tokens += batch.n_real_tokens
+            self.state.targets_collated += batch.n_targets
+            del logits, loss_sum
+        with hooks.phase("clip grad norm"):
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm or float("inf"))
+        lr = self.scheduler.get_last_lr()[0]  # the rate this update uses
+        with hooks.phase("optimizer step"):
+            self.optimizer.step()
+        with hooks.phase("scheduler step"):
+            self.scheduler.step()
+        with hooks.phase("zero_grad"):
+            self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens_seen += step_tokens
+        self.loss_window.add_step(step_loss, step_tokens)
+        self.watchdog.observe(self.state.step, step_loss * self.world_size / step_tokens, grad_norm)
+        return lr, grad_norm
+
+    # ---- what happens at some steps ------------------------------------------------------------
+    def log_train_line(self, step: int, lr: float, grad_norm: torch.Tensor) -> None:
+        with self.hooks.phase("logging"):
+            closed = self.loss_window.close(self.accelerator)
+            self.record({"step": step, "epoch": self.epoch_at(step), "loss": closed["loss"], "lr": lr,
+                         "grad_norm": float(grad_norm), "tokens": self.state.tokens_seen,
+                         "tokens_per_second": closed["tokens_per_second"],
+                         "real_tokens_per_second": closed["real_tokens_per_second"]})
+            self.watchdog.check(self.accelerator)
+
+    def evaluate(self, step: int) -> None:
+        with self.hooks.phase("eval"):
+            model = self.accelerator.unwrap_model(self.model)
+            result = evaluate(model, self.eval_batches, self.eval_collate, self.objective, self.accelerator)
+            self.record({"step": step, "epoch": self.epoch_at(step), **result})
+            best = self.state.record_eval(step, result)
+            if best and self.cfg.early_stopping_patience:
+                checkpoint.write_on_every_rank(self.accelerator, self.output_dir, "the best model",
+                                               on_main=lambda: save_best(model, self.tokenizer, self.output_dir))
+
+    def save(self, step: int) -> None:
+        with self.hooks.phase("save"):
+            self.watchdog.check_before_save(self.accelerator)  # never checkpoint a diverged model
+            marker = {**self.state.to_json(self.gather_counts(self.state.targets_collated)),
+                      "plan": self.plan.to_json(), **self.identity}
+
+            def write_on_main() -> None:
+                written = checkpoint.write_checkpoint(self.output_dir, step, marker,
+                                                      self.accelerator.unwrap_model(self.model), self.optimizer,
+                                                      self.scheduler, self.world_size)
+                checkpoint.prune_checkpoints(self.output_dir, self.cfg.save_total_limit, keep=written)
+
+            checkpoint.write_on_every_rank(
+                self.accelerator, self.output_dir, f"step {step}", on_main=write_on_main,
+                on_every_rank=lambda: checkpoint.write_rank_rng(self.output_dir, step, self.rank),
+                clean_up=lambda: checkpoint.remove_rank_rngs(self.output_dir, step, self.world_size))
+
+    def publish_model(self, best_instead: bool) -> None:
+        model = self.accelerator.unwrap_model(self.model)
         checkpoint.write_on_every_rank(
-            accelerator, output_dir, "the final model",
-            on_main=lambda: publish_best(output_dir) if best_instead
-            else publish_final(accelerator.unwrap_model(model), tokenizer, output_dir))
-    # counted on each rank (real tokens this session; targets over the whole run): reduced once, here
-    real_total = int(accelerator.reduce(torch.tensor(real_tokens_seen, device=accelerator.device), reduction="sum"))
-    return RunOutcome(step, tokens_seen, train_seconds, real_total, sum(gather_counts(targets_collated)), evals,
-                      stopped_by)
+            self.accelerator, self.output_dir, "the final model",
+            on_main=lambda: publish_best(self.output_dir) if best_instead
+            else publish_final(model, self.tokenizer, self.output_dir))
 
+    # ---- small helpers ------------------------------------------------------------------------
+    def record(self, metrics: dict) -> None:
+        self.metrics.write(metrics)
+        if self.accelerator.is_main_process:
+            self.hooks.logged(metrics)
 
-def write_summary(output_dir: Path, outcome: RunOutcome, plan: TrainingPlan) -> dict:
-    summary = {"steps": outcome.steps, "planned_steps": plan.total_steps, "tokens": outcome.tokens,
-               "targets_collated": outcome.targets_collated, "real_tokens": outcome.real_tokens,
-               "train_seconds": round(outcome.train_seconds, 4),
-               "real_tokens_per_second": round(outcome.real_tokens / outcome.train_seconds, 1)
-               if outcome.train_seconds else None, "stopped_by": outcome.stopped_by,
-               "first_eval_loss": outcome.evals[0]["eval_loss"] if outcome.evals else None,
-               "last_eval_loss": outcome.evals[-1]["eval_loss"] if outcome.evals else None}
-    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
+    def epoch_at(self, step: int) -> float:
+        return round(step / self.plan.steps_per_epoch, 4)
+
+    def gather_counts(self, count: int) -> list[int]:
+        """Every rank's count, on every rank (collective)."""
+        device = self.accelerator.device
+        return [int(v) for v in self.accelerator.gather(torch.tensor([count], device=device)).tolist()]

@@ -8,14 +8,11 @@ best model so far in `best/` the same way and publishes it at the end.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-from tuneloop.train.checkpoint import fsync_files, fsync_folder_entry
-
-BEST_DIR = "best"
-OLD_BEST_DIR = f".old-{BEST_DIR}"
+from tuneloop import run_files
+from tuneloop.run_files import fsync_files, move_files_into
 
 
 def save_hf_folder(model, tokenizer, folder: Path) -> None:
@@ -29,22 +26,22 @@ def save_hf_folder(model, tokenizer, folder: Path) -> None:
 
 def publish_final(model, tokenizer, output_dir: Path) -> None:
     """Main process only: the trained model, written whole before any file lands in output_dir."""
-    temp = output_dir / ".tmp-final"
+    temp = output_dir / run_files.TEMP_FINAL
     shutil.rmtree(temp, ignore_errors=True)
     try:
         save_hf_folder(model, tokenizer, temp)
-        _move_files_into(temp, output_dir)
+        move_files_into(temp, output_dir)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
 
 
 def has_best(output_dir: Path) -> bool:
-    return any((output_dir / name).is_dir() for name in (BEST_DIR, OLD_BEST_DIR))
+    return any((output_dir / name).is_dir() for name in (run_files.BEST, run_files.OLD_BEST))
 
 
 def save_best(model, tokenizer, output_dir: Path) -> None:
     """Main process only: the best model so far (by eval loss), for early stopping; replaced atomically."""
-    temp = output_dir / f".tmp-{BEST_DIR}"
+    temp = output_dir / run_files.TEMP_BEST
     shutil.rmtree(temp, ignore_errors=True)
     try:
         save_hf_folder(model, tokenizer, temp)
@@ -54,7 +51,7 @@ def save_best(model, tokenizer, output_dir: Path) -> None:
         raise
     finally:
         model.config.use_cache = False  # save_hf_folder switched it on; training goes on
-    best, old = output_dir / BEST_DIR, output_dir / OLD_BEST_DIR
+    best, old = output_dir / run_files.BEST, output_dir / run_files.OLD_BEST
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
         best.rename(old)  # a kill from here on leaves .old-best, which publish_best falls back to
@@ -64,23 +61,13 @@ def save_best(model, tokenizer, output_dir: Path) -> None:
 
 def publish_best(output_dir: Path) -> None:
     """Early stopping: the folder's model is the best one, not the last one."""
-    best = output_dir / BEST_DIR
+    best = output_dir / run_files.BEST
     if not best.is_dir():  # killed between the two renames of save_best
-        (output_dir / OLD_BEST_DIR).rename(best)
-    temp = output_dir / ".tmp-final"
+        (output_dir / run_files.OLD_BEST).rename(best)
+    temp = output_dir / run_files.TEMP_FINAL
     shutil.rmtree(temp, ignore_errors=True)
     try:
         shutil.copytree(best, temp)
-        _move_files_into(temp, output_dir)
+        move_files_into(temp, output_dir)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-
-
-def _move_files_into(source: Path, output_dir: Path) -> None:
-    # on disk before the renames (a power loss must not leave an empty model.safetensors behind a
-    # summary.json that says the run finished); a rename within one file system is atomic, so each file
-    # in output_dir is either the old one or whole
-    fsync_files(source)
-    for path in sorted(source.iterdir()):
-        os.replace(path, output_dir / path.name)
-    fsync_folder_entry(output_dir)

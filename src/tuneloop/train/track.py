@@ -1,5 +1,6 @@
-"""Metrics: one JSON object per line in output_dir/metrics.jsonl, and a progress line on stdout
-that counts against the plan's total ("step 7/14", with the time left at the current pace)."""
+"""Metrics: one JSON object per line in output_dir/metrics.jsonl; progress lines that count against the
+plan's total ("step 7/14", with the time left at the current pace), for whoever shows them; and the
+window of steps a train line averages over."""
 
 from __future__ import annotations
 
@@ -12,12 +13,9 @@ import torch
 
 
 class MetricsLog:
-    def __init__(self, path: Path, enabled: bool, total_steps: int, first_step: int = 0):
+    def __init__(self, path: Path, enabled: bool):
         self.path = path
         self.enabled = enabled  # only the main process writes
-        self.total_steps = total_steps
-        self.first_step = first_step  # a resumed run measures its pace from where it started
-        self.started = time.perf_counter()
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -26,9 +24,20 @@ class MetricsLog:
             # NaN and inf are written as they are (json's NaN/Infinity): a bad loss must never vanish
             handle.write(json.dumps(record) + "\n")
             handle.flush()
-        print(self.progress_line(record), flush=True)
 
-    def progress_line(self, record: dict) -> str:
+
+class ProgressLines:
+    """One line per metrics record, counting against the plan: "step 7/14 | loss 1.23 | … | left ~1m05s"."""
+
+    def __init__(self, total_steps: int, first_step: int = 0):
+        self.total_steps = total_steps
+        self.first_step = first_step  # a resumed run measures its pace from where it started
+        self.started = time.perf_counter()
+
+    def restart(self) -> None:
+        self.started = time.perf_counter()
+
+    def line(self, record: dict) -> str:
         step = record["step"]
         parts = [f"step {step}/{self.total_steps}"]
         for key, value in record.items():
@@ -61,6 +70,14 @@ class LossWindow:
         self.tokens = 0
         self.real_tokens = 0
         self.start = time.perf_counter()
+
+    def restart(self) -> None:
+        """The clock starts now (the first window does not count model loading or the step-0 eval)."""
+        self.start = time.perf_counter()
+
+    def add_step(self, summed_loss: torch.Tensor, tokens: int) -> None:
+        self.loss += summed_loss
+        self.tokens += tokens
 
     def close(self, accelerator) -> dict:
         """Loss per token and throughput over the window, summed over ranks (collectives: every rank

@@ -1,52 +1,27 @@
-"""The output folder's rules: never mix two runs, resume only what fits.
+"""Whether a run starts fresh or continues, decided once by the main process before training.
 
 A fresh run refuses an output_dir that holds another run's files unless told `--overwrite`.
 A resumed run picks its checkpoint (the given one, or the newest complete one with
 `auto_resume_from_checkpoints`), checks that it belongs to this config, and puts back the
-metrics log as it was at that checkpoint, so no step is logged twice or lost.
+metrics log as it was at that checkpoint, so no step is logged twice or lost. Which files
+belong to a run is run_files.py's to say.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
+from tuneloop import run_files
 from tuneloop.errors import UserError
+from tuneloop.run_files import clear_previous_run, complete_checkpoints, previous_run_files, step_of
 from tuneloop.train import checkpoint
-from tuneloop.train.model_folder import BEST_DIR, OLD_BEST_DIR
-
-# everything a run leaves: its records, the model or adapter folder save_pretrained writes, the report
-RUN_FILES = ("plan.json", "metrics.jsonl", "summary.json", "report.md", "report.png", "config.json",
-             "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-             "adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-             "added_tokens.json", "README.md")
-
-
-def previous_run_files(output_dir: Path) -> list[Path]:
-    if not (output_dir / "plan.json").exists() and not checkpoint.complete_checkpoints(output_dir):
-        # not a tuneloop run: refuse only on the files a run would overwrite
-        return [output_dir / name for name in ("model.safetensors", "adapter_model.safetensors", "config.json")
-                if (output_dir / name).exists()]
-    found = [output_dir / name for name in RUN_FILES if (output_dir / name).exists()]
-    found += sorted(output_dir.glob("model-*.safetensors"))
-    found += sorted(output_dir.glob(f"{checkpoint.PREFIX}*")) + sorted(output_dir.glob(".tmp-*"))
-    found += sorted(output_dir.glob(".rng-*"))
-    # the early-stopping best model, and the copy save_best keeps while it replaces it
-    found += [output_dir / name for name in (BEST_DIR, OLD_BEST_DIR) if (output_dir / name).exists()]
-    return found
 
 
 def finished_run(output_dir: Path) -> dict | None:
-    summary = output_dir / "summary.json"
-    if not summary.is_file():
-        return None
-    try:
-        data = json.loads(summary.read_text())
-    except json.JSONDecodeError:
-        return None  # torn by a kill while it was written: the run did not finish cleanly
-    return data if data.get("stopped_by") != "signal" else None
+    """The summary of a run that finished in output_dir (a run stopped by a signal did not finish)."""
+    summary = run_files.read_json(output_dir / run_files.SUMMARY)  # None also when torn by a kill
+    return summary if summary is not None and summary.get("stopped_by") != "signal" else None
 
 
 def choose_checkpoint(cfg, output_dir: Path) -> Path | None:
@@ -57,17 +32,9 @@ def choose_checkpoint(cfg, output_dir: Path) -> Path | None:
         checkpoint.read_state(path)  # refuses a torn one
         return path
     if cfg.auto_resume_from_checkpoints:
-        complete = checkpoint.complete_checkpoints(output_dir)
+        complete = complete_checkpoints(output_dir)
         return complete[-1] if complete else None
     return None
-
-
-def clear_previous_run(output_dir: Path) -> None:
-    for path in previous_run_files(output_dir):
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
 
 
 def prepare_output_dir(cfg, output_dir: Path, overwrite: bool) -> Path | None:
@@ -79,7 +46,7 @@ def prepare_output_dir(cfg, output_dir: Path, overwrite: bool) -> Path | None:
         return resume
     leftovers = previous_run_files(output_dir)
     # auto-resume of a tuneloop run killed before its first checkpoint: start it again
-    interrupted_before_first_save = (cfg.auto_resume_from_checkpoints and (output_dir / "plan.json").is_file()
+    interrupted_before_first_save = (cfg.auto_resume_from_checkpoints and (output_dir / run_files.PLAN).is_file()
                                      and finished_run(output_dir) is None)
     if leftovers and not overwrite and not interrupted_before_first_save:
         names = ", ".join(p.name for p in leftovers[:4]) + (" …" if len(leftovers) > 4 else "")
@@ -93,16 +60,16 @@ def prepare_output_dir(cfg, output_dir: Path, overwrite: bool) -> Path | None:
 def continue_from(output_dir: Path, resume: Path) -> None:
     """After the checkpoint passed check_resumable: the folder as it was at that checkpoint — its metrics
     log, no summary, no torn saves, and no checkpoints of the abandoned steps after it."""
-    checkpoint.remove_torn_saves(output_dir)
-    saved_metrics = resume / checkpoint.METRICS_FILE
+    run_files.remove_torn_saves(output_dir)
+    saved_metrics = resume / run_files.METRICS
     if saved_metrics.is_file():
-        shutil.copyfile(saved_metrics, output_dir / checkpoint.METRICS_FILE)
+        shutil.copyfile(saved_metrics, output_dir / run_files.METRICS)
     else:
-        (output_dir / checkpoint.METRICS_FILE).unlink(missing_ok=True)
-    (output_dir / "summary.json").unlink(missing_ok=True)
+        (output_dir / run_files.METRICS).unlink(missing_ok=True)
+    (output_dir / run_files.SUMMARY).unlink(missing_ok=True)
     if resume.parent.resolve() == output_dir.resolve():
-        for later in checkpoint.complete_checkpoints(output_dir):
-            if checkpoint.step_of(later) > checkpoint.step_of(resume):
+        for later in complete_checkpoints(output_dir):
+            if step_of(later) > step_of(resume):
                 shutil.rmtree(later)
 
 

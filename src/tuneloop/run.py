@@ -1,0 +1,218 @@
+"""One run, composed from a config: prepare the data -> plan -> load the model -> loop -> outputs.
+
+This is tuneloop's entry point below the command line. `tuneloop train` is
+
+    cfg = load_run_config("run.yml")
+    with TrainingSession(cfg, hooks) as session:   # one per process; the ranks leave together
+        result = session.run()
+
+and so is the benchmark, or a notebook. Nothing here prints: what happens is told to the hooks
+(`RunHooks.planned`, the loop's phases) and returned in a RunResult; the command line decides what
+to say and which exit code it means.
+
+Errors come back two ways. A problem found before training, on one rank (a bad row, an output_dir
+that holds another run) is raised as a UserError. A problem every rank meets at the same point (the
+loss diverged, a checkpoint could not be written, the summary could not be written) is returned in
+`RunResult.error`, so that each rank can report it before the ranks leave the session together: a
+launcher stops the other ranks as soon as one exits.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tuneloop import run_files
+from tuneloop.config import TuneloopConfig, load_config
+from tuneloop.errors import CheckpointFailed, TrainingDiverged, UserError
+from tuneloop.train.hooks import RunHooks
+
+
+def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
+    """The config as a run uses it: validated, with the embedded aliases resolved to local paths."""
+    from tuneloop.demo.embedded import resolve_aliases
+
+    return resolve_aliases(load_config(path, overrides))
+
+
+def prepare_data(cfg: TuneloopConfig, force: bool = False):
+    """(tokenizer, prepared data): the rows tokenized, masked and cached once (data/prepare.py)."""
+    from transformers.utils import logging as transformers_logging
+
+    from tuneloop.data.prepare import prepare
+    from tuneloop.model import load_tokenizer
+
+    transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
+    tokenizer = load_tokenizer(cfg)
+    return tokenizer, prepare(cfg, tokenizer, force=force)
+
+
+def plan_run(cfg: TuneloopConfig, prepared, world_size: int):
+    """Every number of the run (plan.py), its memory estimate, and the optimizer's needs checked."""
+    import numpy as np
+
+    from tuneloop.memory import estimate_memory
+    from tuneloop.model import mixed_precision
+    from tuneloop.plan import attach_memory_estimate, make_plan
+    from tuneloop.optim import optimizer_kind
+
+    optimizer_kind(cfg)  # one that needs a GPU is refused here, before anything is loaded
+    plan = make_plan(cfg, np.asarray(prepared.train["length"]), np.asarray(prepared.train["n_targets"]),
+                     prepared.stats.eval_rows, prepared.stats.dropped_too_long, world_size)
+    attach_memory_estimate(plan, estimate_memory(cfg, cfg.base_model, plan.max_micro_batch_tokens,
+                                                 mixed_precision(cfg)))
+    return plan
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    plan: object | None = None  # the TrainingPlan the run followed
+    outcome: object | None = None  # the loop's RunOutcome: steps, tokens, evals, what stopped it
+    summary: dict | None = None  # what summary.json says (main process only)
+    resumed_from: Path | None = None
+    already_finished: bool = False  # auto-resume found a finished run in output_dir: nothing was done
+    error: Exception | None = None  # met by every rank at once (see the module's docstring)
+
+    @property
+    def stopped_by_signal(self) -> bool:
+        return self.outcome is not None and self.outcome.stopped_by == "signal"
+
+
+class TrainingSession:
+    """One training run in this process: every rank opens one, runs it, and leaves it with the others."""
+
+    def __init__(self, cfg: TuneloopConfig, hooks: RunHooks | None = None):
+        self.cfg = cfg
+        self.hooks = hooks or RunHooks()
+        self.accelerator = None
+
+    def __enter__(self) -> "TrainingSession":
+        import torch
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        from tuneloop.model import mixed_precision
+
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(self.cfg))
+        if self.cfg.tf32 and torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = True
+        set_seed(self.cfg.seed)
+        return self
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def run(self, overwrite: bool = False, force_resume: bool = False) -> RunResult:
+        from tuneloop.model import load_model
+        from tuneloop.train.guards import StopRequests
+        from tuneloop.train.loop import TrainingLoop
+        from tuneloop.train.objectives import objective_of
+        from tuneloop.train.resume import finished_run
+
+        cfg, accelerator = self.cfg, self.accelerator
+        output_dir = Path(cfg.output_dir)
+        if cfg.auto_resume_from_checkpoints and not overwrite and finished_run(output_dir):
+            return RunResult(output_dir, already_finished=True)
+        with accelerator.main_process_first():  # rank 0 fills the data cache, the others read it
+            tokenizer, prepared = prepare_data(cfg)
+        plan = plan_run(cfg, prepared, accelerator.num_processes)
+        identity = {"data_key": prepared.cache_dir.name, "base_model": cfg.base_model, "adapter": cfg.adapter}
+        resume = self._decided_on_main(lambda: self._start_output_dir(plan, identity, overwrite, force_resume))
+        model = load_model(cfg, tokenizer, checkpoint=resume)
+        try:
+            with StopRequests() as stop:
+                loop = TrainingLoop(cfg, plan, prepared, tokenizer, model, accelerator, objective_of(cfg), identity,
+                                    stop, self.hooks, resume_from=resume)
+                outcome = loop.run()
+        except (TrainingDiverged, CheckpointFailed) as error:  # raised on every rank at the same collective
+            return RunResult(output_dir, plan, resumed_from=resume, error=error)
+        result = RunResult(output_dir, plan, outcome, resumed_from=resume)
+        if self.is_main:
+            try:
+                result.summary = write_outputs(output_dir, outcome, plan)
+            except UserError as error:  # the other ranks are already on their way out
+                result.error = error
+        return result
+
+    def _start_output_dir(self, plan, identity: dict, overwrite: bool, force_resume: bool) -> Path | None:
+        """Main process: a fresh output_dir, or the checkpoint to resume from (checked against this run)."""
+        from tuneloop.train import checkpoint, resume
+
+        output_dir = Path(self.cfg.output_dir)
+        chosen = resume.prepare_output_dir(self.cfg, output_dir, overwrite)
+        if chosen is not None:
+            resume.check_resumable(checkpoint.read_state(chosen), plan.to_json(), identity, force_resume)
+            resume.continue_from(output_dir, chosen)
+        run_files.write_json(output_dir / run_files.PLAN, plan.to_json())
+        self.hooks.planned(plan, chosen)
+        return chosen
+
+    def _decided_on_main(self, decide):
+        """`decide()` on the main process; its answer on every rank."""
+        value = decide() if self.is_main else None
+        if self.accelerator.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value])[0]
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            if exc_type is None:
+                self.leave_together()
+        finally:
+            if self.accelerator.num_processes == 1:
+                _forget_accelerate_state()
+
+    def leave_together(self) -> None:
+        """Ranks wait for each other (rank 0 writes the summary and report meanwhile), then tear down.
+
+        Why the wait: gloo's worker thread lets go of the last collective's tensors a moment after the
+        collective returns, and it needs the GIL to do so. A rank that exits at once can reach interpreter
+        finalization first; the worker then dies inside C++ and the process aborts with "terminate called
+        without an active exception" (SIGABRT) after a complete run: seen on rank 1 of 2 in about one
+        run in five on 2 busy cores. A barrier releases the GIL while it waits, so the worker finishes.
+        An unexpected error skips this: the other ranks may be anywhere, and a barrier could wait forever.
+        """
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
+
+
+def write_outputs(output_dir: Path, outcome, plan) -> dict:
+    """Main process, after the loop: summary.json and the report. Returns the summary."""
+    from tuneloop.report import write_report
+
+    try:
+        summary = summary_of(outcome, plan)
+        run_files.write_json(output_dir / run_files.SUMMARY, summary)
+        write_report(output_dir)
+    except OSError as error:
+        saved = "a checkpoint is" if outcome.stopped_by == "signal" else "the model is"
+        raise UserError(f"output: {saved} saved in {output_dir}, but the summary or report could not be written "
+                        f"({error.strerror or error}). `tuneloop report {output_dir}` redraws the report; "
+                        "resuming (auto_resume_from_checkpoints: true) repeats the steps after the last "
+                        "checkpoint.") from None
+    return summary
+
+
+def summary_of(outcome, plan) -> dict:
+    return {"steps": outcome.steps, "planned_steps": plan.total_steps, "tokens": outcome.tokens,
+            "targets_collated": outcome.targets_collated, "real_tokens": outcome.real_tokens,
+            "train_seconds": round(outcome.train_seconds, 4),
+            "real_tokens_per_second": round(outcome.real_tokens / outcome.train_seconds, 1)
+            if outcome.train_seconds else None, "stopped_by": outcome.stopped_by,
+            "first_eval_loss": outcome.evals[0]["eval_loss"] if outcome.evals else None,
+            "last_eval_loss": outcome.evals[-1]["eval_loss"] if outcome.evals else None}
+
+
+def _forget_accelerate_state() -> None:
+    """Accelerate keeps one process-wide state (device, precision) and refuses an Accelerator with another
+    precision in the same process. A single-process run forgets it when it ends, as accelerate's own test
+    cases do between tests, so the next run in this process (a test, a benchmark, a notebook) starts clean."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

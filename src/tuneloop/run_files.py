@@ -1,0 +1,175 @@
+"""Every file and folder tuneloop writes into output_dir, and the atomic ways it writes them.
+
+Whatever a run leaves in output_dir is named here, once: its records (plan, metrics, summary,
+report), the model folder that `save_pretrained` writes, checkpoints, and the hidden temporary
+folders a save goes through. `--overwrite` removes exactly what is listed and nothing else, so a
+new kind of output (tracker logs, a merged model, a trained tokenizer) is one more entry here.
+
+Writes are atomic: a file or folder is written under a temporary name, made durable (fsync) and
+renamed into place, so a kill or a full disk never leaves a torn file where a reader would find it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+# ---- the run's records
+PLAN = "plan.json"
+METRICS = "metrics.jsonl"
+SUMMARY = "summary.json"
+REPORT_MD = "report.md"
+REPORT_PNG = "report.png"
+
+# ---- checkpoints: checkpoint-STEP/ holds the model, TRAINING_STATE (optimizer, scheduler, RNG),
+# one RANK_RNG per rank, a copy of METRICS, and STATE written last (the completeness marker)
+CHECKPOINT_PREFIX = "checkpoint-"
+STATE = "tuneloop_state.json"
+TRAINING_STATE = "training_state.pt"
+RANK_RNG = "rng_state_{rank}.pt"
+
+# ---- saves in progress, and the early-stopping best model
+TEMP_PREFIX = ".tmp-"
+TEMP_FINAL = ".tmp-final"
+BEST = "best"
+TEMP_BEST = f"{TEMP_PREFIX}{BEST}"
+OLD_BEST = f".old-{BEST}"  # the previous best while save_best replaces it
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / f"{CHECKPOINT_PREFIX}{step}"
+
+
+def temp_checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}{step}"
+
+
+def pending_rank_rng(output_dir: Path, step: int, rank: int) -> Path:
+    """A rank's RNG state, written before the main process builds the checkpoint that takes it in."""
+    return output_dir / f".rng-{step}-rank{rank}.pt"
+
+
+@dataclass(frozen=True)
+class OutputEntry:
+    pattern: str  # a name or a glob in output_dir
+    what: str
+
+
+# what `save_pretrained` of a model (or a peft adapter) and of its tokenizer write
+MODEL_FILES = (
+    OutputEntry("config.json", "model config"), OutputEntry("generation_config.json", "generation config"),
+    OutputEntry("model.safetensors", "weights"), OutputEntry("model-*.safetensors", "weight shards"),
+    OutputEntry("model.safetensors.index.json", "weight shard index"),
+    OutputEntry("adapter_model.safetensors", "LoRA adapter weights"),
+    OutputEntry("adapter_config.json", "LoRA adapter config"), OutputEntry("README.md", "peft's adapter card"),
+    OutputEntry("tokenizer.json", "tokenizer"), OutputEntry("tokenizer_config.json", "tokenizer config"),
+    OutputEntry("special_tokens_map.json", "special tokens"), OutputEntry("chat_template.jinja", "chat template"),
+    OutputEntry("vocab.json", "vocabulary"), OutputEntry("merges.txt", "BPE merges"),
+    OutputEntry("tokenizer.model", "sentencepiece model"), OutputEntry("added_tokens.json", "added tokens"),
+)
+OUTPUT_FILES = (
+    OutputEntry(PLAN, "the plan"), OutputEntry(METRICS, "train and eval metrics"),
+    OutputEntry(SUMMARY, "the finished run's summary"), OutputEntry(REPORT_MD, "the report"),
+    OutputEntry(REPORT_PNG, "the report's plot"),
+    *MODEL_FILES,
+    OutputEntry(f"{CHECKPOINT_PREFIX}*", "checkpoints"), OutputEntry(f"{TEMP_PREFIX}*", "saves in progress"),
+    OutputEntry(".rng-*-rank*.pt", "RNG states of a checkpoint in progress"),
+    OutputEntry(BEST, "the early-stopping best model"), OutputEntry(OLD_BEST, "the previous best model"),
+)
+# what a fresh run would overwrite in a folder that holds no tuneloop run
+OVERWRITTEN_MODEL_FILES = ("model.safetensors", "adapter_model.safetensors", "config.json")
+
+
+def is_tuneloop_run(output_dir: Path) -> bool:
+    return (output_dir / PLAN).exists() or bool(complete_checkpoints(output_dir))
+
+
+def previous_run_files(output_dir: Path) -> list[Path]:
+    """What an earlier run left in output_dir, by the list above; a user's own files are never in it."""
+    if not is_tuneloop_run(output_dir):
+        return [output_dir / name for name in OVERWRITTEN_MODEL_FILES if (output_dir / name).exists()]
+    names = sorted(os.listdir(output_dir))
+    return [output_dir / name for name in names if any(fnmatch.fnmatchcase(name, e.pattern) for e in OUTPUT_FILES)]
+
+
+def clear_previous_run(output_dir: Path) -> None:
+    for path in previous_run_files(output_dir):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    """Checkpoint folders with their completeness marker, oldest first."""
+    found = [p for p in Path(output_dir).glob(f"{CHECKPOINT_PREFIX}*")
+             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit() and (p / STATE).is_file()]
+    return sorted(found, key=step_of)
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name[len(CHECKPOINT_PREFIX):])
+
+
+def remove_torn_saves(output_dir: Path) -> None:
+    """What a kill or a full disk left half-written. Not OLD_BEST: it can be the only best model."""
+    for pattern in (f"{TEMP_PREFIX}*", ".rng-*-rank*.pt"):
+        for leftover in Path(output_dir).glob(pattern):
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+
+# ---- atomic writes --------------------------------------------------------------------------
+
+def fsync_files(folder: Path) -> None:
+    """The folder's files' contents on disk (a rename is only as durable as what it renames)."""
+    for path in folder.iterdir():
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def fsync_folder_entry(folder: Path) -> None:
+    """The folder's own entries (the renames into it) on disk."""
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+    finally:
+        os.close(handle)
+
+
+def move_files_into(source: Path, output_dir: Path) -> None:
+    """Each file of `source` renamed into output_dir, after all of them are on disk: a rename within one
+    file system is atomic, so each file in output_dir is either the old one or whole (a power loss must not
+    leave an empty model.safetensors behind a summary.json that says the run finished)."""
+    fsync_files(source)
+    for path in sorted(source.iterdir()):
+        os.replace(path, output_dir / path.name)
+    fsync_folder_entry(output_dir)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Written whole or not at all: a reader never sees half a plan.json or summary.json."""
+    temp = path.with_name(f"{TEMP_PREFIX}{path.name}")
+    try:
+        temp.write_text(json.dumps(data, indent=2))
+        with open(temp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def read_json(path: Path) -> dict | None:
+    """None when the file is missing or torn."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

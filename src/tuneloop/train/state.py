@@ -1,0 +1,69 @@
+"""The run state: everything a resumed run needs to continue exactly where a checkpoint left off.
+
+The loop advances one RunState; a checkpoint writes it whole and a resume reads it whole, so a
+counter added here is saved and restored by construction. Its counters go to the checkpoint's
+JSON marker; each rank's RNG state (dropout draws differ per rank) to a file of its own.
+
+Not in it, on purpose: the loss window being averaged for the next train line (every save step is
+also a logging step, so the window is empty when a checkpoint is written) and this session's
+throughput counters (a resumed run measures its own speed).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class RunState:
+    step: int = 0  # optimizer steps done
+    tokens_seen: int = 0  # target tokens trained on, all ranks
+    targets_collated: int = 0  # target tokens this rank's collator produced: the loss's denominators, summed
+    evals: list[dict] = field(default_factory=list)  # every eval's metrics, with its step
+    best_eval_loss: float | None = None
+    evals_without_improvement: int = 0
+
+    def record_eval(self, step: int, metrics: dict) -> bool:
+        """Adds an eval; True when it is the best so far (the model early stopping keeps)."""
+        self.evals.append({"step": step, **metrics})
+        if self.best_eval_loss is None or metrics["eval_loss"] < self.best_eval_loss:
+            self.best_eval_loss, self.evals_without_improvement = metrics["eval_loss"], 0
+            return True
+        self.evals_without_improvement += 1
+        return False
+
+    def plateaued(self, patience: int | None) -> bool:
+        return patience is not None and self.evals_without_improvement >= patience
+
+    def to_json(self, targets_per_rank: list[int]) -> dict:
+        """The counters as the checkpoint marker stores them (each rank's collated count, gathered)."""
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "targets_collated": targets_per_rank,
+                "evals": self.evals, "best_eval_loss": self.best_eval_loss,
+                "evals_without_improvement": self.evals_without_improvement}
+
+    @classmethod
+    def from_json(cls, data: dict, rank: int, world_size: int) -> "RunState":
+        counts = data.get("targets_collated", [])  # one per rank (a forced resume may change the ranks)
+        return cls(step=data["step"], tokens_seen=data["tokens_seen"],
+                   targets_collated=counts[rank] if len(counts) == world_size else 0, evals=list(data["evals"]),
+                   best_eval_loss=data["best_eval_loss"], evals_without_improvement=data["evals_without_improvement"])
+
+
+def rng_states() -> dict:
+    """This process's random generators (python, numpy, torch and CUDA)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
