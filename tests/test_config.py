@@ -55,7 +55,7 @@ def test_speed_only_axolotl_key_is_a_warning():
 
 def test_wrong_type_or_value_names_the_key_and_what_is_allowed():
     assert "`micro_batch_size`" in error_of(micro_batch_size="two")
-    message = error_of(lr_scheduler="one_cycle")
+    message = error_of(lr_scheduler="cyclic")
     assert "`lr_scheduler`" in message and "'cosine'" in message
     assert "`sequence_len` must be at least 1" in error_of(sequence_len=0)
     assert "`datasets.0.type`" in error_of(datasets=[{"path": "x", "type": "oasst"}])

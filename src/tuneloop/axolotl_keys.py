@@ -41,7 +41,7 @@ RESULT_CHANGING = {
     "peft_layers_to_transform", "lora_fan_in_fan_out", "loraplus_lr_ratio", "loraplus_lr_embedding",
     "peft", "peft_use_dora", "peft_use_rslora", "relora_steps", "relora_warmup_steps",
     "relora_anneal_steps", "relora_prune_ratio", "relora_cpu_offload", "lr_quadratic_warmup",
-    "lr_scheduler_kwargs", "cosine_constant_lr_ratio", "lr_div_factor", "optim_args",
+    "lr_scheduler_kwargs", "cosine_constant_lr_ratio", "optim_args",
     "optim_target_modules", "neftune_noise_alpha", "noisy_embedding_alpha", "tokens",
     "added_tokens_overrides", "fsdp", "fsdp_config", "deepspeed", "unfrozen_parameters", "embeddings_skip_upcast",
     "chat_template_kwargs", "group_by_length_mega_batch", "curriculum_sampling", "multipack_real_batches",

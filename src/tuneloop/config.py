@@ -116,6 +116,7 @@ class TuneloopConfig(_Strict):
     warmup_steps: Optional[int] = None
     warmup_ratio: Optional[float] = None
     cosine_min_lr_ratio: Optional[float] = None
+    lr_div_factor: Optional[float] = None  # one_cycle: it starts at learning_rate / lr_div_factor (default 6)
     optimizer: str = "adamw_torch_fused"  # a name in optim.py's OPTIMIZERS
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -170,9 +171,11 @@ class TuneloopConfig(_Strict):
             raise ValueError("must be at least 1 (or left out)")
         return value
 
-    @field_validator("learning_rate")
+    @field_validator("learning_rate", "lr_div_factor")
     @classmethod
     def _lr_positive(cls, value):
+        if value is None:
+            return value
         if value <= 0:
             raise ValueError("must be greater than 0")
         return value
@@ -229,6 +232,9 @@ class TuneloopConfig(_Strict):
                 f"`chat_template: {self.chat_template}` is not supported: use tokenizer_default, chatml, "
                 "or jinja with `chat_template_jinja`"
             )
+        if self.lr_div_factor is not None and self.lr_scheduler != "one_cycle":
+            raise ValueError(f"`lr_div_factor` only shapes `lr_scheduler: one_cycle`, and this run uses "
+                             f"`{self.lr_scheduler}`: remove it or switch the scheduler")
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("`chat_template: jinja` needs the template text in `chat_template_jinja`")
         return self

@@ -110,10 +110,25 @@ def _warmup_then(kind: str):
     return build
 
 
+def _one_cycle(optimizer, cfg, plan):
+    """axolotl's one_cycle: torch's OneCycleLR with the warm-up as its rising phase, from
+    learning_rate / lr_div_factor (axolotl's default 6) up to learning_rate, then a cosine down to
+    1e4 times less than where it started. As in torch, and so in axolotl, the momentum (AdamW's beta1,
+    which replaces adam_beta1) cycles the other way, 0.95 -> 0.85 -> 0.95, where the optimizer has one."""
+    import torch
+
+    has_momentum = "betas" in optimizer.defaults or bool(optimizer.defaults.get("momentum"))
+    return torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=cfg.learning_rate, total_steps=plan.total_steps,
+        pct_start=min(1.0, plan.warmup_steps / plan.total_steps), div_factor=cfg.lr_div_factor or 6.0,
+        cycle_momentum=has_momentum)
+
+
 SCHEDULERS: Registry[Callable] = Registry("learning-rate scheduler", "lr_scheduler")
 SCHEDULERS.add("cosine", _warmup_then("cosine"))
 SCHEDULERS.add("linear", _warmup_then("linear"))
 SCHEDULERS.add("constant", _warmup_then("constant"))
+SCHEDULERS.add("one_cycle", _one_cycle)
 
 
 def build_scheduler(cfg, plan, optimizer):
