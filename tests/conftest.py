@@ -148,5 +148,15 @@ def run_in_process(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(["tuneloop", *args], code, out.getvalue(), err.getvalue())
 
 
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    """What every user error must look like: exit code 2, one message (one `error:` line, which may run on
+    over indented lines), no Python traceback; and each fragment in the message."""
+    assert result.returncode == 2, result.stdout[-1500:] + result.stderr[-1500:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("error: ") == 1, result.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in result.stderr, (fragment, result.stderr[-3000:])
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import base_config, free_port, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
+from conftest import (assert_user_error, base_config, free_port, read_metrics, run_in_process, tiny_rows,
+                      write_config, write_jsonl)
 from safetensors.torch import load_file
 
 from tuneloop.run_files import complete_checkpoints
@@ -19,13 +20,6 @@ from tuneloop.run_files import complete_checkpoints
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("bad_input_data") / "train.jsonl", tiny_rows(40, seed=2))
-
-
-def assert_user_error(result, *fragments):
-    assert result.returncode == 2, result.stdout[-1500:] + result.stderr[-1500:]
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr
 
 
 def test_empty_dataset_and_dataset_empty_after_filtering(tmp_path, tiny_model_dir):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import base_config, run_in_process, write_config, write_jsonl
+from conftest import assert_user_error, base_config, run_in_process, write_config, write_jsonl
 from transformers import AutoTokenizer
 
 from tuneloop.config import config_from_dict
@@ -130,12 +130,9 @@ def test_malformed_json_line_names_the_file_and_line(tmp_path, tiny_model_dir):
     data = tmp_path / "broken.jsonl"
     data.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n" + '{"instruction": "a", "output": \n')
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data))
-    result = run_in_process("preprocess", str(config))
-    assert result.returncode == 2 and "broken.jsonl:2: malformed JSON line" in result.stderr
-    assert "Traceback" not in result.stderr
+    assert_user_error(run_in_process("preprocess", str(config)), "broken.jsonl:2: malformed JSON line")
     missing = write_config(tmp_path / "missing.yml", **base_config(tmp_path, tiny_model_dir, tmp_path / "nope.jsonl"))
-    result = run_in_process("preprocess", str(missing))
-    assert result.returncode == 2 and "no such file" in result.stderr and "nope.jsonl" in result.stderr
+    assert_user_error(run_in_process("preprocess", str(missing)), "no such file", "nope.jsonl")
 
 
 def test_cache_is_reused_and_keyed_by_settings(tmp_path, tokenizer):

@@ -126,14 +126,16 @@ def test_memory_estimate_counts_the_real_parameters_and_warns_above_the_device(t
     from transformers import AutoModelForCausalLM
 
     from tuneloop.memory import MemoryEstimate, estimate_memory
+    from tuneloop.model import model_facts
     from tuneloop.plan import attach_memory_estimate
 
     cfg = config_from_dict({"base_model": str(tiny_model_dir), "datasets": [{"path": "x"}]})
-    estimate = estimate_memory(cfg, str(tiny_model_dir), tokens_per_micro_batch=4096, precision="no")
+    facts = model_facts(cfg)
+    estimate = estimate_memory(cfg, facts, tokens_per_micro_batch=4096, precision="no")
     real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
     assert estimate.parameters == estimate.trainable_parameters == real
     assert estimate.weights_gb == round(real * 4 / 1e9, 3) and estimate.optimizer_gb == round(real * 8 / 1e9, 3)
-    bigger = estimate_memory(cfg, str(tiny_model_dir), tokens_per_micro_batch=8192, precision="no")
+    bigger = estimate_memory(cfg, facts, tokens_per_micro_batch=8192, precision="no")
     assert bigger.activations_gb > estimate.activations_gb
 
     plan = plan_for(UNIFORM, micro_batch_size=4)

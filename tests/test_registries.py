@@ -54,6 +54,7 @@ def test_aliases_answer_for_their_entry_and_a_name_cannot_be_taken_twice():
 @pytest.mark.parametrize("name", OPTIMIZERS.names())
 def test_every_optimizer_builds_and_the_memory_estimate_knows_its_state(name, tiny_model_dir):
     from tuneloop.memory import estimate_memory
+    from tuneloop.model import model_facts
 
     cfg = config_from_dict({**MINIMAL, "base_model": str(tiny_model_dir), "optimizer": name})
     if OPTIMIZERS[name].needs_cuda and not torch.cuda.is_available():
@@ -62,7 +63,7 @@ def test_every_optimizer_builds_and_the_memory_estimate_knows_its_state(name, ti
     optimizer = build_optimizer(cfg, model)
     model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
     optimizer.step()
-    estimate = estimate_memory(cfg, str(tiny_model_dir), tokens_per_micro_batch=64, precision="no")
+    estimate = estimate_memory(cfg, model_facts(cfg), tokens_per_micro_batch=64, precision="no")
     trained = sum(p.numel() for p in model.parameters())
     assert estimate.optimizer_gb == round(trained * OPTIMIZERS[name].state_bytes_per_param / 1e9, 3)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import base_config, free_port, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from tuneloop.run_files import STATE, complete_checkpoints
 from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
@@ -123,7 +123,7 @@ def test_a_kill_during_a_save_leaves_no_checkpoint_that_is_resumed(tmp_path, tin
 
 
 def test_overwrite_clears_every_folder_an_earlier_run_left(tmp_path):
-    from tuneloop.run_files import clear_previous_run
+    from tuneloop.run_files import clear_run_files
 
     out = tmp_path / "out"
     for name in ("checkpoint-3", ".tmp-checkpoint-6", "best", ".old-best", ".tmp-final"):
@@ -131,7 +131,7 @@ def test_overwrite_clears_every_folder_an_earlier_run_left(tmp_path):
         (out / name / "model.safetensors").write_bytes(b"x")
     (out / "plan.json").write_text("{}")
     (out / "notes.txt").write_text("the user's own file")
-    clear_previous_run(out)
+    clear_run_files(out)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
@@ -143,11 +143,13 @@ def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
     for step, complete in ((3, True), (6, True), (9, False)):
         folder = out / f"checkpoint-{step}"
         folder.mkdir(parents=True)
-        (folder / "model.safetensors").write_bytes(b"x")
+        save_file({"weight": torch.zeros(2)}, folder / "model.safetensors")
+        torch.save({}, folder / "training_state.pt")
         if complete:
             (folder / STATE).write_text("{}")
     cfg = config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "auto_resume_from_checkpoints": True})
-    assert choose_checkpoint(cfg, out).name == "checkpoint-6"
+    notices = []
+    assert choose_checkpoint(cfg, out, notices).name == "checkpoint-6" and notices == []
 
 
 @pytest.mark.slow

@@ -35,8 +35,8 @@ def command_plan(args) -> int:
     from tuneloop.run import plan_run, prepare_data
 
     cfg = _config(args)
-    _, prepared = prepare_data(cfg)
-    plan = plan_run(cfg, prepared, args.world_size or world_size_from_env())
+    tokenizer, prepared = prepare_data(cfg)
+    plan = plan_run(cfg, tokenizer, prepared, args.world_size or world_size_from_env())
     print(json.dumps(plan.to_json(), indent=2) if args.json else describe(plan))
     return 0
 
@@ -76,7 +76,8 @@ def command_train(args) -> int:
 
     cfg = _config(args)
     with TrainingSession(cfg, hooks=ConsoleHooks()) as session:  # leaving it, the ranks wait for each other
-        result = session.run(overwrite=args.overwrite, force_resume=args.force_resume)
+        result = session.run(overwrite=args.overwrite, force_resume=args.force_resume,
+                             ignore_memory_estimate=args.ignore_memory_estimate)
         if result.error is not None:
             # said before the ranks leave: a launcher stops the other ranks as soon as one exits non-zero
             return _say_error(result.error)
@@ -92,11 +93,22 @@ def _say_outcome(result) -> None:
         print(f"stopped by a signal after step {result.outcome.steps}; checkpoint saved in {result.output_dir}. "
               "Run again with auto_resume_from_checkpoints: true to continue.", flush=True)
     else:
+        from tuneloop.plan import plural
+
         summary = result.summary
-        print(f"done: {summary['steps']} steps in {summary['train_seconds']} s; eval loss "
-              f"{summary['first_eval_loss']} → {summary['last_eval_loss']}"
+        print(f"done: {plural(summary['steps'], 'step')} in {summary['train_seconds']:.1f} s"
+              f"{_eval_losses(result.outcome.evals)}"
               f"{' (early stopping: best model kept)' if result.outcome.stopped_by else ''}; model saved to "
               f"{result.output_dir}", flush=True)  # before the other ranks leave: a launcher may stop this one
+
+
+def _eval_losses(evals: list[dict]) -> str:
+    """'; eval loss 3.3080 (step 0) → 1.3190 (step 14)', one eval alone, or nothing without an eval set."""
+    if not evals:
+        return ""
+    first, last = evals[0], evals[-1]
+    text = f"; eval loss {first['eval_loss']:.4f} (step {first['step']})"
+    return text if len(evals) == 1 else f"{text} → {last['eval_loss']:.4f} (step {last['step']})"
 
 
 class ConsoleHooks(RunHooks):
@@ -115,6 +127,9 @@ class ConsoleHooks(RunHooks):
             first_step = step_of(resume_from)
             print(f"resuming from {resume_from} (step {first_step})", flush=True)
         self.progress = ProgressLines(plan.total_steps, first_step)
+
+    def notice(self, text: str) -> None:
+        print(f"warning: {text}", file=sys.stderr, flush=True)
 
     def loop_started(self) -> None:
         if self.progress is not None:
@@ -158,6 +173,9 @@ def command_setup(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tuneloop", description="Fine-tune Hugging Face language models from one "
                                      "YAML file (axolotl's key names), in a loop as fast as a hand-written one.")
+    from tuneloop import __version__
+
+    parser.add_argument("--version", action="version", version=f"tuneloop {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     def with_config(name: str, help_text: str):
@@ -172,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="replace another run's files in output_dir instead of refusing")
     train_parser.add_argument("--force-resume", action="store_true",
                               help="resume even if the checkpoint was written with different settings")
+    train_parser.add_argument("--ignore-memory-estimate", action="store_true",
+                              help="start even when the plan's memory estimate is far above the device's memory")
     train_parser.set_defaults(handler=command_train)
     plan_parser = with_config("plan", "print every number of the run before training")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")

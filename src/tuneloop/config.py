@@ -171,7 +171,35 @@ class TuneloopConfig(_Strict):
             raise ValueError("must be at least 1 (or left out)")
         return value
 
-    @field_validator("learning_rate", "lr_div_factor")
+    @field_validator("warmup_steps", "dataset_shard_idx")
+    @classmethod
+    def _not_negative(cls, value):
+        if value is not None and value < 0:
+            raise ValueError("must be 0 or more")
+        return value
+
+    @field_validator("weight_decay")
+    @classmethod
+    def _decay_not_negative(cls, value):
+        if value < 0:
+            raise ValueError("must be 0 or more")
+        return value
+
+    @field_validator("lora_r", "lora_alpha")
+    @classmethod
+    def _lora_positive(cls, value):
+        if value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("lora_dropout", "adam_beta1", "adam_beta2")
+    @classmethod
+    def _probability(cls, value):
+        if not 0 <= value < 1:
+            raise ValueError("must be in [0, 1)")
+        return value
+
+    @field_validator("learning_rate", "lr_div_factor", "adam_epsilon", "max_grad_norm", "loss_watchdog_threshold")
     @classmethod
     def _lr_positive(cls, value):
         if value is None:
@@ -260,6 +288,37 @@ class TuneloopConfig(_Strict):
                 f"{self.gradient_accumulation_steps} × {world_size} = {implied}. "
                 "Remove `batch_size` or change one of the others."
             )
+
+
+# keys that change when or how a run is observed, saved or stopped, not what it trains: a run may resume from
+# a checkpoint written with other values of these. max_steps and num_epochs change the run's length, which a
+# resume may extend (resume.py); every other key must agree with the checkpoint's.
+NOT_RESULT_CHANGING = {
+    "output_dir", "logging_steps", "eval_steps", "evals_per_epoch", "eval_on_start", "eval_batch_size",
+    "eval_sample_packing", "save_steps", "saves_per_epoch", "save_strategy", "save_total_limit",
+    "resume_from_checkpoint", "auto_resume_from_checkpoints", "dataset_prepared_path", "loss_watchdog_threshold",
+    "loss_watchdog_patience", "early_stopping_patience",
+}
+RUN_LENGTH_KEYS = {"max_steps", "num_epochs"}
+
+
+def result_settings(cfg: TuneloopConfig) -> dict:
+    """The settings that decide what a run trains (JSON-ready), to compare a run with a checkpoint's."""
+    return {key: value for key, value in cfg.model_dump(mode="json").items() if key not in NOT_RESULT_CHANGING}
+
+
+def changed_settings(before: dict, now: dict, ignore: set[str] = frozenset()) -> list[str]:
+    """`key (old → new)` for each setting that differs; long values are named, not printed."""
+    changed = []
+    for key in sorted(set(before) | set(now)):
+        if key in ignore or before.get(key) == now.get(key):
+            continue
+        old, new = before.get(key), now.get(key)
+        if isinstance(old, (list, dict)) or isinstance(new, (list, dict)):
+            changed.append(f"{key} (changed)")
+        else:
+            changed.append(f"{key} ({old} → {new})")
+    return changed
 
 
 TOP_LEVEL_KEYS = set(TuneloopConfig.model_fields)

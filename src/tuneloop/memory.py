@@ -12,11 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from tuneloop.model import auto_class, model_kind
+from tuneloop.model import ModelFacts
 from tuneloop.optim import OPTIMIZERS
 
 ACTIVATION_VALUES_PER_TOKEN_HIDDEN = 34
-LORA_TRAINABLE_FRACTION = 0.01  # a typical r=8..64 adapter on the projections trains ~0.1–2% of weights
 
 
 @dataclass
@@ -30,14 +29,6 @@ class MemoryEstimate:
     total_gb: float
     device: str
     device_gb: float | None
-
-
-def _parameter_count(config, cfg) -> int:
-    import torch
-
-    with torch.device("meta"):
-        model = auto_class(model_kind(cfg)).from_config(config)
-    return sum(p.numel() for p in model.parameters())
 
 
 def device_memory_gb() -> tuple[str, float | None]:
@@ -56,17 +47,9 @@ def device_memory_gb() -> tuple[str, float | None]:
     return "cpu", None
 
 
-def estimate_memory(cfg, model_source: str, tokens_per_micro_batch: int, precision: str) -> MemoryEstimate:
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_source, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as error:
-        from tuneloop.errors import UserError
-
-        raise UserError(f"model: cannot read the config of {model_source!r}: {error}") from None
-    params = _parameter_count(config, cfg)
-    trainable = int(params * LORA_TRAINABLE_FRACTION) if cfg.adapter else params
+def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str) -> MemoryEstimate:
+    config = facts.config
+    params, trainable = facts.parameters, facts.trainable_parameters
     weight_bytes = 0.5 if cfg.adapter == "qlora" else 4  # fp32 master weights (autocast computes in bf16)
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
     hidden = getattr(config, "hidden_size", 0)

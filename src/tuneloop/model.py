@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,9 @@ def mixed_precision(cfg: TuneloopConfig) -> str:
     import torch
 
     if cfg.fp16:
+        if not torch.cuda.is_available():  # accelerate would accept it and quietly train in fp32
+            raise UserError("config: `fp16: true` needs a CUDA GPU, and this machine has none (accelerate would "
+                            "silently train in fp32 here). Remove it, or use `bf16: true` where the CPU has bf16.")
         return "fp16"
     if cfg.bf16 == "auto":
         return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
@@ -92,6 +96,58 @@ def attention_implementation(cfg: TuneloopConfig) -> str:
     return chosen
 
 
+@dataclass
+class ModelFacts:
+    """What the plan needs to know of the model, read from its config alone (no weights)."""
+
+    config: object  # the transformers config
+    parameters: int
+    trainable_parameters: int  # all of them, or the adapter's
+    max_positions: int | None  # n_positions / max_position_embeddings, where the config has one
+    learned_positions: bool  # a position-embedding table of max_positions rows: longer rows cannot run at all
+
+
+def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
+    """The model built on the meta device (no memory, no weights read), with the adapter when there is one, so
+    the counts are the real ones."""
+    import torch
+    from transformers import AutoConfig
+
+    source = _checked_source(cfg.base_model, "base_model")
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        with torch.device("meta"):
+            model = auto_class(model_kind(cfg)).from_config(config, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise UserError(f"model: cannot read the config of {source!r}: {error}") from None
+    if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        with torch.device("meta"):
+            model.resize_token_embeddings(len(tokenizer))
+    parameters = sum(p.numel() for p in model.parameters())
+    max_positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    inputs = model.get_input_embeddings()
+    learned = max_positions is not None and any(
+        isinstance(module, torch.nn.Embedding) and module is not inputs and module.num_embeddings == max_positions
+        for module in model.modules())
+    if cfg.adapter:
+        model = add_adapter(cfg, model, model_kind(cfg))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return ModelFacts(config, parameters, trainable, max_positions, learned)
+
+
+def check_sequence_len(cfg: TuneloopConfig, facts: ModelFacts) -> str | None:
+    """A refusal when rows longer than the model's position table would crash mid-training; a warning (returned)
+    when only the trained context length is exceeded (rotary positions extrapolate, often badly)."""
+    limit = facts.max_positions
+    if limit is None or cfg.sequence_len <= limit:
+        return None
+    if facts.learned_positions:
+        raise UserError(f"config: `sequence_len: {cfg.sequence_len}` is longer than the {limit} positions this model "
+                        f"has ({cfg.base_model}: a learned position table); set sequence_len to {limit} or less")
+    return (f"sequence_len={cfg.sequence_len} is above the model's max_position_embeddings={limit}: positions past "
+            f"{limit} were never trained; quality may drop on rows that long.")
+
+
 def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     """The model to train; from a checkpoint's weights when resuming (the adapter's, for LoRA)."""
     import torch
@@ -100,13 +156,15 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     source = _checked_source(cfg.base_model, "base_model")
     if checkpoint is not None and not cfg.adapter:
         source = str(checkpoint)
+    from safetensors import SafetensorError
+
     try:
         model = auto_class(kind).from_pretrained(
             source, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
             attn_implementation=attention_implementation(cfg),
         )
-    except (OSError, ValueError) as error:
-        raise UserError(f"model: cannot load {source!r}: {error}") from None
+    except (OSError, ValueError, SafetensorError) as error:  # missing, unreadable or damaged weights
+        raise UserError(f"model: cannot load {source!r}: {type(error).__name__}: {error}") from None
     # A cache in training defeats the packed-sequence mask (STACK-NOTES trap 1) and wastes memory.
     model.config.use_cache = False
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
@@ -135,6 +193,25 @@ def add_adapter(cfg: TuneloopConfig, model, kind: ModelKind, checkpoint=None):
                       task_type=kind.peft_task_type)
     if cfg.gradient_checkpointing:
         model.enable_input_require_grads()
-    if checkpoint is not None:
-        return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
-    return get_peft_model(model, lora)
+    with warnings.catch_warnings():
+        # peft asks is_gradient_checkpointing, which transformers 5 deprecates: not the user's concern
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        if checkpoint is not None:
+            return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
+        try:
+            return get_peft_model(model, lora)
+        except ValueError as error:  # peft's "Target modules {...} not found in the base model"
+            if "not found in the base model" not in str(error) and "NoMatchingPeftModule" not in type(error).__name__:
+                raise
+            raise UserError(f"config: `lora_target_modules: {cfg.lora_target_modules}` matches no module of this "
+                            f"model; its linear layers are named {', '.join(linear_layer_names(model))} "
+                            "(or set `lora_target_linear: true`)") from None
+
+
+def linear_layer_names(model) -> list[str]:
+    """The distinct last names of the model's linear layers (q_proj, v_proj, ...), the output head excluded."""
+    import torch
+
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and module is not head})

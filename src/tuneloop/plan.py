@@ -21,6 +21,7 @@ import numpy as np
 from tuneloop.config import TuneloopConfig
 from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
 from tuneloop.data.collate import pad_multiple, round_up
+from tuneloop.errors import UserError
 
 FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
 
@@ -55,6 +56,12 @@ class TrainingPlan:
     packing_efficiency: float | None
     padding_fraction: float | None
     max_micro_batch_tokens: int
+    learning_rate: float = 0.0
+    lr_scheduler: str = ""
+    optimizer: str = ""
+    dropped_no_trained_tokens: int = 0
+    precision: str | None = None  # set from the machine: "fp32", "bf16 (mixed)", "fp16 (mixed)"
+    attention: str | None = None  # the attention implementation the model loads with
     estimated_memory_gb: float | None = None
     memory: dict | None = None  # the estimate's parts: weights, gradients, optimizer, activations, device
     warnings: list[str] = field(default_factory=list)
@@ -107,15 +114,17 @@ def _scheduled(total: int, steps_per_epoch: int, every: int | float | None, per_
 
 
 def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.ndarray, eval_rows: int,
-              dropped_too_long: int, world_size: int) -> TrainingPlan:
+              dropped_too_long: int, world_size: int, dropped_no_trained_tokens: int = 0) -> TrainingPlan:
     cfg.check_batch_size(world_size)
     spec = train_spec(cfg, world_size)
     accum = cfg.gradient_accumulation_steps
+    global_batch = cfg.micro_batch_size * accum * world_size
+    if cfg.val_set_size and len(train_lengths) < global_batch:
+        raise UserError(f"config: `val_set_size: {cfg.val_set_size:g}` leaves {len(train_lengths)} train rows, fewer "
+                        f"than one global batch ({global_batch} rows): lower val_set_size or the batch")
     first_epoch = epoch_micro_batches(train_lengths, spec, epoch=0)
     micro_per_rank = len(first_epoch[0])
     if micro_per_rank == 0:
-        from tuneloop.errors import UserError
-
         raise UserError(f"plan: {len(train_lengths)} training rows make fewer micro-batches than the "
                         f"{world_size} ranks; lower micro_batch_size or use more data")
     steps_per_epoch = math.ceil(micro_per_rank / accum)
@@ -176,7 +185,8 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         eval_count=len(eval_at), save_steps_at=save_at, save_count=len(save_at),
         tokens_per_step=round(total_targets / total_steps, 2), total_trainable_tokens=total_targets,
         total_real_tokens=total_real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
-        max_micro_batch_tokens=largest, train_batching=spec, eval_batching=eval_spec(cfg, world_size),
+        max_micro_batch_tokens=largest, learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler,
+        optimizer=cfg.optimizer, dropped_no_trained_tokens=dropped_no_trained_tokens, train_batching=spec, eval_batching=eval_spec(cfg, world_size),
         pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None,
     )
     plan.warnings = plan_warnings(cfg, plan)
@@ -193,6 +203,25 @@ def attach_memory_estimate(plan: TrainingPlan, estimate) -> None:
             f"{estimate.gradients_gb:.1f}, optimizer {estimate.optimizer_gb:.1f}, activations "
             f"{estimate.activations_gb:.1f}) is above the {estimate.device_gb:.0f} GB of {estimate.device}: "
             "lower micro_batch_size or sequence_len, or use gradient_checkpointing, an adapter or more ranks.")
+
+
+MEMORY_REFUSAL_FACTOR = 1.5  # above this multiple of the device's memory, the run would die in the allocator
+
+
+def check_memory_fits(plan: TrainingPlan, ranks_sharing_memory: int = 1) -> None:
+    """Refuse to start a run whose estimate is far above the device's memory (on a CPU, the ranks of one host
+    share its RAM). The estimate is rough, hence the margin; `--ignore-memory-estimate` starts anyway."""
+    memory = plan.memory
+    if not memory or not memory["device_gb"]:
+        return
+    needed = memory["total_gb"] * ranks_sharing_memory
+    if needed > MEMORY_REFUSAL_FACTOR * memory["device_gb"]:
+        ranks = f" for {ranks_sharing_memory} ranks on this host" if ranks_sharing_memory > 1 else ""
+        raise UserError(f"plan: the run needs about {needed:.1f} GB{ranks} (weights {memory['weights_gb']:.1f}, "
+                        f"activations {memory['activations_gb']:.1f}, ...), more than {MEMORY_REFUSAL_FACTOR}× the "
+                        f"{memory['device_gb']:.0f} GB of {memory['device']}. Lower micro_batch_size or "
+                        "sequence_len, or use gradient_checkpointing or an adapter; `tuneloop train "
+                        "--ignore-memory-estimate` starts anyway.")
 
 
 def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
@@ -212,7 +241,10 @@ def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
         if count > 1 / FREQUENT_FRACTION:
             found.append(f"{count} {name}s in {plan.total_steps} steps: one every "
                          f"{plan.total_steps / count:.1f} steps costs time; space them out.")
-    read = plan.train_rows + plan.eval_rows + plan.dropped_too_long
+    read = plan.train_rows + plan.eval_rows + plan.dropped_too_long + plan.dropped_no_trained_tokens
+    if read and plan.dropped_no_trained_tokens / read > 0.01:
+        found.append(f"{plan.dropped_no_trained_tokens} of {read} rows have no trained token (nothing for the loss, "
+                     "e.g. no turn of a role in roles_to_train) and are dropped.")
     if read and plan.dropped_too_long / read > 0.01:
         found.append(f"sequence_len={cfg.sequence_len} drops {plan.dropped_too_long} of {read} rows "
                      f"({plan.dropped_too_long / read:.1%}); raise sequence_len to keep them.")
@@ -237,21 +269,29 @@ def describe(plan: TrainingPlan) -> str:
         "tuneloop plan",
         f"  world size           {plan.world_size}",
         f"  batch                {plan.micro_batch_size} rows/micro-batch × {plan.gradient_accumulation_steps} "
-        f"accumulation × {plan.world_size} ranks = {plan.global_batch_size} rows per optimizer step",
+        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} rows per optimizer step",
         f"  batching             {plan.batching} (sequence_len {plan.sequence_len}; {density})",
         f"  data                 {plan.train_rows} train rows, {plan.train_tokens} tokens, "
         f"{plan.trainable_tokens} trained tokens per epoch; {plan.eval_rows} eval rows",
         f"  steps                {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches "
-        f"per rank), {plan.total_steps} in total = {plan.epochs_covered:g} epochs",
+        f"per rank), {plan.total_steps} in total = {plural(plan.epochs_covered, 'epoch')}",
         f"  tokens               {plan.tokens_per_step:.0f} trained tokens per step, "
         f"{plan.total_trainable_tokens} over the run",
-        f"  warm-up              {plan.warmup_steps} steps",
+        f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
+        f"warm-up {plural(plan.warmup_steps, 'step')}",
+    ]
+    if plan.precision is not None:
+        lines.append(f"  precision            {plan.precision}; attention {plan.attention}")
+    lines += [
         f"  memory               {_memory_line(plan)}",
         f"  evals                {plan.eval_count} (at steps {_short(plan.eval_steps_at)})",
         f"  saves                {plan.save_count} (at steps {_short(plan.save_steps_at)})",
     ]
-    if plan.dropped_too_long:
-        lines.append(f"  dropped              {plan.dropped_too_long} rows longer than sequence_len")
+    dropped = [f"{plan.dropped_too_long} longer than sequence_len"] if plan.dropped_too_long else []
+    if plan.dropped_no_trained_tokens:
+        dropped.append(f"{plan.dropped_no_trained_tokens} with no trained token")
+    if dropped:
+        lines.append(f"  dropped rows         {'; '.join(dropped)}")
     for warning in plan.warnings:
         lines.append(f"  warning: {warning}")
     return "\n".join(lines)
@@ -264,8 +304,12 @@ def _memory_line(plan: TrainingPlan) -> str:
     device = f" of {m['device_gb']:.0f} GB on {m['device']}" if m["device_gb"] else ""
     return (f"~{m['total_gb']:.2f} GB{device} (weights {m['weights_gb']:.2f}, gradients {m['gradients_gb']:.2f}, "
             f"optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}; "
-            f"{'≈' if m['trainable_parameters'] != m['parameters'] else ''}{m['trainable_parameters']:,} of "
+            f"{m['trainable_parameters']:,} of "
             f"{m['parameters']:,} parameters trained)")
+
+
+def plural(count: float, word: str) -> str:
+    return f"{count:g} {word}" if count == 1 else f"{count:g} {word}s"
 
 
 def _short(steps: list[int]) -> str:

@@ -48,21 +48,34 @@ def prepare_data(cfg: TuneloopConfig, force: bool = False):
     return tokenizer, prepare(cfg, tokenizer, force=force)
 
 
-def plan_run(cfg: TuneloopConfig, prepared, world_size: int):
-    """Every number of the run (plan.py), its memory estimate, and the optimizer's needs checked."""
+def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
+    """Every number of the run (plan.py), with what the model and the machine add: the memory estimate,
+    the precision and attention chosen, the sequence length checked against the model's positions, and the
+    optimizer's needs (one that needs a GPU is refused here, before anything is loaded)."""
     import numpy as np
 
     from tuneloop.memory import estimate_memory
-    from tuneloop.model import mixed_precision
-    from tuneloop.plan import attach_memory_estimate, make_plan
+    from tuneloop.model import attention_implementation, check_sequence_len, mixed_precision, model_facts
     from tuneloop.optim import optimizer_kind
+    from tuneloop.plan import attach_memory_estimate, make_plan
 
-    optimizer_kind(cfg)  # one that needs a GPU is refused here, before anything is loaded
+    optimizer_kind(cfg)
+    precision = mixed_precision(cfg)
+    facts = model_facts(cfg, tokenizer)
+    too_long = check_sequence_len(cfg, facts)
+    stats = prepared.stats
     plan = make_plan(cfg, np.asarray(prepared.train["length"]), np.asarray(prepared.train["n_targets"]),
-                     prepared.stats.eval_rows, prepared.stats.dropped_too_long, world_size)
-    attach_memory_estimate(plan, estimate_memory(cfg, cfg.base_model, plan.max_micro_batch_tokens,
-                                                 mixed_precision(cfg)))
+                     stats.eval_rows, stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens)
+    if too_long:
+        plan.warnings.append(too_long)
+    plan.precision = {"no": "fp32", "bf16": "bf16 (mixed)", "fp16": "fp16 (mixed)"}[precision]
+    plan.attention = attention_implementation(cfg)
+    attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, precision))
     return plan
+
+
+def ranks_on_this_host() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 @dataclass
@@ -105,21 +118,29 @@ class TrainingSession:
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
-    def run(self, overwrite: bool = False, force_resume: bool = False) -> RunResult:
+    def run(self, overwrite: bool = False, force_resume: bool = False,
+            ignore_memory_estimate: bool = False) -> RunResult:
+        from tuneloop.config import result_settings
         from tuneloop.model import load_model
+        from tuneloop.plan import check_memory_fits
         from tuneloop.train.guards import StopRequests
         from tuneloop.train.loop import TrainingLoop
         from tuneloop.train.objectives import objective_of
-        from tuneloop.train.resume import finished_run
+        from tuneloop.train.resume import check_finished_run_matches, check_output_dir_apart, finished_run
 
         cfg, accelerator = self.cfg, self.accelerator
         output_dir = Path(cfg.output_dir)
+        check_output_dir_apart(cfg)
+        settings = result_settings(cfg)
         if cfg.auto_resume_from_checkpoints and not overwrite and finished_run(output_dir):
+            check_finished_run_matches(output_dir, settings)
             return RunResult(output_dir, already_finished=True)
-        with accelerator.main_process_first():  # rank 0 fills the data cache, the others read it
-            tokenizer, prepared = prepare_data(cfg)
-        plan = plan_run(cfg, prepared, accelerator.num_processes)
-        identity = {"data_key": prepared.cache_dir.name, "base_model": cfg.base_model, "adapter": cfg.adapter}
+        # rank 0 fills the data cache, the others read it
+        tokenizer, prepared = self._on_main_first(lambda: prepare_data(cfg))
+        plan = plan_run(cfg, tokenizer, prepared, accelerator.num_processes)
+        if not ignore_memory_estimate:
+            check_memory_fits(plan, ranks_on_this_host() if accelerator.device.type == "cpu" else 1)
+        identity = {"data_key": prepared.cache_dir.name, "settings": settings}
         resume = self._decided_on_main(lambda: self._start_output_dir(plan, identity, overwrite, force_resume))
         model = load_model(cfg, tokenizer, checkpoint=resume)
         try:
@@ -139,25 +160,59 @@ class TrainingSession:
 
     def _start_output_dir(self, plan, identity: dict, overwrite: bool, force_resume: bool) -> Path | None:
         """Main process: a fresh output_dir, or the checkpoint to resume from (checked against this run)."""
+        import yaml
+
         from tuneloop.train import checkpoint, resume
 
         output_dir = Path(self.cfg.output_dir)
-        chosen = resume.prepare_output_dir(self.cfg, output_dir, overwrite)
+        notices: list[str] = []
+        chosen = resume.prepare_output_dir(self.cfg, output_dir, overwrite, notices)
         if chosen is not None:
-            resume.check_resumable(checkpoint.read_state(chosen), plan.to_json(), identity, force_resume)
+            notices += resume.check_resumable(checkpoint.read_state(chosen), plan.to_json(), identity,
+                                              self.cfg.lr_scheduler, force_resume)
             resume.continue_from(output_dir, chosen)
+        run_files.write_text(output_dir / run_files.RUN_CONFIG,
+                             yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
         run_files.write_json(output_dir / run_files.PLAN, plan.to_json())
+        for notice in notices:
+            self.hooks.notice(notice)
         self.hooks.planned(plan, chosen)
         return chosen
 
     def _decided_on_main(self, decide):
-        """`decide()` on the main process; its answer on every rank."""
-        value = decide() if self.is_main else None
+        """`decide()` on the main process; its answer on every rank. A user error there (an output_dir that
+        holds another run, say) stops every rank with the same message, instead of leaving the others to die
+        in the next collective with gloo's connection-closed traceback."""
         if self.accelerator.num_processes == 1:
-            return value
+            return decide()
+        value, error = self._attempt_on_main(decide)
+        return self._shared_or_raised(value, error)
+
+    def _on_main_first(self, action):
+        """`action()` on the main process, then on the others (they read what it made: the data cache). A user
+        error on the main process (a bad row) stops every rank with its message."""
+        if self.accelerator.num_processes == 1:
+            return action()
+        result, error = self._attempt_on_main(action)
+        self._shared_or_raised(None, error)
+        return result if self.is_main else action()
+
+    def _attempt_on_main(self, action) -> tuple:
+        if not self.is_main:
+            return None, None
+        try:
+            return action(), None
+        except UserError as raised:
+            return None, str(raised)
+
+    def _shared_or_raised(self, value, error):
+        """The main process's (value, error) on every rank (a collective); the error raised everywhere."""
         from accelerate.utils import broadcast_object_list
 
-        return broadcast_object_list([value])[0]
+        value, error = broadcast_object_list([value, error])
+        if error is not None:
+            raise UserError(error)
+        return value
 
     def __exit__(self, exc_type, exc, traceback) -> None:
         try:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 # ---- the run's records
 PLAN = "plan.json"
+RUN_CONFIG = "run_config.yml"  # the config the run used, every key with its value: `tuneloop train` can rerun it
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 REPORT_MD = "report.md"
@@ -72,7 +73,8 @@ MODEL_FILES = (
     OutputEntry("tokenizer.model", "sentencepiece model"), OutputEntry("added_tokens.json", "added tokens"),
 )
 OUTPUT_FILES = (
-    OutputEntry(PLAN, "the plan"), OutputEntry(METRICS, "train and eval metrics"),
+    OutputEntry(PLAN, "the plan"), OutputEntry(RUN_CONFIG, "the config the run used"),
+    OutputEntry(METRICS, "train and eval metrics"),
     OutputEntry(SUMMARY, "the finished run's summary"), OutputEntry(REPORT_MD, "the report"),
     OutputEntry(REPORT_PNG, "the report's plot"),
     *MODEL_FILES,
@@ -88,16 +90,30 @@ def is_tuneloop_run(output_dir: Path) -> bool:
     return (output_dir / PLAN).exists() or bool(complete_checkpoints(output_dir))
 
 
-def previous_run_files(output_dir: Path) -> list[Path]:
-    """What an earlier run left in output_dir, by the list above; a user's own files are never in it."""
+def run_files_in(output_dir: Path) -> list[Path]:
+    """What an earlier tuneloop run left in output_dir, by the list above; a user's own files are never in it."""
     if not is_tuneloop_run(output_dir):
-        return [output_dir / name for name in OVERWRITTEN_MODEL_FILES if (output_dir / name).exists()]
+        return []
     names = sorted(os.listdir(output_dir))
     return [output_dir / name for name in names if any(fnmatch.fnmatchcase(name, e.pattern) for e in OUTPUT_FILES)]
 
 
-def clear_previous_run(output_dir: Path) -> None:
-    for path in previous_run_files(output_dir):
+def never_trained(output_dir: Path) -> bool:
+    """A run that stopped before its first step (a bad config found late, a model that did not load): it left
+    its plan and config, and nothing else worth keeping."""
+    return {path.name for path in run_files_in(output_dir)} <= {PLAN, RUN_CONFIG}
+
+
+def foreign_model_files(output_dir: Path) -> list[Path]:
+    """In a folder that holds no tuneloop run: the files a run would overwrite (someone else's model)."""
+    if is_tuneloop_run(output_dir):
+        return []
+    return [output_dir / name for name in OVERWRITTEN_MODEL_FILES if (output_dir / name).exists()]
+
+
+def clear_run_files(output_dir: Path) -> None:
+    """Removes an earlier tuneloop run's files (run_files_in), nothing else."""
+    for path in run_files_in(output_dir):
         if path.is_dir():
             shutil.rmtree(path)
         else:
@@ -144,6 +160,17 @@ def fsync_folder_entry(folder: Path) -> None:
         os.close(handle)
 
 
+def make_readable(folder: Path) -> None:
+    """Files and folders with the modes of anything else the user creates (0644 / 0755 under the usual umask).
+    Some writers make private temporary files (transformers' weights come out 0600, mkdtemp's folders 0700),
+    and a model that a serving process under another user cannot read is not much of an output."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for path in folder.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def move_files_into(source: Path, output_dir: Path) -> None:
     """Each file of `source` renamed into output_dir, after all of them are on disk: a rename within one
     file system is atomic, so each file in output_dir is either the old one or whole (a power loss must not
@@ -155,16 +182,31 @@ def move_files_into(source: Path, output_dir: Path) -> None:
 
 
 def write_json(path: Path, data: dict) -> None:
+    write_text(path, json.dumps(data, indent=2))
+
+
+def write_text(path: Path, text: str) -> None:
     """Written whole or not at all: a reader never sees half a plan.json or summary.json."""
     temp = path.with_name(f"{TEMP_PREFIX}{path.name}")
     try:
-        temp.write_text(json.dumps(data, indent=2))
+        temp.write_text(text)
         with open(temp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+def read_yaml(path: Path) -> dict | None:
+    """None when the file is missing or torn."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (FileNotFoundError, yaml.YAMLError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def read_json(path: Path) -> dict | None:

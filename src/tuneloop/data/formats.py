@@ -30,6 +30,7 @@ CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+CHAT_ROLES = {"system", "user", "assistant", "tool", "function", "ipython", "developer"}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool"}
 
@@ -99,8 +100,35 @@ def _messages(row: SourceRow, entry) -> list[dict]:
         if not isinstance(message, dict) or role_key not in message or content_key not in message:
             raise UserError(f"data: {row.where}: message {number} needs `{role_key}` and `{content_key}`")
         role = SHAREGPT_ROLES.get(message[role_key], message[role_key])
-        messages.append({"role": role, "content": str(message[content_key])})
+        messages.append({"role": role, "content": _content_text(message[content_key], row, number)})
+    known = CHAT_ROLES | set(entry.roles_to_train)
+    unknown = [m["role"] for m in messages if m["role"] not in known]
+    if unknown:  # a misspelt role would silently drop the row (no trained turn) or train the wrong text
+        seen = ", ".join(dict.fromkeys(str(m["role"]) for m in messages))
+        raise UserError(f"data: {row.where}: role {unknown[0]!r} is not a chat role tuneloop knows (roles in this "
+                        f"row: {seen}; known: {', '.join(sorted(known))}). Fix the row, or list the role in "
+                        "`roles_to_train` if it is meant to be trained.")
     return messages
+
+
+def _content_text(content, row: SourceRow, number: int) -> str:
+    """A message's text; content given as parts ([{type: text, text: ...}], the OpenAI/HF multimodal form) is
+    joined. Other parts (images, audio) cannot be trained by a text model: refused, naming the row."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise UserError(f"data: {row.where}: message {number} has a content part of type {kind!r}; "
+                                "tuneloop trains text: only parts of type 'text' can be used")
+        return "".join(texts)
+    if content is None or isinstance(content, dict):
+        raise UserError(f"data: {row.where}: message {number} has content {content!r}; expected text")
+    return str(content)
 
 
 def render_chat(row: SourceRow, entry, tokenizer, template: str | None) -> Rendered:

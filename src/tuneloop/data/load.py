@@ -55,7 +55,14 @@ def _file_type(entry, file: Path) -> str:
 
 
 def _json_rows(file: Path) -> Iterator[SourceRow]:
-    text = file.read_text(encoding="utf-8")
+    raw = file.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
+        raise UserError(f"data: {file}:{line}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at column {column}); "
+                        "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)") from None
     stripped = text.lstrip()
     if stripped.startswith("["):  # one JSON array
         try:

@@ -24,6 +24,7 @@ from tuneloop.data.formats import chat_template_of, render_row
 from tuneloop.data.labels import IGNORE_INDEX, count_targets
 from tuneloop.data.load import data_files_of, read_rows
 from tuneloop.errors import UserError
+from tuneloop.run_files import make_readable
 
 PREPARE_VERSION = 1  # bump when the tokenization or masking rules change
 
@@ -145,7 +146,11 @@ def _split_eval(columns: dict, val_set_size: float, seed: int) -> tuple[dict, di
     if not val_set_size:
         return columns, None
     n_eval = int(val_set_size) if val_set_size >= 1 else int(round(total * val_set_size))
-    n_eval = max(1, min(n_eval, total - 1))
+    if n_eval >= total:
+        raise UserError(f"config: `val_set_size: {val_set_size:g}` asks for {n_eval} eval rows, but the data has "
+                        f"{total} usable rows: nothing would be left to train on. Lower it (a fraction such as "
+                        "0.05 is a share of the rows).")
+    n_eval = max(1, n_eval)
     order = np.random.default_rng(seed).permutation(total)
     eval_index, train_index = sorted(order[:n_eval]), sorted(order[n_eval:])
     pick = lambda index: {name: [values[i] for i in index] for name, values in columns.items()}  # noqa: E731
@@ -176,6 +181,7 @@ def _build(cfg, tokenizer, target: Path) -> None:
     if eval_columns is not None:
         datasets.Dataset.from_dict(eval_columns).save_to_disk(str(temp / "eval"))
     (temp / "stats.json").write_text(json.dumps(asdict(stats), indent=2))
+    make_readable(temp)  # mkdtemp made it private
     try:
         os.replace(temp, target)  # atomic: a reader sees a complete cache or none
     except OSError:
@@ -189,7 +195,12 @@ def prepare(cfg, tokenizer, force: bool = False) -> PreparedData:
 
     datasets.disable_progress_bars()
     root = Path(cfg.dataset_prepared_path)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=root).close()  # can we write here, not just look?
+    except OSError as error:
+        raise UserError(f"config: cannot write the prepared data in `dataset_prepared_path: {root}` "
+                        f"({error.strerror or error}); choose a folder you can write to") from None
     target = root / cache_key(cfg, tokenizer)
     if force and target.exists():
         shutil.rmtree(target)

@@ -28,8 +28,9 @@ from tuneloop.run_files import complete_checkpoints
 from tuneloop.train.state import restore_rng_states, rng_states
 
 # plan keys that must match for a checkpoint to continue the same run
-COMPATIBLE_PLAN_KEYS = ("world_size", "micro_batch_size", "gradient_accumulation_steps", "batching",
-                        "sequence_len", "train_rows", "train_tokens", "steps_per_epoch", "total_steps")
+COMPATIBLE_PLAN_KEYS = ("world_size", "batching", "train_rows", "train_tokens", "steps_per_epoch")
+# what checkpoints written before the settings were recorded are compared on instead
+OLDER_PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "sequence_len")
 # Test hook: kill this process (SIGKILL) half-way through writing the checkpoint of that step,
 # so the kill test can prove a torn save is never resumed from.
 CRASH_DURING_SAVE_ENV = "TUNELOOP_TEST_CRASH_DURING_SAVE"
@@ -122,6 +123,7 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer,
         if metrics.is_file():
             shutil.copyfile(metrics, temp / run_files.METRICS)
         (temp / run_files.STATE).write_text(json.dumps(state, indent=2))
+        run_files.make_readable(temp)
         run_files.fsync_files(temp)
         if final.exists():  # a stale folder of the same step without the marker (a torn earlier run)
             shutil.rmtree(final)
@@ -150,22 +152,57 @@ def prune_checkpoints(output_dir: Path, limit: int | None, keep: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def damage(checkpoint: Path) -> str | None:
+    """What is wrong with a checkpoint that has its completeness marker, or None. Cheap: it reads the safetensors
+    headers and the zip directories of the torch files (both sit at the ends a truncation cuts), not the tensors.
+    A torn save never has a marker; this catches files damaged after the save (a disk fault, a bad copy)."""
+    import zipfile
+
+    from safetensors import safe_open
+
+    try:
+        json.loads((checkpoint / run_files.STATE).read_text())
+    except (OSError, ValueError) as error:
+        return f"{run_files.STATE} cannot be read ({error})"
+    for weights in sorted(checkpoint.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), "pt"):
+                pass
+        except Exception as error:  # safetensors raises its own SafetensorError
+            return f"{weights.name} is damaged ({error})"
+    for state in [checkpoint / run_files.TRAINING_STATE, *sorted(checkpoint.glob("rng_state_*.pt"))]:
+        try:
+            zipfile.ZipFile(state).close()
+        except (OSError, zipfile.BadZipFile) as error:
+            return f"{state.name} is damaged ({error})"
+    return None
+
+
 def read_state(checkpoint: Path) -> dict:
     if not (checkpoint / run_files.STATE).is_file():
         raise UserError(f"checkpoint: {checkpoint} is not a complete tuneloop checkpoint (no {run_files.STATE})")
     return json.loads((checkpoint / run_files.STATE).read_text())
 
 
-def incompatibilities(state: dict, plan: dict, data_key: str, base_model: str, adapter: str | None) -> list[str]:
-    """What differs between a checkpoint's run and this one, in words."""
+def incompatibilities(state: dict, plan: dict, identity: dict) -> list[str]:
+    """What differs between a checkpoint's run and this one, in words: the prepared data, every setting that
+    changes what is trained (config.result_settings; the run's length is resume.py's to judge), and the plan's
+    batching over the data."""
+    from tuneloop.config import RUN_LENGTH_KEYS, changed_settings
+
     changed = []
-    if state.get("data_key") != data_key:
+    if state.get("data_key") != identity["data_key"]:
         changed.append("the prepared data (data files, tokenizer or data settings)")
-    if state.get("base_model") != base_model:
-        changed.append(f"base_model ({state.get('base_model')} → {base_model})")
-    if state.get("adapter") != adapter:
-        changed.append(f"adapter ({state.get('adapter')} → {adapter})")
-    for key in COMPATIBLE_PLAN_KEYS:
+    plan_keys = COMPATIBLE_PLAN_KEYS
+    if "settings" in state:
+        changed += changed_settings(state["settings"], identity["settings"], ignore=RUN_LENGTH_KEYS)
+    else:
+        settings = identity["settings"]
+        for key in ("base_model", "adapter"):
+            if state.get(key) != settings.get(key):
+                changed.append(f"{key} ({state.get(key)} → {settings.get(key)})")
+        plan_keys += OLDER_PLAN_KEYS
+    for key in plan_keys:
         if state["plan"].get(key) != plan.get(key):
             changed.append(f"{key} ({state['plan'].get(key)} → {plan.get(key)})")
     return changed

@@ -29,6 +29,10 @@ class RunHooks:
     def planned(self, plan, resume_from) -> None:
         """Main process: the plan the run follows, and the checkpoint it resumes from (or None)."""
 
+    def notice(self, text: str) -> None:
+        """Main process: something the user should know before training (a damaged checkpoint skipped, a
+        resumed run made longer)."""
+
     def logged(self, record: dict) -> None:
         """Main process: every line written to metrics.jsonl (train and eval)."""
 

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from tuneloop import run_files
-from tuneloop.run_files import fsync_files, move_files_into
+from tuneloop.run_files import fsync_files, make_readable, move_files_into
 
 
 def save_hf_folder(model, tokenizer, folder: Path) -> None:
@@ -22,6 +22,7 @@ def save_hf_folder(model, tokenizer, folder: Path) -> None:
         config.use_cache = True  # off for training (packing needs it off); on for whoever generates next
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
+    make_readable(folder)
 
 
 def publish_final(model, tokenizer, output_dir: Path) -> None:

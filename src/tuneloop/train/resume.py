@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tuneloop import run_files
 from tuneloop.errors import UserError
-from tuneloop.run_files import clear_previous_run, complete_checkpoints, previous_run_files, step_of
+from tuneloop.run_files import complete_checkpoints, step_of
 from tuneloop.train import checkpoint
 
 
@@ -24,36 +24,90 @@ def finished_run(output_dir: Path) -> dict | None:
     return summary if summary is not None and summary.get("stopped_by") != "signal" else None
 
 
-def choose_checkpoint(cfg, output_dir: Path) -> Path | None:
+def choose_checkpoint(cfg, output_dir: Path, notices: list[str]) -> Path | None:
+    """The checkpoint to resume from, or None. A damaged checkpoint named by resume_from_checkpoint is refused;
+    with auto-resume the newest sound one is taken instead of a damaged newer one, and `notices` says so: a
+    requeued job then continues (the steps after it are trained again, exactly) instead of failing forever."""
     if cfg.resume_from_checkpoint:
         path = Path(cfg.resume_from_checkpoint)
         if not path.is_dir():
             raise UserError(f"resume: no checkpoint folder {path}")
         checkpoint.read_state(path)  # refuses a torn one
+        problem = checkpoint.damage(path)
+        if problem:
+            older = [p.name for p in complete_checkpoints(path.parent) if step_of(p) < step_of(path)]
+            offer = f"; the one before it is {older[-1]}" if older else ""
+            raise UserError(f"resume: {path} is damaged: {problem}{offer}. Point resume_from_checkpoint at another "
+                            "checkpoint.")
         return path
     if cfg.auto_resume_from_checkpoints:
-        complete = complete_checkpoints(output_dir)
-        return complete[-1] if complete else None
+        for candidate in reversed(complete_checkpoints(output_dir)):
+            problem = checkpoint.damage(candidate)
+            if problem is None:
+                return candidate
+            notices.append(f"{candidate.name} is damaged ({problem}); resuming from an older checkpoint: the steps "
+                           "after it are trained again, and the damaged checkpoint is replaced when the run gets "
+                           "there")
     return None
 
 
-def prepare_output_dir(cfg, output_dir: Path, overwrite: bool) -> Path | None:
+def check_output_dir_apart(cfg) -> None:
+    """Before anything is read or written: output_dir must not be, hold, or sit inside one of the run's inputs
+    (the model, the tokenizer, the data, the prepared-data cache), so no write or `--overwrite` can reach them."""
+    output_dir = Path(cfg.output_dir).expanduser().resolve()
+    inputs = [("base_model", cfg.base_model), ("tokenizer_config", cfg.tokenizer_config),
+              ("dataset_prepared_path", cfg.dataset_prepared_path)]
+    for key in ("datasets", "test_datasets"):
+        for index, entry in enumerate(getattr(cfg, key)):
+            inputs.append((f"{key}[{index}].path", entry.path))
+            files = [entry.data_files] if isinstance(entry.data_files, str) else entry.data_files or []
+            inputs += [(f"{key}[{index}].data_files", name) for name in files]
+    for key, value in inputs:
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        if key != "dataset_prepared_path" and not path.exists():
+            continue  # a hub name, or a file that data loading will report
+        path = path.resolve()
+        if path == output_dir or output_dir in path.parents or path in output_dir.parents:
+            where = ("is" if path == output_dir else "holds" if output_dir in path.parents else "sits inside")
+            raise UserError(f"config: `output_dir: {cfg.output_dir}` {where} `{key}: {value}`; a run writes (and "
+                            "--overwrite clears) output_dir, so it must be apart from the run's inputs. Choose "
+                            "another output_dir.")
+
+
+def prepare_output_dir(cfg, output_dir: Path, overwrite: bool, notices: list[str]) -> Path | None:
     """Main process only. Returns the checkpoint to resume from, or None for a fresh start (the folder
-    then holds nothing of an earlier run). Changes nothing when it refuses."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    resume = choose_checkpoint(cfg, output_dir)
+    then holds nothing of an earlier run). Changes nothing when it refuses; appends what the user should
+    know to `notices`."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"config: `output_dir: {output_dir}` is a file; give a folder (it is created if missing)")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f"{run_files.TEMP_PREFIX}write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UserError(f"config: cannot write in `output_dir: {output_dir}` ({error.strerror or error}); choose a "
+                        "folder you can write to") from None
+    resume = choose_checkpoint(cfg, output_dir, notices)
     if resume is not None:
         return resume
-    leftovers = previous_run_files(output_dir)
+    foreign = run_files.foreign_model_files(output_dir)
+    if foreign:
+        raise UserError(f"output_dir {output_dir} holds model files tuneloop did not write "
+                        f"({', '.join(p.name for p in foreign)}). tuneloop never overwrites or deletes what it did "
+                        "not write, even with --overwrite: choose another output_dir.")
+    leftovers = run_files.run_files_in(output_dir)
     # auto-resume of a tuneloop run killed before its first checkpoint: start it again
     interrupted_before_first_save = (cfg.auto_resume_from_checkpoints and (output_dir / run_files.PLAN).is_file()
                                      and finished_run(output_dir) is None)
-    if leftovers and not overwrite and not interrupted_before_first_save:
+    if leftovers and not (overwrite or interrupted_before_first_save or run_files.never_trained(output_dir)):
         names = ", ".join(p.name for p in leftovers[:4]) + (" …" if len(leftovers) > 4 else "")
         raise UserError(f"output_dir {output_dir} holds another run's files ({names}). Pass --overwrite to "
                         "replace them, set `auto_resume_from_checkpoints: true` to continue that run, or "
                         "choose another output_dir.")
-    clear_previous_run(output_dir)
+    run_files.clear_run_files(output_dir)
     return None
 
 
@@ -73,9 +127,40 @@ def continue_from(output_dir: Path, resume: Path) -> None:
                 shutil.rmtree(later)
 
 
-def check_resumable(state: dict, plan: dict, identity: dict, force: bool) -> None:
-    changed = checkpoint.incompatibilities(state, plan, identity["data_key"], identity["base_model"],
-                                           identity["adapter"])
+def check_resumable(state: dict, plan: dict, identity: dict, lr_scheduler: str, force: bool) -> list[str]:
+    """Refuses a checkpoint of another run (naming what changed) unless forced. A longer or shorter run is
+    allowed while it still ends after the checkpoint's step: the plan is recomputed and the learning-rate
+    schedule follows the new length from there on (returned as a notice). one_cycle fixes its cycle when the
+    run starts, so with it the length cannot change."""
+    changed = checkpoint.incompatibilities(state, plan, identity)
+    notices = []
+    before, now, step = state["plan"]["total_steps"], plan["total_steps"], state["step"]
+    if before != now:
+        if now <= step:
+            changed.append(f"the run's length ({before} → {now} steps, but the checkpoint is at step {step})")
+        elif lr_scheduler == "one_cycle":
+            changed.append(f"the run's length ({before} → {now} steps; one_cycle fixes its cycle when a run starts)")
+        else:
+            notices.append(f"the run is now {now} steps long (it was {before}): from step {step} on, the "
+                           f"learning-rate schedule follows the new length")
     if changed and not force:
         raise UserError("resume: the checkpoint was written by a different run: " + "; ".join(changed) +
                         ". Restore the old settings, start a fresh output_dir, or pass --force-resume.")
+    return notices
+
+
+def check_finished_run_matches(output_dir: Path, settings: dict) -> None:
+    """auto-resume found a finished run: nothing to do, unless this config is another run, which would then be
+    silently skipped; refused naming what changed."""
+    from tuneloop.config import changed_settings
+
+    recorded = run_files.read_yaml(output_dir / run_files.RUN_CONFIG)
+    if recorded is None:
+        return  # written before tuneloop recorded its config: nothing to compare
+    from tuneloop.config import NOT_RESULT_CHANGING
+
+    before = {key: value for key, value in recorded.items() if key not in NOT_RESULT_CHANGING}
+    changed = changed_settings(before, settings)
+    if changed:
+        raise UserError(f"output_dir {output_dir} holds a finished run with other settings: {'; '.join(changed)}. "
+                        "Nothing to resume: choose another output_dir, or pass --overwrite to replace that run.")
