@@ -128,6 +128,23 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
                           text=True, timeout=timeout)
 
 
+def run_two_ranks(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`tuneloop ARGS` on 2 gloo ranks through torchrun, as a user launches it."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "-m", "tuneloop", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+
+
+def assert_every_rank_stopped_with(result: subprocess.CompletedProcess, message: str) -> None:
+    """A two-rank user error: both ranks print the message and exit 2; the one traceback is torchrun's own
+    report that a child exited non-zero, and no rank died of gloo's connection-closed error."""
+    assert result.returncode != 0
+    assert result.stderr.count(message) == 2, result.stderr[-3000:]
+    assert result.stderr.count("Traceback") == 1 and "raise ChildFailedError" in result.stderr
+    assert "Connection closed" not in result.stderr and "exitcode  : 2" in result.stderr
+
+
 def run_in_process(*args: str) -> subprocess.CompletedProcess:
     """`tuneloop ARGS` through the same code as the command line (cli.main), in this process: no kill, signal
     or second rank involved, and without the ~7 s that starting an interpreter with torch and transformers

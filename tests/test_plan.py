@@ -5,13 +5,10 @@ fire where they should and stay silent on a clean config."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import base_config, free_port, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
+from conftest import base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl
 
 from tuneloop.config import config_from_dict
 from tuneloop.plan import make_plan
@@ -56,10 +53,7 @@ def test_plan_for_two_ranks_equals_a_real_two_rank_run(tmp_path, tiny_model_dir,
                 num_epochs=2)
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
     planned = json.loads(run_in_process("plan", str(config), "--json", "--world-size", "2").stdout)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "tuneloop", "train", str(config)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = run_two_ranks("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     ran = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert ran == planned and ran["world_size"] == 2

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import base_config, free_port, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
+from conftest import base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file, save_file
 
 from tuneloop.run_files import STATE, complete_checkpoints
@@ -246,10 +246,7 @@ def two_ranks(tmp_path: Path, name: str, model_dir: Path, data: Path, keys: dict
               env: dict | None = None) -> subprocess.CompletedProcess:
     """`tuneloop train` on 2 gloo ranks through torchrun, in tmp_path/name."""
     config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path / name, model_dir, data, **keys))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "tuneloop", "train", str(config)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    return run_two_ranks("train", str(config), env=env)
 
 
 @pytest.mark.slow

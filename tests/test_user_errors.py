@@ -11,14 +11,13 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import (CHATML, assert_user_error, base_config, free_port, read_metrics, run_cli, run_in_process,
-                      tiny_rows, write_config, write_jsonl)
+from conftest import (CHATML, assert_every_rank_stopped_with, assert_user_error, base_config, read_metrics, run_cli,
+                      run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl)
 from safetensors.torch import load_file
 
 
@@ -232,15 +231,7 @@ def test_lora_target_modules_that_match_nothing_name_the_layers_that_exist(tmp_p
 def test_a_user_error_on_the_main_rank_stops_every_rank_with_one_line_each(tmp_path, tiny_model_dir, data):
     config = config_file(tmp_path, tiny_model_dir, data, max_steps=1)
     assert run_in_process("train", str(config)).returncode == 0  # output_dir now holds a run
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "tuneloop", "train", str(config)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=240,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode != 0
-    assert result.stderr.count("holds another run's files") == 2, result.stderr[-3000:]
-    # the one traceback is torchrun's own report that a child exited non-zero (with our code 2)
-    assert result.stderr.count("Traceback") == 1 and "raise ChildFailedError" in result.stderr
-    assert "Connection closed" not in result.stderr and "exitcode  : 2" in result.stderr
+    assert_every_rank_stopped_with(run_two_ranks("train", str(config), timeout=240), "holds another run's files")
 
 
 # ---- 10. a run far too big for the machine ---------------------------------------------------------------------
