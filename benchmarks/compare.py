@@ -78,7 +78,7 @@ def build_small_tokenizer(target: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tuneloop.data.formats import CHATML_TEMPLATE
+    from tuneloop.data.chat_templates import CHATML
 
     texts = [message["content"] for conversation in chatterbot_messages() for message in conversation]
     tokenizer = Tokenizer(models.BPE())
@@ -91,7 +91,7 @@ def build_small_tokenizer(target: Path) -> Path:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", bos_token=None,
                                    pad_token="<pad>", unk_token="<|endoftext|>",
                                    additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = CHATML
     fast.save_pretrained(target)
     return target
 

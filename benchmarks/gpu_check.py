@@ -130,7 +130,7 @@ def check_bf16_train(workdir: Path, model_dir: Path) -> dict:
     import math
 
     from tuneloop.config import load_config
-    from tuneloop.model import mixed_precision
+    from tuneloop.hardware import mixed_precision
 
     precision = mixed_precision(load_config(config))
     ok = len(steps) == plan["total_steps"] and all(math.isfinite(m["loss"]) for m in steps)

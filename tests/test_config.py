@@ -94,12 +94,11 @@ def test_cli_user_error_exits_2_with_one_message_and_no_traceback(tmp_path):
 
 
 def test_keys_that_would_be_half_obeyed_are_refused():
-    assert "one split, `train`" in error_of(datasets=[{"path": "x", "split": "validation"}])
     assert "`shuffle_merged_datasets` false is not supported" in error_of(shuffle_merged_datasets=False)
     assert "`save_strategy: epoch` and `save_steps` disagree" in error_of(save_strategy="epoch", save_steps=10)
     assert "`eval_steps` must be a whole number" in error_of(eval_steps=0)
     assert "`save_steps` must be a whole number" in error_of(save_steps=2.5)
-    assert "would change what is trained" in error_of(datasets=[{"path": "x", "name": "subset"}])
+    assert "would change what is trained" in error_of(datasets=[{"path": "x", "shards": 4}])
     assert config(eval_steps=0.25).eval_steps == 0.25 and config(save_steps=5.0).save_steps == 5
 
 

@@ -190,6 +190,7 @@ def test_data_files_are_found_relative_to_a_folder_path(tmp_path, tokenizer):
     folder = tmp_path / "data"
     folder.mkdir()
     write_jsonl(folder / "train.jsonl", [{"instruction": "Say hello.", "output": "Hello"}])
-    cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(folder), "data_files": "train.jsonl"}],
+    cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(folder), "data_files": "train.jsonl",
+                                                                  "type": "alpaca"}],
                             "dataset_prepared_path": str(tmp_path / "prepared")})
     assert len(prepare(cfg, tokenizer).train) == 1

@@ -26,7 +26,7 @@ from tuneloop.data.prepare import prepare
 from tuneloop.plan import train_spec
 from tuneloop.train.objectives import summed_token_loss
 
-ONE_SGD_STEP = {"optimizer": "sgd", "learning_rate": 1.0, "max_grad_norm": None, "max_steps": 1,
+ONE_SGD_STEP = {"optimizer": "sgd", "learning_rate": 1.0, "max_grad_norm": 0, "max_steps": 1,
                 "lr_scheduler": "constant", "num_epochs": 1}
 
 

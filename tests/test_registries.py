@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 from tuneloop.config import config_from_dict
 from tuneloop.data.formats import FORMATS
 from tuneloop.errors import UserError
-from tuneloop.optim import OPTIMIZERS, SCHEDULERS, OptimizerKind, build_optimizer, build_scheduler, optimizer_kind
+from tuneloop.hardware import check_hardware
+from tuneloop.optim import OPTIMIZERS, SCHEDULERS, OptimizerKind, build_optimizer, build_scheduler
 from tuneloop.registry import Registry
 from tuneloop.train.state import RunState
 
@@ -52,20 +53,23 @@ def test_aliases_answer_for_their_entry_and_a_name_cannot_be_taken_twice():
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS.names())
-def test_every_optimizer_builds_and_the_memory_estimate_knows_its_state(name, tiny_model_dir):
+def test_every_optimizer_builds_or_is_refused_and_the_memory_estimate_knows_its_state(name, tiny_model_dir):
     from tuneloop.memory import estimate_memory
     from tuneloop.model import model_facts
 
     cfg = config_from_dict({**MINIMAL, "base_model": str(tiny_model_dir), "optimizer": name})
-    if OPTIMIZERS[name].needs_cuda and not torch.cuda.is_available():
-        pytest.skip(f"{name} needs a CUDA GPU")
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trained = sum(p.numel() for p in model.parameters())
+    estimate = estimate_memory(cfg, model_facts(cfg), tokens_per_micro_batch=64, precision="no")
+    assert estimate.optimizer_gb == round(trained * OPTIMIZERS[name].state_bytes_per_param / 1e9, 3)
+    if OPTIMIZERS[name].needs_cuda and not torch.cuda.is_available():
+        with pytest.raises(UserError, match=f"`optimizer: {name}` needs a CUDA GPU"):
+            check_hardware(cfg)  # what `train` does before loading anything
+        return
+    check_hardware(cfg)
     optimizer = build_optimizer(cfg, model)
     model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
     optimizer.step()
-    estimate = estimate_memory(cfg, model_facts(cfg), tokens_per_micro_batch=64, precision="no")
-    trained = sum(p.numel() for p in model.parameters())
-    assert estimate.optimizer_gb == round(trained * OPTIMIZERS[name].state_bytes_per_param / 1e9, 3)
 
 
 class Plan:
@@ -96,7 +100,7 @@ def test_an_optimizer_that_needs_a_gpu_is_refused_on_a_machine_without_one(monke
     monkeypatch.setitem(OPTIMIZERS._canonical, "gpu_only_test", "gpu_only_test")
     cfg = config_from_dict({**MINIMAL, "optimizer": "gpu_only_test"})
     with pytest.raises(UserError, match="`optimizer: gpu_only_test` needs a CUDA GPU"):
-        optimizer_kind(cfg)
+        check_hardware(cfg)
 
 
 def test_the_run_state_survives_a_checkpoint_whole():

@@ -172,7 +172,7 @@ def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir, da
 
 @pytest.mark.slow
 def test_nan_loss_stops_the_run_naming_the_step_and_keeps_the_last_checkpoint(tmp_path, tiny_model_dir, data):
-    keys = dict(optimizer="sgd", learning_rate=1e4, max_grad_norm=None, lr_scheduler="constant", save_steps=1,
+    keys = dict(optimizer="sgd", learning_rate=1e4, max_grad_norm=0, lr_scheduler="constant", save_steps=1,
                 save_strategy=None,
                 num_epochs=3, micro_batch_size=2)
     config = write_config(tmp_path / "nan.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
@@ -200,7 +200,7 @@ def test_loss_watchdog_threshold_stops_after_patience(tmp_path, tiny_model_dir, 
 @pytest.mark.slow
 def test_early_stopping_keeps_the_best_model(tmp_path, tiny_model_dir, data):
     keys = dict(val_set_size=0.2, eval_steps=1, early_stopping_patience=2, learning_rate=0.05,
-                lr_scheduler="constant", num_epochs=4, max_grad_norm=None)
+                lr_scheduler="constant", num_epochs=4, max_grad_norm=0)
     config = write_config(tmp_path / "early.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
     result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -220,7 +220,7 @@ def test_resuming_from_the_checkpoint_where_early_stopping_fired_stops_again(tmp
     stop step must not train on past the stop."""
     keys = dict(val_set_size=0.2, eval_steps=1, save_steps=1, save_strategy=None, save_total_limit=2,
                 early_stopping_patience=2, learning_rate=0.05, lr_scheduler="constant", num_epochs=4,
-                max_grad_norm=None, auto_resume_from_checkpoints=True)
+                max_grad_norm=0, auto_resume_from_checkpoints=True)
     config = write_config(tmp_path / "early.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
     first = run_in_process("train", str(config))
     assert first.returncode == 0, first.stderr[-2000:]

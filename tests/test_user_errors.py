@@ -315,7 +315,7 @@ def test_val_set_size_larger_than_the_data_or_leaving_less_than_a_batch(tmp_path
 @pytest.mark.parametrize("key, value, message", [
     ("warmup_steps", -1, "`warmup_steps` must be 0 or more"),
     ("lora_dropout", 1.5, "`lora_dropout` must be in [0, 1)"),
-    ("max_grad_norm", -1, "`max_grad_norm` must be greater than 0"),
+    ("max_grad_norm", -1, "`max_grad_norm` must be 0 (no clipping) or more"),
 ])
 def test_negative_or_out_of_range_values_are_refused(tmp_path, tiny_model_dir, data, key, value, message):
     assert_user_error(run_in_process("plan", str(config_file(tmp_path, tiny_model_dir, data, **{key: value}))), message)

@@ -1,49 +1,197 @@
-"""axolotl config keys that tuneloop does not implement (yet), sorted by what ignoring them would do.
+"""Every axolotl config key, classified once: what tuneloop does with it.
 
-An axolotl user's YAML must never be half-obeyed in silence. Each key below is accepted when it
-is empty or false. When it is set:
-- SPEED_OR_LOGGING_ONLY: ignoring it changes only speed, memory or what gets logged, so we warn;
-- RESULT_CHANGING: ignoring it would train a different model, so it is an error.
-Keys tuneloop implements live in the pydantic schema (config.py), not here.
+axolotl's schema (commit 067b021, `src/axolotl/utils/schemas` and its plugins' args) knows 528
+keys. A key that tuneloop implements is a field of its own schema (config.py). Every other axolotl key
+is in exactly one of the tables below, so an axolotl user's YAML is never half-obeyed in silence:
+
+- SPEED_OR_LOGGING: ignoring it changes only speed, memory or what is logged: a warning when set;
+- LAUNCHER: filled in by launchers and axolotl itself (`local_rank`, ...): accepted and ignored;
+- REFUSED: ignoring it would train something else: refused when set, naming the feature (FEATURES: the
+  README's list of what tuneloop does not do yet);
+- REMOVED: keys axolotl itself has since removed or deprecated away: refused when set.
+
+Every key is accepted when blank (YAML `key:` with no value), as in axolotl. A key in none of the
+tables and not in the schema is unknown: the error names the nearest key of all of them.
 """
 
-SPEED_OR_LOGGING_ONLY = {
-    # kernels and fused ops: same maths, different speed
-    "flash_attn_cross_entropy", "flash_attn_rms_norm", "flash_attn_fuse_qkv", "flash_attn_fuse_mlp",
-    "xformers_attention", "s2_attention", "unsloth_cross_entropy_loss", "unsloth_lora_mlp",
-    "unsloth_lora_qkv", "unsloth_lora_o", "unsloth_rms_norm", "unsloth_rope", "liger_rope",
-    "liger_rms_norm", "liger_glu_activation", "liger_layer_norm", "liger_cross_entropy",
-    "liger_fused_linear_cross_entropy", "cut_cross_entropy", "torch_compile", "torch_compile_backend",
-    "torch_compile_mode", "sample_packing_eff_est", "total_num_tokens", "sample_packing_group_size",
-    "sample_packing_bin_size", "pretrain_multipack_buffer_size",
-    # data loading and process plumbing
-    "dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor",
-    "dataloader_drop_last", "dataset_processes", "dataset_keep_in_memory", "ddp_timeout",
-    "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_find_unused_parameters", "device_map",
-    "max_memory", "gpu_memory_limit", "lora_on_cpu", "low_cpu_mem_usage", "gc_steps",
-    "include_tokens_per_second", "save_safetensors", "strict", "resize_token_embeddings_to_32x",
-    "is_falcon_derived_model", "is_llama_derived_model", "is_qwen_derived_model",
-    "is_mistral_derived_model", "tokenizer_use_fast", "tokenizer_legacy",
-    # trackers and hubs: where metrics and models are sent, not what is trained
-    "wandb_mode", "wandb_project", "wandb_entity", "wandb_watch", "wandb_name", "wandb_run_id",
-    "wandb_log_model", "mlflow_tracking_uri", "mlflow_experiment_name", "mlflow_run_name",
-    "hf_mlflow_log_artifacts", "use_tensorboard", "use_wandb", "use_mlflow", "comet_api_key",
-    "comet_workspace", "comet_project_name", "hub_model_id", "hub_strategy", "push_dataset_to_hub",
-    "hf_use_auth_token", "eval_table_size", "eval_max_new_tokens", "eval_causal_lm_metrics",
-    "do_causal_lm_eval", "debug", "profiler_steps", "log_level", "include_tkps",
+from __future__ import annotations
+
+# feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
+FEATURES = {
+    "preference": ("preference/RL training", "preference, RL and reward-model training (rl: dpo, kto, orpo, grpo, "
+                   "ebft; reward and process-reward models)"),
+    "fsdp_deepspeed": ("FSDP/DeepSpeed", "FSDP and DeepSpeed (the next issue)"),
+    "parallelism": ("tensor/context/expert parallelism", "tensor, context, sequence, expert and N-D parallelism, "
+                    "and Ray"),
+    "multimodal": ("multimodal models", "multimodal models, processors and image/audio data"),
+    "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading "
+                     "(GPTQ, torchao, fp8, NVFP4, QAT)"),
+    "moe": ("MoE-specific options", "MoE options that change the result (expert quantization, linearized "
+            "experts, DenseMixer)"),
+    "peft_variants": ("a LoRA variant", "LoRA variants and PEFT options (DoRA, rsLoRA, LoRA+, rank/alpha patterns, "
+                      "layer selection, MoRA, starting from an adapter)"),
+    "training_methods": ("another training method", "other training methods (ReLoRA, LISA, jagged restarts, NEFTune, "
+                         "PoSE, distillation, diffusion LMs, EAFT, Spectrum, load-best-model, automatic batch size)"),
+    "pretraining": ("pretraining/streaming data", "pretraining and streaming datasets"),
+    "data_options": ("a dataset option", "dataset options tuneloop does not have yet (custom transforms, "
+                     "per-message training flags, tools, sharded hub datasets, deduplication, curriculum, length "
+                     "strategies, a default system message)"),
+    "model_options": ("a model option", "model options tuneloop does not have yet (model kwargs, custom model or "
+                      "trainer classes, half-precision weights, embedding resizing/reinit, attention scaling, "
+                      "mistral-common tokenizers)"),
+    "optimizer_options": ("an optimizer option", "optimizer options tuneloop does not have yet (optim_args, scheduler "
+                          "kwargs, per-group or embedding learning rates, Dion, Q-GaLore, Grokfast, quadratic "
+                          "warm-up)"),
+    "plugins": ("an axolotl plugin", "axolotl plugins other than Liger, CutCrossEntropy, kernels and SwanLab"),
+    "chat_templates": ("a chat template tuneloop does not have", "named chat templates other than chatml, llama3, "
+                       "llama4, gemma/gemma3/gemma3n, qwen_25, qwen3, mistral and phi_3 (qwen3_5, gemma4, jamba, "
+                       "the vision families, ...): `chat_template: jinja` with the template's text, or "
+                       "`tokenizer_default`, work for any of them"),
+    "dataset_types": ("a dataset type tuneloop does not have", "dataset types other than alpaca, alpaca:chat, "
+                      "completion, chat_template (chat_template.default), sharegpt and the custom format mapping"),
 }
 
-RESULT_CHANGING = {
-    "base_model_ignore_patterns", "base_model_config", "revision_of_model", "model_type",
-    "tokenizer_type", "overrides_of_model_config", "model_config", "bnb_config_kwargs", "gptq",
-    "load_in_8bit", "load_in_4bit", "bfloat16", "float16", "rl", "default_system_message",
-    "pretraining_dataset", "lora_model_dir",
-    "peft_layers_to_transform", "lora_fan_in_fan_out", "loraplus_lr_ratio", "loraplus_lr_embedding",
-    "peft", "peft_use_dora", "peft_use_rslora", "relora_steps", "relora_warmup_steps",
-    "relora_anneal_steps", "relora_prune_ratio", "relora_cpu_offload", "lr_quadratic_warmup",
-    "lr_scheduler_kwargs", "cosine_constant_lr_ratio", "optim_args",
-    "optim_target_modules", "neftune_noise_alpha", "noisy_embedding_alpha", "tokens",
-    "added_tokens_overrides", "fsdp", "fsdp_config", "deepspeed", "unfrozen_parameters", "embeddings_skip_upcast",
-    "chat_template_kwargs", "group_by_length_mega_batch", "curriculum_sampling", "multipack_real_batches",
-    "bf16_full_eval", "fp8", "float32_matmul_precision",
+# dataset `type:` prefixes and names that are preference data (chosen/rejected pairs, rewards)
+PREFERENCE_DATASET_TYPES = ("chat_template.argilla", "bradley_terry", "llama3.ultra", "ebft", "dpo", "kto", "orpo",
+                            "chatml.", "llama3.", "user_defined.")
+
+
+def dataset_type_feature(name: str) -> str:
+    """Which feature an unknown dataset type belongs to (preference data has its own)."""
+    return "preference" if name.startswith(PREFERENCE_DATASET_TYPES) else "dataset_types"
+
+
+def _keys(text: str) -> set[str]:
+    return set(text.split())
+
+
+SPEED_OR_LOGGING = _keys("""
+    tokenizer_use_fast tokenizer_legacy tokenizer_save_jinja_files experimental_skip_move_to_device use_kernels
+    hub_model_id hub_strategy hub_revision save_safetensors qlora_sharded_model_loading lora_on_cpu merge_lora
+    merge_method torchdistx_path
+    use_wandb wandb_name wandb_run_id wandb_mode wandb_project wandb_entity wandb_watch wandb_log_model
+    use_mlflow mlflow_tracking_uri mlflow_experiment_name mlflow_run_name hf_mlflow_log_artifacts use_comet
+    comet_api_key comet_workspace comet_project_name comet_experiment_key comet_mode comet_online
+    comet_experiment_config use_trackio trackio_project_name trackio_run_name trackio_space_id use_otel_metrics
+    otel_metrics_host otel_metrics_port gradio_title gradio_share gradio_server_name gradio_server_port
+    gradio_max_new_tokens gradio_temperature eval_table_size eval_max_new_tokens s2_attention flash_attn_rms_norm
+    strict resize_token_embeddings_to_32x dynamic_checkpoint skip_prepare_dataset num_dataset_shards_to_save
+    dataset_processes dataset_num_proc dataset_keep_in_memory dataloader_pin_memory dataloader_num_workers
+    dataloader_prefetch_factor dataloader_drop_last accelerator_config remove_unused_columns push_dataset_to_hub
+    hf_use_auth_token device_map ddp_timeout ddp_bucket_cap_mb ddp_broadcast_buffers ddp_find_unused_parameters
+    do_causal_lm_eval eval_causal_lm_metrics do_bench_eval bench_dataset bench_split gc_steps
+    torch_empty_cache_steps gc_collect_steps selective_checkpointing activation_offloading layer_offloading
+    sample_packing_group_size sample_packing_bin_size sample_packing_mp_start_method pad_to_multiple_of
+    batch_flattening xformers_attention flex_attn_compile_kwargs flash_attn_cross_entropy flash_attn_fuse_mlp
+    flash_attn_fuse_qkv flash_optimum sage_attention gemma4_hybrid_attn_impl large_head_attention
+    flash_attn_d512 sdpa_varlen fused_attn_kernel experts_implementation lora_mlp_kernel lora_qkv_kernel
+    lora_o_kernel lora_embedding_kernel chunked_cross_entropy chunked_cross_entropy_num_chunks tiled_mlp
+    tiled_mlp_num_shards tiled_mlp_use_original_mlp torch_compile torch_compile_backend torch_compile_mode
+    torch_compile_options save_first_step save_only_model use_tensorboard profiler_steps profiler_steps_start
+    include_tokens_per_second include_tkps max_memory gpu_memory_limit low_cpu_mem_usage total_num_tokens
+    total_supervised_tokens sample_packing_eff_est is_falcon_derived_model is_llama_derived_model
+    is_mistral_derived_model is_qwen_derived_model generate_samples num_generation_samples
+    generation_max_new_tokens generation_temperature generation_top_p generation_top_k generation_prompt_ratio
+    generation_do_sample preprocess_iterable
+    cut_cross_entropy use_scattermoe use_sonicmoe use_dsv4_kernels use_glm_dsa_kernels lm_eval_tasks
+    lm_eval_batch_size lm_eval_post_train lm_eval_model liger_rope liger_rms_norm liger_rms_norm_gated
+    liger_layer_norm liger_swiglu liger_glu_activation liger_cross_entropy liger_fused_linear_cross_entropy
+    liger_use_token_scaling use_swanlab swanlab_project swanlab_experiment_name swanlab_description swanlab_mode
+    swanlab_workspace swanlab_api_key swanlab_log_model swanlab_web_host swanlab_api_host swanlab_lark_webhook_url
+    swanlab_lark_secret swanlab_log_completions swanlab_completion_log_interval swanlab_completion_max_buffer
+    unsloth_cross_entropy_loss unsloth_lora_mlp unsloth_lora_qkv unsloth_lora_o unsloth_rms_norm unsloth_rope
+    sample_packing_sequentially_mp pretrain_multipack_buffer_size debug log_level
+""")
+
+LAUNCHER = _keys("local_rank world_size ddp device axolotl_config_path is_preprocess capabilities env_capabilities")
+
+_REFUSED_BY_FEATURE = {
+    "preference": """
+        rl trl vllm ebft reward_model process_reward_model center_rewards_coefficient num_labels dpo_use_weighting
+        dpo_label_smoothing precompute_ref_log_probs dpo_use_liger_kernel dpo_padding_free dpo_loss_type
+        dpo_loss_weights dpo_beta dpo_generate_during_eval dpo_norm_loss dpo_use_logits_to_keep rpo_alpha
+        orpo_alpha simpo_gamma cpo_alpha kto_desirable_weight kto_undesirable_weight rl_beta max_prompt_len
+        nemo_gym_enabled nemo_gym_dir nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port
+        nemo_gym_server_timeout nemo_gym_verify_timeout nemo_gym_run_timeout nemo_gym_datasets nemo_gym_auto_start
+        nemo_gym_model_name nemo_gym_multi_turn nemo_gym_max_turns""",
+    "fsdp_deepspeed": """deepspeed deepcompile fsdp fsdp_config fsdp_version fsdp_final_state_dict_type""",
+    "parallelism": """
+        dp_shard_size dp_replicate_size sequence_parallel_degree context_parallel_size heads_k_stride ring_attn_func
+        tensor_parallel_size expert_parallel_size expert_parallel_backend expert_parallel_num_nvl_bytes
+        expert_parallel_num_rdma_bytes expert_parallel_token_capacity expert_parallel_fallback_on_unsupported
+        use_ray ray_run_name ray_num_workers resources_per_worker""",
+    "multimodal": """processor_type processor_kwargs image_size image_resize_algorithm freeze_mm_modules""",
+    "quantization": """
+        model_quantization_config model_quantization_config_kwargs use_onebitllms gptq qat quantization fp8
+        fp8_enable_fsdp_float8_all_gather gemma4_fp8_nonexpert gemma4_nf4_nonexpert nvfp4_merge_aware
+        nvfp4_merge_aware_start_step llmcompressor""",
+    "moe": """
+        quantize_moe_experts llama4_linearized_experts dense_mixer expert_backend nonexpert_quantization
+        moe_grouped_backend moe_dequant_chunk_size moe_bnb_fast dsv4_fp8_nonexpert_mode dsv4_fp8_lora_kernel
+        dsv4_shared_mlp_lora_kernel dsv4_bf16_all dsv4_fp4_grouped_mode""",
+    "peft_variants": """
+        lora_model_dir lora_fan_in_fan_out lora_rank_pattern lora_alpha_pattern peft_layers_to_transform
+        peft_layers_pattern peft peft_use_dora peft_use_rslora peft_layer_replication peft_init_lora_weights
+        peft_trainable_token_indices peft_ensure_weight_tying peft_autocast_adapter_dtype loraplus_lr_ratio
+        loraplus_lr_embedding mora""",
+    "training_methods": """
+        relora relora_prune_ratio relora_prune_method relora_cpu_offload relora_steps relora_warmup_steps
+        relora_anneal_steps jagged_restart_steps jagged_restart_warmup_steps jagged_restart_anneal_steps
+        auto_find_batch_size lisa_n_layers lisa_step_interval lisa_layers_attribute noisy_embedding_alpha
+        neftune_noise_alpha use_pose pose_split_on_token_ids pose_max_context_len pose_num_chunks use_eaft
+        eaft_alpha eaft_k diffusion hatchery kd_trainer kd_ce_alpha kd_alpha kd_temperature kd_beta
+        kd_normalize_topk kd_online_server_base_url kd_online_topk kd_online_server kd_online_timeout
+        kd_temperature_min spectrum_top_fraction spectrum_model_name metric_for_best_model greater_is_better
+        load_best_model_at_end""",
+    "pretraining": """
+        pretraining_dataset pretrain_multipack_attn pretraining_sample_concatenation streaming
+        streaming_multipack_buffer_size""",
+    "data_options": """
+        role_boundaries shuffle_before_merging_datasets dataset_exact_deduplication excess_length_strategy
+        eval_sequence_len min_sample_len sample_packing_sequentially curriculum_sampling multipack_real_batches
+        chat_template_kwargs default_system_message""",
+    "model_options": """
+        base_model_config cls_model_config tokenizer_use_mistral_common model_kwargs overrides_of_model_kwargs
+        rope_scaling mean_resizing_embeddings shrink_embeddings embeddings_skip_upcast reinit_weights trainer_cls
+        fp32_norms fp32_norm_classes scaling_softmax scaling_softmax_factor
+        scaling_softmax_bias added_tokens_overrides fix_untrained_tokens""",
+    "optimizer_options": """
+        embedding_lr embedding_lr_scale optim_args optim_target_modules lr_scheduler_kwargs lr_quadratic_warmup
+        cosine_constant_lr_ratio lr_groups adam_epsilon2 adam_beta3 dion_lr dion_momentum dion_rank_fraction
+        dion_rank_multiple_of qgalore_rank qgalore_update_proj_gap qgalore_scale qgalore_proj_type
+        qgalore_proj_quant qgalore_proj_bits qgalore_proj_group_size qgalore_cos_threshold qgalore_gamma_proj
+        qgalore_queue_size grokfast_alpha grokfast_lamb""",
 }
+REFUSED = {key: feature for feature, text in _REFUSED_BY_FEATURE.items() for key in _keys(text)}
+
+# keys axolotl used to have (old configs still carry them): accepted blank, refused when set
+REMOVED = _keys("gptq_groupsize gptq_model_v1 eta_min landmark_attention xpos_rope max_packed_sequence_len "
+                "lora_fan_in_fan_out_deprecated")
+
+# dataset-entry keys: the implemented ones are DatasetConfig's fields
+DATASET_REFUSED = {key: feature for feature, text in {
+    "data_options": """
+        input_transform shards shards_idx preprocess_shards conversation input_format field_human field_model
+        field_tools split_thinking message_field_training message_field_training_detail skip length
+        sequence_length min_input_id max_input_id seed train_on_split""",
+    "preference": """field_chosen field_rejected step_separator max_completion_length train_on_last_step_only""",
+    "training_methods": """logprobs_field temperature""",
+    "pretraining": """text_column""",
+}.items() for key in _keys(text)}
+
+# `plugins:` entries tuneloop accepts: the same maths as without them (kernels), or logging only
+SPEED_ONLY_PLUGINS = {
+    "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin": "CutCrossEntropy (a fused loss kernel)",
+    "axolotl.integrations.liger.LigerPlugin": "Liger (fused kernels)",
+    "axolotl.integrations.kernels.KernelsPlugin": "hub kernels",
+    "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab (a tracker)",
+}
+
+
+def refusal(key: str, value, where: str = "") -> str:
+    """The message for a refused or removed axolotl key that is set."""
+    if key in REMOVED:
+        return f"{where}`{key}: {value!r}` is a key axolotl itself has removed; remove it (or leave it blank)"
+    feature = REFUSED.get(key) or DATASET_REFUSED.get(key)
+    return (f"{where}`{key}: {value!r}` asks for {FEATURES[feature][0]}, which tuneloop does not do yet, and ignoring "
+            "it would change what is trained; remove it (or leave it blank)")

@@ -1,4 +1,4 @@
-"""Command line: `tuneloop train|plan|preprocess|setup CONFIG`.
+"""Command line: `tuneloop check|plan|preprocess|train CONFIG`, `report`, `bench`, `setup`.
 
 A user error (bad key, bad row, missing file) prints one message on stderr and exits 2,
 never a traceback. Heavy imports (torch, transformers) happen inside the commands, so
@@ -28,6 +28,20 @@ def _config(args):
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     return cfg
+
+
+def command_check(args) -> int:
+    """No data, no model, no torch: the config alone, every problem at once."""
+    from tuneloop.check import check_report
+    from tuneloop.config import load_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(args.config, args.set)
+    print("\n".join(check_report(cfg)))
+    for warning in caught:
+        print(f"  warning: {warning.message}")
+    return 0
 
 
 def command_plan(args) -> int:
@@ -193,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_parser.add_argument("--ignore-memory-estimate", action="store_true",
                               help="start even when the plan's memory estimate is far above the device's memory")
     train_parser.set_defaults(handler=command_train)
+    check_parser = with_config("check", "validate a config without reading data or the model (under a second)")
+    check_parser.set_defaults(handler=command_check)
     plan_parser = with_config("plan", "print every number of the run before training")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     plan_parser.add_argument("--world-size", type=int, default=None,

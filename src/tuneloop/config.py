@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -16,8 +17,10 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tuneloop.axolotl_keys import RESULT_CHANGING, SPEED_OR_LOGGING_ONLY
-from tuneloop.data.formats import FORMATS
+from tuneloop import axolotl_keys
+from tuneloop.data.chat_templates import check_template_name
+from tuneloop.data.formats import FORMATS, TURN_END_OPTIONS
+from tuneloop.data.load import parse_split
 from tuneloop.errors import UserError
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS
 
@@ -41,54 +44,110 @@ class CustomFormat(_Strict):
 
 class DatasetConfig(_Strict):
     path: str
-    type: Union[str, CustomFormat] = "alpaca"
+    type: Optional[Union[str, CustomFormat]] = None  # unset: rows already tokenized (input_ids, labels), as in axolotl
     data_files: Optional[Union[str, list[str]]] = None
     ds_type: Optional[Literal["json", "jsonl", "parquet", "csv", "arrow", "text"]] = None
-    split: str = "train"
+    split: str = "train"  # a split, or a slice of it: train[:1%], train[10%:], train[:500]
+    name: Optional[str] = None  # a hub dataset's configuration
+    revision: Optional[str] = None  # a hub dataset's revision
+    trust_remote_code: bool = False  # a hub dataset's loading script
     # completion
     field: Optional[str] = None
     # chat_template
     field_messages: Optional[str] = None
     message_field_role: str = "role"
     message_field_content: str = "content"
+    message_property_mappings: Optional[dict[str, str]] = None  # template key -> the row's message key
+    roles: Optional[dict[str, list[str]]] = None  # template role -> the row's names for it
     roles_to_train: list[str] = Field(default_factory=lambda: ["assistant"])
+    train_on_eos: Optional[str] = None  # whose end-of-turn marker is trained: turn, all, last, none
+    train_on_eot: Optional[str] = None
+    drop_system_message: bool = False
+    field_thinking: Optional[str] = None  # the row's key for a message's reasoning
+    template_thinking_key: Optional[str] = None  # the template's name for it (reasoning_content)
+    chat_template: Optional[str] = None  # this dataset's own template, instead of the run's
+    chat_template_jinja: Optional[str] = None
 
     @field_validator("split")
     @classmethod
-    def _local_split(cls, value):
-        if value != "train":
-            raise ValueError("tuneloop reads local files, which hold one split, `train`; point `path` or "
-                             "`data_files` at the file of the split you want")
+    def _split(cls, value):
+        parse_split(value)  # raises ValueError with the accepted forms
         return value
 
     @field_validator("type")
     @classmethod
     def _known_type(cls, value):
         if isinstance(value, str) and value not in FORMATS:
-            raise ValueError(f"unknown dataset type {value!r}; tuneloop supports {FORMATS.choices()}, "
+            feature = axolotl_keys.FEATURES[axolotl_keys.dataset_type_feature(value)][0]
+            raise ValueError(f"unknown dataset type {value!r} ({feature}); tuneloop supports {FORMATS.choices()}, "
                              "or a mapping with field_instruction/field_input/field_output/format")
         return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value):
+        return value if value is None else check_template_name(value)
+
+    @field_validator("train_on_eos", "train_on_eot")
+    @classmethod
+    def _turn_end(cls, value):
+        if value is not None and value not in TURN_END_OPTIONS:
+            raise ValueError(f"got {value!r}; use one of {', '.join(TURN_END_OPTIONS)}")
+        return value
+
+    @field_validator("roles", mode="before")
+    @classmethod
+    def _role_names(cls, value):
+        if isinstance(value, dict):  # axolotl also takes a single name
+            return {role: [names] if isinstance(names, str) else names for role, names in value.items()}
+        return value
+
+    @model_validator(mode="after")
+    def _one_turn_end_option(self):
+        if self.train_on_eos and self.train_on_eot and self.train_on_eos != self.train_on_eot:
+            raise ValueError(f"`train_on_eos: {self.train_on_eos}` and `train_on_eot: {self.train_on_eot}` disagree; "
+                             "tuneloop trains one end-of-turn marker per turn: keep one of them")
+        return self
+
+
+ZERO_MEANS = {"evals_per_epoch": " (no evals)", "saves_per_epoch": " (no saves)", "max_grad_norm": " (no clipping)"}
+# what `attn_implementation` may say; kernels that cannot run on this machine fall back to sdpa (same maths)
+ATTENTION_IMPLEMENTATIONS = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "xformers"}
 
 
 class TuneloopConfig(_Strict):
     # model
     base_model: str
+    model_type: Optional[str] = None  # a transformers class name; axolotl's `type_of_model` too
+    revision_of_model: Optional[str] = None  # axolotl's `model_revision` too
+    overrides_of_model_config: Optional[dict[str, Any]] = None  # axolotl's `model_config` too
     tokenizer_config: Optional[str] = None
+    tokenizer_type: Optional[str] = None  # a transformers tokenizer class name
     trust_remote_code: bool = False
-    attn_implementation: Optional[Literal["sdpa", "eager", "flash_attention_2", "flex_attention"]] = None
+    attn_implementation: Optional[str] = None
     flash_attention: bool = False
     sdp_attention: bool = False
+    flex_attention: bool = False
+    eager_attention: bool = False
     special_tokens: dict[str, str] = Field(default_factory=dict)
+    tokens: list[str] = Field(default_factory=list)  # new tokens added to the vocabulary
     chat_template: Optional[str] = None
     chat_template_jinja: Optional[str] = None
-    # adapters
+    eot_tokens: Optional[list[str]] = None  # the text that ends a chat turn (its trained end marker)
+    plugins: list[str] = Field(default_factory=list)
+    # adapters and quantized loading
     adapter: Optional[Literal["lora", "qlora"]] = None
     lora_r: int = 8
     lora_alpha: int = 16
     lora_dropout: float = 0.0
-    lora_target_modules: Optional[list[str]] = None
+    lora_target_modules: Optional[Union[str, list[str]]] = None  # names, or one regex over module paths
+    lora_target_parameters: Optional[list[str]] = None
     lora_target_linear: bool = False
     lora_modules_to_save: Optional[list[str]] = None
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    bnb_config_kwargs: Optional[dict[str, Any]] = None
+    unfrozen_parameters: Optional[list[str]] = None  # full fine-tuning of only the parameters these regexes match
     # data
     datasets: list[DatasetConfig]
     test_datasets: list[DatasetConfig] = Field(default_factory=list)
@@ -122,17 +181,22 @@ class TuneloopConfig(_Strict):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
-    max_grad_norm: Optional[float] = 1.0
+    max_grad_norm: Optional[float] = 1.0  # 0 turns clipping off (a blank value means the default, as in axolotl)
     # precision and memory
     bf16: Union[bool, Literal["auto"]] = "auto"
     fp16: bool = False
     tf32: bool = False
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Union[bool, Literal["offload"]] = False  # "offload": checkpoints kept in CPU memory
+    gradient_checkpointing_kwargs: Optional[dict[str, Any]] = None
+    bfloat16: bool = False  # load the weights in bf16 (no fp32 copy): half the memory, bf16 updates
+    float16: bool = False  # the same in fp16
+    float32: bool = False  # the default: fp32 weights (mixed precision computes in bf16 where asked)
     # outputs, logging, eval, saves
     output_dir: str = "./model-out"
     logging_steps: int = 10
     eval_steps: Optional[Union[int, float]] = None
     evals_per_epoch: Optional[int] = None
+    eval_strategy: Optional[Literal["steps", "epoch", "no"]] = None  # axolotl's `evaluation_strategy` too
     eval_on_start: bool = False
     save_steps: Optional[Union[int, float]] = None
     saves_per_epoch: Optional[int] = None
@@ -163,7 +227,71 @@ class TuneloopConfig(_Strict):
             raise ValueError("must be at least 1")
         return value
 
-    @field_validator("max_steps", "eval_batch_size", "batch_size", "evals_per_epoch", "saves_per_epoch",
+    @model_validator(mode="before")
+    @classmethod
+    def _old_tokens_mapping(cls, data):
+        """Old axolotl configs give special tokens as a `tokens:` mapping (today's `special_tokens`)."""
+        if isinstance(data, dict) and isinstance(data.get("tokens"), dict):
+            data = dict(data)
+            data["special_tokens"] = {**data.pop("tokens"), **(data.get("special_tokens") or {})}
+            warnings.warn("`tokens` given as a mapping is axolotl's old spelling of `special_tokens`; it is read as "
+                          "that.", UserWarning, stacklevel=2)
+        return data
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, value):
+        if value == "offload_disk":
+            warnings.warn("`gradient_checkpointing: offload_disk`: tuneloop offloads checkpointed activations to CPU "
+                          "memory, not to disk (where they live changes only memory and speed).", UserWarning,
+                          stacklevel=2)
+            return "offload"
+        return value
+
+    @field_validator("unfrozen_parameters")
+    @classmethod
+    def _unfrozen_patterns(cls, value):
+        for pattern in value or []:
+            if re.search(r"\[\d*(:\d*)?\]$", pattern):
+                raise ValueError(f"{pattern!r}: unfreezing a row range of a parameter asks for "
+                                 f"{axolotl_keys.FEATURES['training_methods'][0]}; unfreeze whole parameters")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value):
+        return value if value is None else check_template_name(value)
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention(cls, value):
+        if value is None or value in ATTENTION_IMPLEMENTATIONS or value.startswith("kernels-community/"):
+            return value
+        raise ValueError(f"got {value!r}; use one of {', '.join(sorted(ATTENTION_IMPLEMENTATIONS))} or a "
+                         "kernels-community/ flash-attention kernel")
+
+    @field_validator("model_type")
+    @classmethod
+    def _model_class(cls, value):
+        if value is None or value == "AutoModelForCausalLM" or value.endswith("ForCausalLM"):
+            return value
+        feature = ("multimodal" if "ConditionalGeneration" in value or "ImageText" in value or "Vision" in value
+                   else "preference" if "SequenceClassification" in value else "model_options")
+        raise ValueError(f"got {value!r}: tuneloop trains causal language models (AutoModelForCausalLM or a "
+                         f"*ForCausalLM class); this needs {axolotl_keys.FEATURES[feature][0]}")
+
+    @field_validator("plugins")
+    @classmethod
+    def _plugins(cls, value):
+        for plugin in value:
+            if plugin not in axolotl_keys.SPEED_ONLY_PLUGINS:
+                raise ValueError(f"the plugin {plugin!r} is {axolotl_keys.FEATURES['plugins'][0]} tuneloop does not "
+                                 "have; remove it")
+            warnings.warn(f"`plugins`: {axolotl_keys.SPEED_ONLY_PLUGINS[plugin]} changes only speed, memory or "
+                          "logging, so tuneloop trains without it.", UserWarning, stacklevel=2)
+        return value
+
+    @field_validator("max_steps", "eval_batch_size", "batch_size",
                      "save_total_limit", "loss_watchdog_patience", "early_stopping_patience")
     @classmethod
     def _positive_or_none(cls, value):
@@ -171,18 +299,12 @@ class TuneloopConfig(_Strict):
             raise ValueError("must be at least 1 (or left out)")
         return value
 
-    @field_validator("warmup_steps", "dataset_shard_idx")
+    @field_validator("warmup_steps", "dataset_shard_idx", "weight_decay", "evals_per_epoch", "saves_per_epoch",
+                     "max_grad_norm")
     @classmethod
-    def _not_negative(cls, value):
+    def _not_negative(cls, value, info):
         if value is not None and value < 0:
-            raise ValueError("must be 0 or more")
-        return value
-
-    @field_validator("weight_decay")
-    @classmethod
-    def _decay_not_negative(cls, value):
-        if value < 0:
-            raise ValueError("must be 0 or more")
+            raise ValueError(f"must be 0{ZERO_MEANS.get(info.field_name, '')} or more")
         return value
 
     @field_validator("lora_r", "lora_alpha")
@@ -199,7 +321,7 @@ class TuneloopConfig(_Strict):
             raise ValueError("must be in [0, 1)")
         return value
 
-    @field_validator("learning_rate", "lr_div_factor", "adam_epsilon", "max_grad_norm", "loss_watchdog_threshold")
+    @field_validator("learning_rate", "lr_div_factor", "adam_epsilon", "loss_watchdog_threshold")
     @classmethod
     def _lr_positive(cls, value):
         if value is None:
@@ -244,7 +366,7 @@ class TuneloopConfig(_Strict):
         for first, second in pairs:
             if getattr(self, first) is not None and getattr(self, second) is not None:
                 raise ValueError(f"`{first}` and `{second}` cannot both be set: keep one of them")
-        if self.save_strategy == "no" and (self.save_steps is not None or self.saves_per_epoch is not None):
+        if self.save_strategy == "no" and (self.save_steps is not None or self.saves_per_epoch):
             raise ValueError("`save_strategy: no` turns saving off, but `save_steps`/`saves_per_epoch` is set: "
                              "keep one of them")
         if self.save_strategy == "epoch" and self.save_steps is not None:
@@ -255,14 +377,26 @@ class TuneloopConfig(_Strict):
             raise ValueError("`test_datasets` and `val_set_size` cannot both be set: keep one way to get an eval set")
         if self.dataset_shard_num is not None and not 0 <= self.dataset_shard_idx < self.dataset_shard_num:
             raise ValueError(f"`dataset_shard_idx` must be in [0, dataset_shard_num={self.dataset_shard_num})")
-        if self.chat_template and self.chat_template not in ("tokenizer_default", "chatml", "jinja"):
-            raise ValueError(
-                f"`chat_template: {self.chat_template}` is not supported: use tokenizer_default, chatml, "
-                "or jinja with `chat_template_jinja`"
-            )
         if self.lr_div_factor is not None and self.lr_scheduler != "one_cycle":
             raise ValueError(f"`lr_div_factor` only shapes `lr_scheduler: one_cycle`, and this run uses "
                              f"`{self.lr_scheduler}`: remove it or switch the scheduler")
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("`load_in_4bit` and `load_in_8bit` cannot both be true: choose one")
+        if (self.load_in_4bit or self.load_in_8bit) and not self.adapter:
+            raise ValueError("quantized weights (`load_in_4bit`/`load_in_8bit`) are not trained directly: set "
+                             "`adapter: qlora` (4-bit) or `adapter: lora`")
+        if self.adapter and not (self.lora_target_linear or self.lora_target_modules or self.lora_target_parameters):
+            raise ValueError(f"`adapter: {self.adapter}` needs `lora_target_modules`, `lora_target_parameters` or "
+                             "`lora_target_linear: true`")
+        if self.unfrozen_parameters and self.adapter:
+            raise ValueError(f"`unfrozen_parameters` with `adapter: {self.adapter}` (base-model weights trained next "
+                             f"to the adapter) asks for {axolotl_keys.FEATURES['peft_variants'][0]}; keep one of them")
+        if sum((self.bfloat16, self.float16, self.float32)) > 1:
+            raise ValueError("`bfloat16`, `float16` and `float32` choose one dtype for the weights: keep one")
+        if self.eval_strategy == "steps" and self.eval_steps is None:
+            raise ValueError("`eval_strategy: steps` needs `eval_steps`")
+        if self.eval_strategy in ("epoch", "no") and self.eval_steps is not None:
+            raise ValueError(f"`eval_strategy: {self.eval_strategy}` and `eval_steps` disagree: keep one of them")
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("`chat_template: jinja` needs the template text in `chat_template_jinja`")
         return self
@@ -324,16 +458,24 @@ def changed_settings(before: dict, now: dict, ignore: set[str] = frozenset()) ->
 TOP_LEVEL_KEYS = set(TuneloopConfig.model_fields)
 DATASET_KEYS = set(DatasetConfig.model_fields)
 CUSTOM_FORMAT_KEYS = set(CustomFormat.model_fields)
-# axolotl dataset-entry keys we do not implement; each one would change which rows are trained
-DATASET_RESULT_CHANGING = {
-    "shards", "shards_idx", "preprocess_shards", "conversation", "field_human", "field_model",
-    "roles", "revision", "trust_remote_code", "message_property_mappings", "train_on_eos",
-    "drop_system_message", "field_tools", "chat_template", "split_thinking", "name", "train_on_split",
-}
+# axolotl's other names for keys tuneloop implements (its remapped and deprecated spellings)
+ALIASES = {"type_of_model": "model_type", "model_revision": "revision_of_model",
+           "model_config": "overrides_of_model_config", "evaluation_strategy": "eval_strategy"}
+AXOLOTL_TOP_LEVEL = (set(axolotl_keys.SPEED_OR_LOGGING) | axolotl_keys.LAUNCHER | set(axolotl_keys.REFUSED)
+                     | axolotl_keys.REMOVED)
 
 
 def _is_empty(value: Any) -> bool:
     return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def without_blanks(value: Any) -> Any:
+    """A blank YAML value (`key:` with nothing after it) means "not set", at every depth, as in axolotl."""
+    if isinstance(value, dict):
+        return {key: without_blanks(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_blanks(item) for item in value]
+    return value
 
 
 def _nearest(key: str, known: set[str]) -> str:
@@ -341,32 +483,47 @@ def _nearest(key: str, known: set[str]) -> str:
     return f" Did you mean `{match[0]}`?" if match else ""
 
 
-def _triage_keys(raw: dict, known: set[str], where: str, result_changing: set[str],
-                 speed_only: set[str] = frozenset()) -> dict:
-    """Drop empty or speed-only axolotl keys (warning for the latter), refuse unknown and result-changing ones."""
+def _triage_top_level(raw: dict, problems: list[str]) -> dict:
+    """Keys tuneloop implements are kept (axolotl's aliases renamed); every other axolotl key is handled as
+    axolotl_keys.py classifies it. Problems are collected, so a config shows all of them at once."""
     kept = {}
     for key, value in raw.items():
-        if key in known:
-            kept[key] = value
-        elif key in speed_only:
+        name = ALIASES.get(key, key)
+        if name in TOP_LEVEL_KEYS:
+            if name in kept:
+                problems.append(f"`{key}` and `{name}` are the same setting: keep one of them")
+            kept[name] = value
+        elif key in axolotl_keys.LAUNCHER:
+            continue  # set by launchers (torchrun gives each rank its own), not a training setting
+        elif key in axolotl_keys.SPEED_OR_LOGGING:
             if not _is_empty(value):
-                warnings.warn(f"{where}`{key}` is an axolotl key tuneloop does not implement; it only affects "
-                              "speed or logging, so it is ignored.", UserWarning, stacklevel=2)
-        elif key in result_changing:
+                warnings.warn(f"`{key}` is an axolotl key tuneloop does not implement; it only affects speed, memory "
+                              "or logging, so it is ignored.", UserWarning, stacklevel=3)
+        elif key in axolotl_keys.REFUSED or key in axolotl_keys.REMOVED:
             if not _is_empty(value):
-                raise UserError(f"config: {where}`{key}: {value!r}` is an axolotl key tuneloop does not implement "
-                                "yet, and ignoring it would change what is trained. Remove it (or set it empty).")
+                problems.append(axolotl_keys.refusal(key, value))
         else:
-            raise UserError(f"config: unknown key {where}`{key}`.{_nearest(key, known | result_changing | speed_only)}")
+            problems.append(f"unknown key `{key}`.{_nearest(key, TOP_LEVEL_KEYS | AXOLOTL_TOP_LEVEL | set(ALIASES))}")
     return kept
 
 
-def _triage_dataset(entry: Any, where: str) -> Any:
+def _triage_dataset(entry: Any, where: str, problems: list[str]) -> Any:
     if not isinstance(entry, dict):
         return entry  # pydantic names the type error
-    kept = _triage_keys(entry, DATASET_KEYS, where, DATASET_RESULT_CHANGING)
+    kept = {}
+    for key, value in entry.items():
+        if key in DATASET_KEYS:
+            kept[key] = value
+        elif key in axolotl_keys.DATASET_REFUSED:
+            if not _is_empty(value):
+                problems.append(axolotl_keys.refusal(key, value, where))
+        else:
+            known = DATASET_KEYS | set(axolotl_keys.DATASET_REFUSED)
+            problems.append(f"unknown key {where}`{key}`.{_nearest(key, known)}")
     if isinstance(kept.get("type"), dict):
-        _triage_keys(kept["type"], CUSTOM_FORMAT_KEYS, f"{where}type.", set())
+        for key in kept["type"]:
+            if key not in CUSTOM_FORMAT_KEYS:
+                problems.append(f"unknown key {where}type.`{key}`.{_nearest(key, CUSTOM_FORMAT_KEYS)}")
     return kept
 
 
@@ -403,7 +560,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def _format_validation_error(error: ValidationError) -> str:
+def _validation_lines(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
         key = ".".join(str(part) for part in item["loc"] if not str(part).startswith(("function-", "literal[")))
@@ -415,22 +572,30 @@ def _format_validation_error(error: ValidationError) -> str:
         elif "input" in item and item["type"] not in ("value_error",):
             message = f"got {item['input']!r}; {message}"
         lines.append(f"`{key}` {message}" if key else message)
-    unique = list(dict.fromkeys(lines))
-    return "config: " + "\n  ".join(unique)
+    return lines
 
 
 def config_from_dict(raw: Any, overrides: list[str] = ()) -> TuneloopConfig:
     if not isinstance(raw, dict):
         raise UserError("config: the YAML file must be a mapping of keys to values")
-    raw = apply_overrides(dict(raw), list(overrides))
-    kept = _triage_keys(raw, TOP_LEVEL_KEYS, "", RESULT_CHANGING, SPEED_OR_LOGGING_ONLY)
+    raw = without_blanks(apply_overrides(dict(raw), list(overrides)))
+    problems: list[str] = []
+    kept = _triage_top_level(raw, problems)
     for list_key in ("datasets", "test_datasets"):
         if isinstance(kept.get(list_key), list):
-            kept[list_key] = [_triage_dataset(entry, f"{list_key}[{i}].") for i, entry in enumerate(kept[list_key])]
+            kept[list_key] = [_triage_dataset(entry, f"{list_key}[{i}].", problems)
+                              for i, entry in enumerate(kept[list_key])]
     try:
-        return TuneloopConfig.model_validate(kept)
+        cfg = TuneloopConfig.model_validate(kept)
     except ValidationError as error:
-        raise UserError(_format_validation_error(error)) from None
+        lines = _validation_lines(error)
+        if raw.get("pretraining_dataset"):  # already refused as pretraining data, which replaces `datasets`
+            lines = [line for line in lines if line != "`datasets` is required"]
+        problems += lines
+        cfg = None
+    if problems:
+        raise UserError("config: " + "\n  ".join(dict.fromkeys(problems)))
+    return cfg
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:

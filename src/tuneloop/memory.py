@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tuneloop.hardware import quantized_loading
 from tuneloop.model import ModelFacts
 from tuneloop.optim import OPTIMIZERS
 
@@ -50,7 +51,10 @@ def device_memory_gb() -> tuple[str, float | None]:
 def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str) -> MemoryEstimate:
     config = facts.config
     params, trainable = facts.parameters, facts.trainable_parameters
-    weight_bytes = 0.5 if cfg.adapter == "qlora" else 4  # fp32 master weights (autocast computes in bf16)
+    # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16; 4-bit NF4 or 8-bit when quantized
+    parameter_bytes = 2 if cfg.bfloat16 or cfg.float16 else 4
+    weight_bytes = {"4bit": 0.5, "8bit": 1}.get(quantized_loading(cfg), parameter_bytes)
+    trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
     hidden = getattr(config, "hidden_size", 0)
     layers = getattr(config, "num_hidden_layers", 0)
@@ -62,8 +66,8 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         activations = per_layer * layers * ACTIVATION_VALUES_PER_TOKEN_HIDDEN
     activations += tokens_per_micro_batch * vocab * 4 * 2  # logits in fp32 and their gradient
     gb = 1e9
-    weights, grads = params * weight_bytes / gb, trainable * 4 / gb
-    optimizer = trainable * OPTIMIZERS[cfg.optimizer].state_bytes_per_param / gb
+    weights, grads = params * weight_bytes / gb, trainable * trained_bytes / gb
+    optimizer = trainable * OPTIMIZERS[cfg.optimizer].state_bytes_per_param * trained_bytes / 4 / gb
     device, device_gb = device_memory_gb()
     total = weights + grads + optimizer + activations / gb
     return MemoryEstimate(params, trainable, round(weights, 3), round(grads, 3), round(optimizer, 3),

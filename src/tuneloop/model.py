@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from tuneloop.config import TuneloopConfig
-from tuneloop.data.formats import chat_template_of
+from tuneloop.data.chat_templates import TOKENIZER_DEFAULT, resolve_template
 from tuneloop.errors import UserError
 from tuneloop.registry import Registry
 
@@ -40,60 +39,77 @@ def _checked_source(name: str, key: str) -> str:
     return name
 
 
+def model_class(cfg: TuneloopConfig):
+    """The class that loads the model: `model_type` (axolotl's key: AutoModelForCausalLM or a concrete
+    *ForCausalLM class), else the kind's Auto class."""
+    import transformers
+
+    if not cfg.model_type:
+        return auto_class(model_kind(cfg))
+    found = getattr(transformers, cfg.model_type, None)
+    if found is None:
+        raise UserError(f"config: `model_type: {cfg.model_type}` is not a class transformers has")
+    return found
+
+
+def check_model_class(cfg: TuneloopConfig, config) -> None:
+    """A concrete `model_type` must be what the checkpoint says it is (a LlamaForCausalLM class loading a
+    Mistral checkpoint would quietly drop or misplace weights)."""
+    model_class(cfg)  # a class transformers has
+    architectures = getattr(config, "architectures", None) or []
+    if cfg.model_type and not cfg.model_type.startswith("Auto") and architectures \
+            and cfg.model_type not in architectures:
+        raise UserError(f"config: `model_type: {cfg.model_type}` does not match {cfg.base_model}, whose config says "
+                        f"{', '.join(architectures)}; set `model_type: AutoModelForCausalLM` or the right class")
+
+
 def load_tokenizer(cfg: TuneloopConfig):
-    from transformers import AutoTokenizer
+    import transformers
 
     key = "tokenizer_config" if cfg.tokenizer_config else "base_model"
     source = _checked_source(cfg.tokenizer_config or cfg.base_model, key)
+    tokenizer_class = getattr(transformers, cfg.tokenizer_type or "AutoTokenizer", None)
+    if tokenizer_class is None:
+        raise UserError(f"config: `tokenizer_type: {cfg.tokenizer_type}` is not a class transformers has")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as error:
-        raise UserError(f"model: cannot load a tokenizer from {source!r}: {error}") from None
+        tokenizer = tokenizer_class.from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
+                                                    **_revision(cfg, key))
+    except (OSError, ValueError, TypeError) as error:
+        raise UserError(f"model: cannot load a tokenizer from {source!r}"
+                        f"{f' as {cfg.tokenizer_type}' if cfg.tokenizer_type else ''}: {error}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"model: the tokenizer of {source!r} is not a fast tokenizer; tuneloop needs character "
                         "offsets to mask prompts exactly")
     if cfg.special_tokens:
         tokenizer.add_special_tokens(dict(cfg.special_tokens))
+    if cfg.tokens:
+        tokenizer.add_tokens(list(cfg.tokens))  # new vocabulary; load_model grows the embeddings to match
     if tokenizer.pad_token is None:
         # padding positions never reach the loss or attention, so any id will do; eos is the convention
         tokenizer.pad_token = tokenizer.eos_token
-    if cfg.chat_template in ("chatml", "jinja"):
-        tokenizer.chat_template = chat_template_of(cfg, tokenizer)  # saved with the model, for inference
+    if cfg.chat_template and cfg.chat_template != TOKENIZER_DEFAULT:  # saved with the model, for inference
+        tokenizer.chat_template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
     return tokenizer
 
 
-def mixed_precision(cfg: TuneloopConfig) -> str:
-    """Accelerate's mixed_precision string for the config on this machine."""
-    import torch
-
-    if cfg.fp16:
-        if not torch.cuda.is_available():  # accelerate would accept it and quietly train in fp32
-            raise UserError("config: `fp16: true` needs a CUDA GPU, and this machine has none (accelerate would "
-                            "silently train in fp32 here). Remove it, or use `bf16: true` where the CPU has bf16.")
-        return "fp16"
-    if cfg.bf16 == "auto":
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if cfg.bf16 else "no"
+def _revision(cfg: TuneloopConfig, key: str = "base_model") -> dict:
+    """`revision_of_model` pins a hub model's commit; it says nothing about a tokenizer from elsewhere."""
+    return {"revision": cfg.revision_of_model} if cfg.revision_of_model and key == "base_model" else {}
 
 
-def attention_implementation(cfg: TuneloopConfig) -> str:
-    import torch
+def model_config(cfg: TuneloopConfig):
+    """The checkpoint's config with `overrides_of_model_config` (axolotl's `model_config`) applied."""
+    from transformers import AutoConfig
 
-    if cfg.attn_implementation:
-        chosen = cfg.attn_implementation
-    elif cfg.flash_attention:
-        chosen = "flash_attention_2"
-    else:
-        chosen = "sdpa"
-    if chosen == "flash_attention_2":
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            raise UserError("model: flash attention was asked for (`flash_attention: true`) but the flash-attn "
-                            "package is not installed; install it on a CUDA machine or use sdp_attention") from None
-        if not torch.cuda.is_available():
-            raise UserError("model: flash attention needs a CUDA GPU; use sdp_attention on this machine")
-    return chosen
+    source = _checked_source(cfg.base_model, "base_model")
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **_revision(cfg))
+    except (OSError, ValueError) as error:
+        raise UserError(f"model: cannot read the config of {source!r}: {error}") from None
+    for key, value in (cfg.overrides_of_model_config or {}).items():
+        setattr(config, key, value)
+    check_model_class(cfg, config)
+    return config
 
 
 @dataclass
@@ -102,27 +118,29 @@ class ModelFacts:
 
     config: object  # the transformers config
     parameters: int
-    trainable_parameters: int  # all of them, or the adapter's
+    trainable_parameters: int  # all of them, the adapter's, or the unfrozen ones
     max_positions: int | None  # n_positions / max_position_embeddings, where the config has one
     learned_positions: bool  # a position-embedding table of max_positions rows: longer rows cannot run at all
 
 
 def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
-    """The model built on the meta device (no memory, no weights read), with the adapter when there is one, so
-    the counts are the real ones."""
+    """The model built on the meta device (no memory, no weights read), with the adapter or the freezing it
+    will train with, so the counts are the real ones."""
     import torch
-    from transformers import AutoConfig
 
-    source = _checked_source(cfg.base_model, "base_model")
+    from tuneloop.adapters import add_adapter, freeze_all_but
+
+    config = model_config(cfg)
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
         with torch.device("meta"):
-            model = auto_class(model_kind(cfg)).from_config(config, trust_remote_code=cfg.trust_remote_code)
+            built = model_class(cfg)
+            model = (built.from_config(config, trust_remote_code=cfg.trust_remote_code) if hasattr(built, "from_config")
+                     else built._from_config(config))  # a concrete class (model_type: LlamaForCausalLM)
     except (OSError, ValueError) as error:
-        raise UserError(f"model: cannot read the config of {source!r}: {error}") from None
+        raise UserError(f"model: cannot build {cfg.base_model!r} from its config: {error}") from None
     if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        with torch.device("meta"):
-            model.resize_token_embeddings(len(tokenizer))
+        with torch.device("meta"):  # (mean-initialising new rows reads values: there are none on meta)
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     parameters = sum(p.numel() for p in model.parameters())
     max_positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     inputs = model.get_input_embeddings()
@@ -130,7 +148,9 @@ def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
         isinstance(module, torch.nn.Embedding) and module is not inputs and module.num_embeddings == max_positions
         for module in model.modules())
     if cfg.adapter:
-        model = add_adapter(cfg, model, model_kind(cfg))
+        model = add_adapter(cfg, model, model_kind(cfg).peft_task_type)
+    elif cfg.unfrozen_parameters:
+        freeze_all_but(model, cfg.unfrozen_parameters)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return ModelFacts(config, parameters, trainable, max_positions, learned)
 
@@ -148,20 +168,53 @@ def check_sequence_len(cfg: TuneloopConfig, facts: ModelFacts) -> str | None:
             f"{limit} were never trained; quality may drop on rows that long.")
 
 
-def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
-    """The model to train; from a checkpoint's weights when resuming (the adapter's, for LoRA)."""
+def enable_checkpointing(cfg: TuneloopConfig, model) -> None:
+    """Activation checkpointing (recompute each layer in the backward), non-reentrant unless the config's
+    gradient_checkpointing_kwargs say otherwise; `offload` keeps the checkpoints in CPU memory."""
+    from tuneloop.adapters import checkpointing_kwargs
+
     import torch
 
-    kind = model_kind(cfg)
-    source = _checked_source(cfg.base_model, "base_model")
-    if checkpoint is not None and not cfg.adapter:
-        source = str(checkpoint)
+    # on a CPU the checkpoints are in CPU memory already (and pinned copies need an accelerator)
+    offload = cfg.gradient_checkpointing == "offload" and torch.cuda.is_available()
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.24's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs(cfg),
+                                              offload=offload)
+    elif offload:
+        raise UserError("config: `gradient_checkpointing: offload` needs transformers 5.24 or later; set it to true")
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(cfg))
+
+
+def weights_dtype(cfg: TuneloopConfig):
+    """fp32 weights (mixed precision computes in bf16 where asked), or bf16/fp16 weights where the config says
+    `bfloat16`/`float16` (axolotl's keys: no fp32 copy at all). A LoRA adapter stays fp32 either way (peft)."""
+    import torch
+
+    return torch.bfloat16 if cfg.bfloat16 else torch.float16 if cfg.float16 else torch.float32
+
+
+def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
+    """The model to train; from a checkpoint's weights when resuming (the adapter's, for LoRA)."""
     from safetensors import SafetensorError
 
+    from tuneloop.adapters import add_adapter, freeze_all_but, prepare_quantized, quantization_config
+    from tuneloop.hardware import attention_implementation, quantized_loading
+
+    config = model_config(cfg)
+    source = _checked_source(cfg.base_model, "base_model")
+    options = {"revision": cfg.revision_of_model} if cfg.revision_of_model else {}
+    if checkpoint is not None and not cfg.adapter:
+        source, options = str(checkpoint), {}
+    else:
+        options["config"] = config
+    quantized = quantized_loading(cfg)
+    if quantized:
+        options["quantization_config"] = quantization_config(cfg, quantized)
     try:
-        model = auto_class(kind).from_pretrained(
-            source, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
-            attn_implementation=attention_implementation(cfg),
+        model = model_class(cfg).from_pretrained(
+            source, dtype=weights_dtype(cfg), trust_remote_code=cfg.trust_remote_code,
+            attn_implementation=attention_implementation(cfg)[0], **options,
         )
     except (OSError, ValueError, SafetensorError) as error:  # missing, unreadable or damaged weights
         raise UserError(f"model: cannot load {source!r}: {type(error).__name__}: {error}") from None
@@ -169,49 +222,12 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     model.config.use_cache = False
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if quantized:
+        model = prepare_quantized(cfg, model)
+    elif cfg.gradient_checkpointing:
+        enable_checkpointing(cfg, model)
     if cfg.adapter:
-        model = add_adapter(cfg, model, kind, checkpoint)
+        return add_adapter(cfg, model, model_kind(cfg).peft_task_type, checkpoint)
+    if cfg.unfrozen_parameters:
+        freeze_all_but(model, cfg.unfrozen_parameters)
     return model
-
-
-def add_adapter(cfg: TuneloopConfig, model, kind: ModelKind, checkpoint=None):
-    if cfg.adapter == "qlora":
-        raise UserError("model: `adapter: qlora` needs bitsandbytes on a CUDA GPU; it is not available here. "
-                        "Use `adapter: lora`.")
-    from peft import LoraConfig, PeftModel, get_peft_model
-
-    if cfg.lora_target_linear:
-        targets = "all-linear"
-    elif cfg.lora_target_modules:
-        targets = cfg.lora_target_modules
-    else:
-        raise UserError("config: `adapter: lora` needs `lora_target_modules` or `lora_target_linear: true`")
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, modules_to_save=cfg.lora_modules_to_save,
-                      task_type=kind.peft_task_type)
-    if cfg.gradient_checkpointing:
-        model.enable_input_require_grads()
-    with warnings.catch_warnings():
-        # peft asks is_gradient_checkpointing, which transformers 5 deprecates: not the user's concern
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        if checkpoint is not None:
-            return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
-        try:
-            return get_peft_model(model, lora)
-        except ValueError as error:  # peft's "Target modules {...} not found in the base model"
-            if "not found in the base model" not in str(error) and "NoMatchingPeftModule" not in type(error).__name__:
-                raise
-            raise UserError(f"config: `lora_target_modules: {cfg.lora_target_modules}` matches no module of this "
-                            f"model; its linear layers are named {', '.join(linear_layer_names(model))} "
-                            "(or set `lora_target_linear: true`)") from None
-
-
-def linear_layer_names(model) -> list[str]:
-    """The distinct last names of the model's linear layers (q_proj, v_proj, ...), the output head excluded."""
-    import torch
-
-    head = model.get_output_embeddings()
-    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                   if isinstance(module, torch.nn.Linear) and module is not head})

@@ -1,8 +1,9 @@
 """Optimizers and learning-rate schedules: one registry entry each, built from the config and the plan.
 
 An optimizer entry says how to build it, how many bytes of state it keeps per trained parameter
-(the plan's memory estimate reads it) and whether it needs a CUDA GPU (refused before training
-otherwise). A scheduler entry builds a torch LR scheduler that the loop steps once per optimizer
+(the plan's memory estimate reads it), and whether it needs a CUDA GPU or another library (hardware.py
+refuses it when `train` starts on a machine without them; the config and the plan accept it). A
+scheduler entry builds a torch LR scheduler that the loop steps once per optimizer
 step. torch is imported inside the builders: the config reads these tables before torch loads.
 """
 
@@ -12,7 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from tuneloop.errors import UserError
 from tuneloop.registry import Registry
 
 # The config validates `optimizer:` and `lr_scheduler:` against the tables below, so this module sits
@@ -24,8 +24,9 @@ NO_DECAY_NAMES = ("bias", "norm", "layernorm", "ln_")
 @dataclass(frozen=True)
 class OptimizerKind:
     build: Callable  # (parameter groups, cfg) -> torch.optim.Optimizer
-    state_bytes_per_param: int  # optimizer state kept per trained parameter, for the memory estimate
+    state_bytes_per_param: float  # optimizer state kept per trained parameter, for the memory estimate
     needs_cuda: bool = False
+    library: str | None = None  # the package it comes from, when not torch or transformers
 
 
 def _adamw(fused: bool):
@@ -49,24 +50,32 @@ def _adafactor(groups, cfg):
     return Adafactor(groups, lr=cfg.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
 
 
+def _library_adamw(module: str, name: str):
+    """An AdamW of another library (bitsandbytes' 8-bit and paged ones, torchao's low-bit ones)."""
+    def build(groups, cfg):
+        import importlib
+
+        optimizer_class = getattr(importlib.import_module(module), name)
+        return optimizer_class(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                               eps=cfg.adam_epsilon)
+    return build
+
+
 OPTIMIZERS: Registry[OptimizerKind] = Registry("optimizer", "optimizer")
 OPTIMIZERS.add("adamw_torch", OptimizerKind(_adamw(fused=False), state_bytes_per_param=8))
 # fused AdamW is the Trainer's default too: on a 135M model its step took 88 ms against 554 ms (CPU)
 OPTIMIZERS.add("adamw_torch_fused", OptimizerKind(_adamw(fused=True), state_bytes_per_param=8))
 OPTIMIZERS.add("sgd", OptimizerKind(_sgd, state_bytes_per_param=0))
 OPTIMIZERS.add("adafactor", OptimizerKind(_adafactor, state_bytes_per_param=4))
-
-
-def optimizer_kind(cfg) -> OptimizerKind:
-    """The config's optimizer; one that needs a GPU is refused on a machine without one."""
-    kind = OPTIMIZERS[cfg.optimizer]
-    if kind.needs_cuda:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UserError(f"config: `optimizer: {cfg.optimizer}` needs a CUDA GPU, and this machine has none; "
-                            "use adamw_torch_fused here")
-    return kind
+# two states of one byte each (8-bit) or half a byte (4-bit), plus small per-block scales
+OPTIMIZERS.add("adamw_bnb_8bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "AdamW8bit"), 2, True,
+                                               "bitsandbytes"), aliases=("adamw_8bit",))
+OPTIMIZERS.add("paged_adamw_8bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "PagedAdamW8bit"), 2, True,
+                                                 "bitsandbytes"))
+OPTIMIZERS.add("paged_adamw_32bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "PagedAdamW32bit"), 8, True,
+                                                  "bitsandbytes"))
+OPTIMIZERS.add("adamw_torch_8bit", OptimizerKind(_library_adamw("torchao.optim", "AdamW8bit"), 2, True, "torchao"))
+OPTIMIZERS.add("adamw_torch_4bit", OptimizerKind(_library_adamw("torchao.optim", "AdamW4bit"), 1, True, "torchao"))
 
 
 def parameter_groups(model, weight_decay: float) -> list[dict]:
@@ -81,7 +90,8 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(cfg, model):
-    return optimizer_kind(cfg).build(parameter_groups(model, cfg.weight_decay), cfg)
+    """(hardware.check_hardware has refused an optimizer this machine cannot run, before training.)"""
+    return OPTIMIZERS[cfg.optimizer].build(parameter_groups(model, cfg.weight_decay), cfg)
 
 
 # ---- learning-rate schedules -------------------------------------------------------------------
@@ -125,9 +135,9 @@ def _one_cycle(optimizer, cfg, plan):
 
 
 SCHEDULERS: Registry[Callable] = Registry("learning-rate scheduler", "lr_scheduler")
-SCHEDULERS.add("cosine", _warmup_then("cosine"))
+SCHEDULERS.add("cosine", _warmup_then("cosine"), aliases=("cosine_with_min_lr",))  # floor: cosine_min_lr_ratio
 SCHEDULERS.add("linear", _warmup_then("linear"))
-SCHEDULERS.add("constant", _warmup_then("constant"))
+SCHEDULERS.add("constant", _warmup_then("constant"), aliases=("constant_with_warmup",))
 SCHEDULERS.add("one_cycle", _one_cycle)
 
 

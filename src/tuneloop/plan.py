@@ -105,7 +105,7 @@ def _scheduled(total: int, steps_per_epoch: int, every: int | float | None, per_
     if every is not None:
         interval = max(1, math.ceil(total * every)) if every < 1 else int(every)
         return list(range(interval, total + 1, interval))
-    per_epoch = per_epoch or default_per_epoch
+    per_epoch = default_per_epoch if per_epoch is None else per_epoch
     steps = set()
     for epoch in range(math.ceil(total / steps_per_epoch)):
         for k in range(1, per_epoch + 1):
@@ -164,13 +164,14 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         padding_fraction = round(1 - total_real / computed, 4) if computed else 0.0
 
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil((cfg.warmup_ratio or 0) * total_steps)
-    has_eval = eval_rows > 0
+    # evals_per_epoch: 0 and eval_strategy: no turn evaluation off, the final eval included
+    has_eval = eval_rows > 0 and cfg.evals_per_epoch != 0 and cfg.eval_strategy != "no"
     eval_at = _scheduled(total_steps, steps_per_epoch, cfg.eval_steps, cfg.evals_per_epoch, 1) if has_eval else []
     if has_eval and total_steps not in eval_at:
         eval_at.append(total_steps)  # the final model is always evaluated
     if has_eval and cfg.eval_on_start:
         eval_at.insert(0, 0)
-    saves_off = cfg.save_strategy == "no"
+    saves_off = cfg.save_strategy == "no" or cfg.saves_per_epoch == 0
     save_at = [] if saves_off else [s for s in _scheduled(total_steps, steps_per_epoch, cfg.save_steps,
                                                           cfg.saves_per_epoch, 1) if s < total_steps]
 
@@ -186,7 +187,8 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         tokens_per_step=round(total_targets / total_steps, 2), total_trainable_tokens=total_targets,
         total_real_tokens=total_real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
         max_micro_batch_tokens=largest, learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler,
-        optimizer=cfg.optimizer, dropped_no_trained_tokens=dropped_no_trained_tokens, train_batching=spec, eval_batching=eval_spec(cfg, world_size),
+        optimizer=cfg.optimizer, dropped_no_trained_tokens=dropped_no_trained_tokens, train_batching=spec,
+        eval_batching=eval_spec(cfg, world_size),
         pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None,
     )
     plan.warnings = plan_warnings(cfg, plan)

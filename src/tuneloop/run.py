@@ -50,26 +50,24 @@ def prepare_data(cfg: TuneloopConfig, force: bool = False):
 
 def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
     """Every number of the run (plan.py), with what the model and the machine add: the memory estimate,
-    the precision and attention chosen, the sequence length checked against the model's positions, and the
-    optimizer's needs (one that needs a GPU is refused here, before anything is loaded)."""
+    the precision and attention chosen (and why, where it is not the one asked for), and the sequence
+    length checked against the model's positions."""
     import numpy as np
 
+    from tuneloop.hardware import attention_implementation, mixed_precision
     from tuneloop.memory import estimate_memory
-    from tuneloop.model import attention_implementation, check_sequence_len, mixed_precision, model_facts
-    from tuneloop.optim import optimizer_kind
+    from tuneloop.model import check_sequence_len, model_facts
     from tuneloop.plan import attach_memory_estimate, make_plan
 
-    optimizer_kind(cfg)
     precision = mixed_precision(cfg)
     facts = model_facts(cfg, tokenizer)
     too_long = check_sequence_len(cfg, facts)
     stats = prepared.stats
     plan = make_plan(cfg, np.asarray(prepared.train["length"]), np.asarray(prepared.train["n_targets"]),
                      stats.eval_rows, stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens)
-    if too_long:
-        plan.warnings.append(too_long)
     plan.precision = {"no": "fp32", "bf16": "bf16 (mixed)", "fp16": "fp16 (mixed)"}[precision]
-    plan.attention = attention_implementation(cfg)
+    plan.attention, attention_note = attention_implementation(cfg)
+    plan.warnings += [note for note in (too_long, attention_note) if note]
     attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, precision))
     return plan
 
@@ -106,7 +104,7 @@ class TrainingSession:
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
-        from tuneloop.model import mixed_precision
+        from tuneloop.hardware import mixed_precision
 
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(self.cfg))
         if self.cfg.tf32 and torch.cuda.is_available():
@@ -121,6 +119,7 @@ class TrainingSession:
     def run(self, overwrite: bool = False, force_resume: bool = False,
             ignore_memory_estimate: bool = False) -> RunResult:
         from tuneloop.config import result_settings
+        from tuneloop.hardware import check_hardware
         from tuneloop.model import load_model
         from tuneloop.plan import check_memory_fits
         from tuneloop.train.guards import StopRequests
@@ -131,6 +130,7 @@ class TrainingSession:
         cfg, accelerator = self.cfg, self.accelerator
         output_dir = Path(cfg.output_dir)
         check_output_dir_apart(cfg)
+        check_hardware(cfg)
         settings = result_settings(cfg)
         if cfg.auto_resume_from_checkpoints and not overwrite and finished_run(output_dir):
             check_finished_run_matches(output_dir, settings)

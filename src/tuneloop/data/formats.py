@@ -18,21 +18,32 @@ from tuneloop.registry import Registry
 # The config validates a dataset's `type:` against FORMATS, so this module sits under the config and does
 # not import it: `entry` is a dataset entry of the config (DatasetConfig), `fmt` a custom format mapping.
 
-# axolotl's alpaca prompt, character for character
+# axolotl's alpaca prompts (commit 067b021), character for character: "instruct" style for `alpaca`, "chat"
+# style for `alpaca:chat`
 ALPACA_SYSTEM_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides "
                             "further context. Write a response that appropriately completes the request.\n\n")
 ALPACA_SYSTEM_NO_INPUT = ("Below is an instruction that describes a task. "
                           "Write a response that appropriately completes the request.\n\n")
 ALPACA_TURN_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_TURN_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_CHAT_SYSTEM = "SYSTEM: {system}\n"
+ALPACA_CHAT_TURN_WITH_INPUT = "USER: {instruction}\n{input}\nASSISTANT:"
+ALPACA_CHAT_TURN_NO_INPUT = "USER: {instruction}\nASSISTANT:"
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 CHAT_ROLES = {"system", "user", "assistant", "tool", "function", "ipython", "developer"}
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool"}
+# axolotl's default mapping of dataset roles to template roles (sharegpt's human/gpt included)
+DEFAULT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                 "system": "system", "tool": "tool"}
+TURN_END_OPTIONS = ("turn", "all", "last", "none")  # train_on_eos / train_on_eot
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """What a renderer needs beyond the row and its dataset entry."""
+
+    tokenizer: object
+    template: str | None = None  # the chat template text, for chat rows
+    eot_tokens: tuple[str, ...] = ()  # axolotl's `eot_tokens`: the text that ends a turn
 
 
 @dataclass
@@ -53,13 +64,27 @@ def _field(row: SourceRow, name: str, required: bool = True) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def render_alpaca(row: SourceRow, entry, tokenizer, template: str | None) -> Rendered:
+def render_alpaca(row: SourceRow, entry, context: RenderContext) -> Rendered:
     instruction, given_input = _field(row, "instruction"), _field(row, "input", required=False)
     output = _field(row, "output")
     if given_input:
         prompt = ALPACA_SYSTEM_WITH_INPUT + ALPACA_TURN_WITH_INPUT.format(instruction=instruction, input=given_input)
     else:
         prompt = ALPACA_SYSTEM_NO_INPUT + ALPACA_TURN_NO_INPUT.format(instruction=instruction)
+    return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
+
+
+def render_alpaca_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
+    """axolotl's `alpaca:chat`: the Alpaca system line as `SYSTEM:`, then `USER: …` / `ASSISTANT:` turns."""
+    instruction, given_input = _field(row, "instruction"), _field(row, "input", required=False)
+    output = _field(row, "output")
+    if given_input:
+        system = ALPACA_SYSTEM_WITH_INPUT.rstrip("\n")
+        turn = ALPACA_CHAT_TURN_WITH_INPUT.format(instruction=instruction, input=given_input)
+    else:
+        system = ALPACA_SYSTEM_NO_INPUT.rstrip("\n")
+        turn = ALPACA_CHAT_TURN_NO_INPUT.format(instruction=instruction)
+    prompt = ALPACA_CHAT_SYSTEM.format(system=system) + turn
     return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
 
 
@@ -80,28 +105,42 @@ def render_custom(row: SourceRow, fmt) -> Rendered:
     return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
 
 
-def render_completion(row: SourceRow, entry, tokenizer, template: str | None) -> Rendered:
+def render_completion(row: SourceRow, entry, context: RenderContext) -> Rendered:
     text = _field(row, entry.field or "text")
     return Rendered(text, [(0, len(text))])
 
 
 def _messages(row: SourceRow, entry) -> list[dict]:
+    """The row's conversation as template messages: dataset keys mapped (message_property_mappings, or
+    message_field_role/content; sharegpt's from/value found by itself), roles mapped (`roles`, else
+    human/gpt -> user/assistant), a first system message dropped on request."""
     sharegpt = entry.type == "sharegpt"
     name = entry.field_messages or ("conversations" if sharegpt or "messages" not in row.values else "messages")
     raw = row.values.get(name)
     if not isinstance(raw, list) or not raw:
         raise UserError(f"data: {row.where}: field `{name}` must be a non-empty list of messages")
-    role_key = "from" if sharegpt else entry.message_field_role
-    content_key = "value" if sharegpt else entry.message_field_content
-    if not sharegpt and isinstance(raw[0], dict) and role_key not in raw[0] and "from" in raw[0]:
-        role_key, content_key = "from", "value"  # sharegpt rows under type chat_template, as axolotl accepts
+    mapping = {"role": entry.message_field_role, "content": entry.message_field_content,
+               **(entry.message_property_mappings or {})}
+    if sharegpt or (not entry.message_property_mappings and isinstance(raw[0], dict)
+                    and mapping["role"] not in raw[0] and "from" in raw[0]):
+        mapping.update(role="from", content="value")  # sharegpt rows under type chat_template, as axolotl accepts
+    thinking_key = entry.template_thinking_key or "reasoning_content"
+    mapping.setdefault(thinking_key, entry.field_thinking or thinking_key)
+    roles = ({name: role for role, names in entry.roles.items() for name in names} if entry.roles
+             else DEFAULT_ROLES)
     messages = []
     for number, message in enumerate(raw, start=1):
-        if not isinstance(message, dict) or role_key not in message or content_key not in message:
-            raise UserError(f"data: {row.where}: message {number} needs `{role_key}` and `{content_key}`")
-        role = SHAREGPT_ROLES.get(message[role_key], message[role_key])
-        messages.append({"role": role, "content": _content_text(message[content_key], row, number)})
-    known = CHAT_ROLES | set(entry.roles_to_train)
+        if not isinstance(message, dict) or mapping["role"] not in message or mapping["content"] not in message:
+            raise UserError(f"data: {row.where}: message {number} needs `{mapping['role']}` and "
+                            f"`{mapping['content']}`")
+        converted = {key: message[source] for key, source in mapping.items()
+                     if key not in ("role", "content") and message.get(source) is not None}
+        role = message[mapping["role"]]
+        converted.update(role=roles.get(role, role), content=_content_text(message[mapping["content"]], row, number))
+        messages.append(converted)
+    if entry.drop_system_message and messages[0]["role"] == "system":
+        messages = messages[1:]
+    known = CHAT_ROLES | set(entry.roles_to_train) | set(entry.roles or {})
     unknown = [m["role"] for m in messages if m["role"] not in known]
     if unknown:  # a misspelt role would silently drop the row (no trained turn) or train the wrong text
         seen = ", ".join(dict.fromkeys(str(m["role"]) for m in messages))
@@ -131,54 +170,92 @@ def _content_text(content, row: SourceRow, number: int) -> str:
     return str(content)
 
 
-def render_chat(row: SourceRow, entry, tokenizer, template: str | None) -> Rendered:
+def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
     """Render with the chat template; train the turns whose role is in `roles_to_train`.
 
-    A turn's span is found by rendering the conversation up to that turn: the text of
-    `messages[:k]` plus the generation prompt ends where turn k's content starts, and the
-    text of `messages[:k+1]` ends where the turn (its end-of-turn token included) ends.
+    A turn's span is found by rendering the conversation up to that turn: the text of `messages[:k]` plus the
+    generation prompt ends where turn k starts, and the text of `messages[:k+1]` ends where it ends. Inside it,
+    the message's content (reasoning before it included) is followed by the turn's end marker: the first of
+    `eot_tokens`, or without them whatever the template writes after the content (`<|im_end|>`, `<|eot_id|>`,
+    ...; the newline after it is not the model's to predict). `train_on_eos`/`train_on_eot` say whose end
+    markers are trained: the trained turns' (`turn`, the default), every turn's (`all`), the last turn's
+    (`last`) or none (`none`).
     """
     messages = _messages(row, entry)
+    tokenizer, template = context.tokenizer, context.template
     if not (template or getattr(tokenizer, "chat_template", None)):
         raise UserError("config: `type: chat_template` needs a chat template, and this tokenizer has none: "
-                        "set `chat_template: chatml` (or `jinja` with `chat_template_jinja`)")
+                        "set `chat_template: chatml` (or another name, or `jinja` with `chat_template_jinja`)")
 
     def render(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(messages[:upto], tokenize=False, chat_template=template,
                                              add_generation_prompt=generation_prompt)
 
     full = render(len(messages), False)
-    spans = []
+    option = entry.train_on_eot or entry.train_on_eos or "turn"
+    spans, markers = [], []
     for k, message in enumerate(messages):
-        if message["role"] not in entry.roles_to_train:
+        trained = message["role"] in entry.roles_to_train
+        if not trained and option not in ("all", "last"):
             continue
-        prompt_text, end_text = render(k, True), render(k + 1, False)
-        if not (full.startswith(prompt_text) and full.startswith(end_text)):
+        before = render(k, False) if k else ""  # (transformers refuses to render an empty conversation)
+        end_text = render(k + 1, False)
+        # an assistant turn starts where the generation prompt ends (reasoning before the content is trained
+        # with it); another role's turn starts at its content (its header is the template's, not the model's)
+        header_end = len(render(k, True)) if k and message["role"] == "assistant" else len(before)
+        if not (full.startswith(before) and full.startswith(end_text) and full.startswith(full[:header_end])
+                and (not k or message["role"] != "assistant" or full.startswith(render(k, True)))):
             raise UserError(f"data: {row.where}: the chat template does not render conversations as growing "
                             "prefixes, so trained turns cannot be located; use `chat_template: chatml`")
-        # the newline after an end-of-turn token is not the model's to predict
-        spans.append((len(prompt_text), len(end_text.rstrip())))
+        content = message["content"].strip()
+        found = end_text.find(content, header_end) if content else header_end
+        end = len(end_text.rstrip())
+        if found < 0:  # the template rewrote the content: train the whole turn, end marker included
+            if trained:
+                spans.append((header_end, end))
+            continue
+        content_end = found + len(content)
+        if trained:
+            start = header_end if k and message["role"] == "assistant" else found
+            spans.append((start, content_end))
+        marker = _end_marker(end_text, content_end, end, context.eot_tokens, row, k)
+        if marker:
+            markers.append((marker, trained))
+    if option == "turn":
+        spans += [marker for marker, trained in markers if trained]
+    elif option == "all":
+        spans += [marker for marker, _ in markers]
+    elif option == "last" and markers:
+        spans.append(markers[-1][0])
     return Rendered(full, spans, add_special_tokens=False, append_eos=False)
 
 
-# dataset `type:` -> its renderer, (row, dataset entry, tokenizer, chat template) -> Rendered
+def _end_marker(text: str, content_end: int, turn_end: int, eot_tokens: tuple[str, ...], row: SourceRow,
+                turn: int) -> tuple[int, int] | None:
+    """The characters that end a turn, after its content."""
+    if not eot_tokens:
+        return (content_end, turn_end) if turn_end > content_end else None
+    found = [(text.find(token, content_end, turn_end + len(token)), token) for token in eot_tokens]
+    found = [(at, token) for at, token in found if at >= 0]
+    if not found:
+        raise UserError(f"data: {row.where}: turn {turn + 1} does not end with any of eot_tokens "
+                        f"{list(eot_tokens)} (the template writes {text[content_end:turn_end]!r} after it); set "
+                        "eot_tokens to the template's end-of-turn text")
+    at, token = min(found)
+    return at, at + len(token)
+
+
+# dataset `type:` -> its renderer, (row, dataset entry, RenderContext) -> Rendered
 FORMATS: Registry[Callable] = Registry("dataset type", "type")
 FORMATS.add("alpaca", render_alpaca)  # instruction / input / output in axolotl's Alpaca prompt
+FORMATS.add("alpaca:chat", render_alpaca_chat, aliases=("alpaca_chat",))  # the same as USER:/ASSISTANT: turns
 FORMATS.add("completion", render_completion)  # one text field, all of it trained
-FORMATS.add("chat_template", render_chat)  # a list of messages through the chat template
+FORMATS.add("chat_template", render_chat, aliases=("chat_template.default",))  # messages through the template
 FORMATS.add("sharegpt", render_chat)  # `conversations` of from/value through the chat template
 
 
-def render_row(row: SourceRow, entry, tokenizer, template: str | None) -> Rendered:
+def render_row(row: SourceRow, entry, context: RenderContext) -> Rendered:
+    """(A dataset without `type` holds tokens, not text: prepare.py reads it as it is.)"""
     if not isinstance(entry.type, str):  # a mapping: axolotl's user-defined format
         return render_custom(row, entry.type)
-    return FORMATS[entry.type](row, entry, tokenizer, template)
-
-
-def chat_template_of(cfg, tokenizer) -> str | None:
-    """The chat template the config asks for: a named one, the config's own jinja, or the tokenizer's."""
-    if cfg.chat_template == "chatml":
-        return CHATML_TEMPLATE
-    if cfg.chat_template == "jinja":
-        return cfg.chat_template_jinja
-    return tokenizer.chat_template
+    return FORMATS[entry.type](row, entry, context)

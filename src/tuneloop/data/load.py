@@ -1,12 +1,16 @@
-"""Read a dataset entry's rows from local files (json, jsonl, parquet, csv, arrow, text).
+"""Read a dataset entry's rows: local files (json, jsonl, parquet, csv, arrow, text), or a hub dataset.
 
 Each row comes back with where it was read from (`file:line` for JSON lines, `file row N`
-otherwise), so that a later error about a missing field can point at the exact row.
+otherwise), so that a later error about a missing field can point at the exact row. `split`
+may take a slice of the rows (`train[:1%]`, `train[10%:]`, `train[:500]`), as in `datasets`.
+A `path` that is no local file or folder is read with `datasets.load_dataset` (axolotl's `name`,
+`data_files`, `split` and `revision` passed on): that needs the network, or the hub cache.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -25,8 +29,43 @@ class SourceRow:
     where: str  # e.g. "data/train.jsonl:17"
 
 
+SPLIT = re.compile(r"\s*([\w.-]+)\s*(?:\[\s*(\d+%?)?\s*:\s*(\d+%?)?\s*\])?\s*")
+
+
+def parse_split(text: str) -> tuple[str, str | None, str | None]:
+    """`train[10%:20%]` -> ("train", "10%", "20%"); ValueError naming the accepted forms."""
+    match = SPLIT.fullmatch(text)
+    if match is None:
+        raise ValueError(f"got {text!r}; use a split name, optionally sliced: train, train[:1%], train[10%:], "
+                         "train[:500], train[100:200]")
+    return match.group(1), match.group(2), match.group(3)
+
+
+def slice_rows(rows: list, split: str) -> list:
+    """The rows a sliced split names (percentages round to the closest row, as `datasets` does)."""
+    _, start, stop = parse_split(split)
+
+    def position(bound: str | None, default: int) -> int:
+        if bound is None:
+            return default
+        if bound.endswith("%"):
+            return min(len(rows), round(len(rows) * int(bound[:-1]) / 100))
+        return min(len(rows), int(bound))
+
+    return rows[position(start, 0):position(stop, len(rows))]
+
+
+def is_hub_dataset(entry) -> bool:
+    """A `path` that names no local file or folder and looks like a hub id (`name` or `owner/name`)."""
+    path = entry.path
+    return (not Path(path).expanduser().exists() and not path.startswith(("/", ".", "~"))
+            and Path(path).suffix not in SUFFIX_TO_TYPE and path.count("/") <= 1)
+
+
 def data_files_of(entry) -> list[Path]:
-    """The local files an entry reads, in a stable order."""
+    """The local files an entry reads, in a stable order (none for a hub dataset)."""
+    if is_hub_dataset(entry):
+        return []
     base = Path(entry.path)
     if entry.data_files:
         names = [entry.data_files] if isinstance(entry.data_files, str) else entry.data_files
@@ -105,8 +144,32 @@ def _table_rows(file: Path, kind: str) -> Iterator[SourceRow]:
 
 
 def read_rows(entry) -> list[SourceRow]:
+    if is_hub_dataset(entry):
+        return _hub_rows(entry)
+    for key in ("name", "revision"):
+        if getattr(entry, key):
+            raise UserError(f"data: `{key}: {getattr(entry, key)}` applies to hub datasets, and {entry.path} is a "
+                            f"local file or folder; remove `{key}`")
+    split_name = parse_split(entry.split)[0]
+    if split_name != "train":
+        raise UserError(f"data: `split: {entry.split}` for {entry.path}: local files hold one split, `train` (sliced "
+                        "if you like: train[:10%]); point `path` or `data_files` at the file of the split you want")
     rows: list[SourceRow] = []
     for file in data_files_of(entry):
         kind = _file_type(entry, file)
         rows.extend(_json_rows(file) if kind == "json" else _table_rows(file, kind))
-    return rows
+    return slice_rows(rows, entry.split)
+
+
+def _hub_rows(entry) -> list[SourceRow]:
+    import datasets  # heavy; only needed here
+
+    options = {"name": entry.name, "data_files": entry.data_files, "revision": entry.revision}
+    try:
+        table = datasets.load_dataset(entry.path, split=entry.split, **{k: v for k, v in options.items() if v})
+    except Exception as error:  # no network, no such dataset, a private one: the hub says it many ways
+        raise UserError(f"data: cannot load the dataset {entry.path!r} (split {entry.split!r}) from the Hugging "
+                        f"Face hub: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
+                        "tuneloop reads local files and folders; for a hub dataset it needs the network "
+                        "(or the hub's cache)") from None
+    return [SourceRow(dict(row), f"{entry.path} row {index + 1}") for index, row in enumerate(table)]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tuneloop.data.formats import chat_template_of, render_row
+from tuneloop.data.chat_templates import resolve_template
+from tuneloop.data.formats import RenderContext, render_row
 from tuneloop.data.labels import IGNORE_INDEX, count_targets
 from tuneloop.data.load import data_files_of, read_rows
 from tuneloop.errors import UserError
@@ -90,7 +91,8 @@ def cache_key(cfg, tokenizer) -> str:
         "val_set_size": cfg.val_set_size,
         "shard": [cfg.dataset_shard_num, cfg.dataset_shard_idx],
         "seed": cfg.seed,
-        "chat_template": chat_template_of(cfg, tokenizer),
+        "chat_template": resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer),
+        "eot_tokens": cfg.eot_tokens,
         "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
     }
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
@@ -106,39 +108,67 @@ def cache_key(cfg, tokenizer) -> str:
 TOKENIZE_BATCH_ROWS = 1000
 
 
-def _tokenize_entries(entries: list, cfg, tokenizer, template, stats: PrepareStats,
+def render_context(cfg, entry, tokenizer) -> RenderContext:
+    """What rendering an entry's rows needs: its chat template (the entry's own, else the run's) and eot_tokens."""
+    name = entry.chat_template or cfg.chat_template
+    jinja = entry.chat_template_jinja or cfg.chat_template_jinja
+    return RenderContext(tokenizer, resolve_template(name, jinja, tokenizer), tuple(cfg.eot_tokens or ()))
+
+
+def _tokenize_entries(entries: list, cfg, tokenizer, stats: PrepareStats,
                       shard: tuple[int, int] | None = None) -> dict:
     columns = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
 
+    def keep_tokens(input_ids: list[int], labels: list[int]) -> None:
+        if len(input_ids) > cfg.sequence_len:
+            stats.dropped_too_long += 1
+            return
+        n_targets = count_targets(labels)
+        if n_targets == 0:
+            stats.dropped_no_trained_tokens += 1
+            return
+        columns["input_ids"].append(input_ids)
+        columns["labels"].append(labels)
+        columns["length"].append(len(input_ids))
+        columns["n_targets"].append(n_targets)
+
     def keep(batch: list) -> None:
         for input_ids, labels in tokenize_batch(batch, tokenizer, cfg.train_on_inputs):
-            if len(input_ids) > cfg.sequence_len:
-                stats.dropped_too_long += 1
-                continue
-            n_targets = count_targets(labels)
-            if n_targets == 0:
-                stats.dropped_no_trained_tokens += 1
-                continue
-            columns["input_ids"].append(input_ids)
-            columns["labels"].append(labels)
-            columns["length"].append(len(input_ids))
-            columns["n_targets"].append(n_targets)
+            keep_tokens(input_ids, labels)
 
     position = -1
     for entry in entries:
         batch = []
+        context = render_context(cfg, entry, tokenizer)
         for row in read_rows(entry):
             position += 1
             if shard and position % shard[0] != shard[1]:  # axolotl's dataset_shard_num/idx: every N-th row
                 continue
             stats.rows_read += 1
-            batch.append(render_row(row, entry, tokenizer, template))
+            if entry.type is None:
+                keep_tokens(*pretokenized(row))
+                continue
+            batch.append(render_row(row, entry, context))
             if len(batch) == TOKENIZE_BATCH_ROWS:
                 keep(batch)
                 batch = []
         if batch:
             keep(batch)
     return columns
+
+
+def pretokenized(row) -> tuple[list[int], list[int]]:
+    """A row given as tokens (a dataset entry without `type`, as in axolotl): `input_ids`, and `labels` with -100
+    where nothing is trained (all of it is trained without labels)."""
+    input_ids, labels = row.values.get("input_ids"), row.values.get("labels")
+    if not isinstance(input_ids, list) or not all(isinstance(token, int) for token in input_ids):
+        raise UserError(f"data: {row.where}: a dataset without `type` is read as tokens and needs `input_ids` (a list "
+                        f"of token ids; fields present: {', '.join(sorted(row.values)) or 'none'}); or set `type`")
+    if labels is None:
+        labels = list(input_ids)
+    if not isinstance(labels, list) or len(labels) != len(input_ids):
+        raise UserError(f"data: {row.where}: `labels` must be a list as long as `input_ids` ({len(input_ids)})")
+    return list(input_ids), list(labels)
 
 
 def _split_eval(columns: dict, val_set_size: float, seed: int) -> tuple[dict, dict | None]:
@@ -160,12 +190,11 @@ def _split_eval(columns: dict, val_set_size: float, seed: int) -> tuple[dict, di
 def _build(cfg, tokenizer, target: Path) -> None:
     import datasets
 
-    template = chat_template_of(cfg, tokenizer)
     stats = PrepareStats()
     shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
-    train_columns = _tokenize_entries(cfg.datasets, cfg, tokenizer, template, stats, shard)
+    train_columns = _tokenize_entries(cfg.datasets, cfg, tokenizer, stats, shard)
     if cfg.test_datasets:
-        eval_columns = _tokenize_entries(cfg.test_datasets, cfg, tokenizer, template, stats)
+        eval_columns = _tokenize_entries(cfg.test_datasets, cfg, tokenizer, stats)
     else:
         train_columns, eval_columns = _split_eval(train_columns, cfg.val_set_size, cfg.seed)
     stats.train_rows = len(train_columns["length"])

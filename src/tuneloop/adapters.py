@@ -1,0 +1,95 @@
+"""What is trained: a LoRA adapter (on 4/8-bit quantized weights for QLoRA), or the model's own weights
+(all of them, or the ones `unfrozen_parameters` names)."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+from tuneloop.errors import UserError
+
+
+def lora_targets(cfg):
+    if cfg.lora_target_linear:
+        return "all-linear"
+    if cfg.lora_target_modules:
+        return cfg.lora_target_modules  # names, or one regex string matched against module paths (peft)
+    if cfg.lora_target_parameters:
+        return None
+    raise UserError("config: `adapter: lora` needs `lora_target_modules`, `lora_target_parameters` or "
+                    "`lora_target_linear: true`")
+
+
+def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
+    """The model with its LoRA adapter (the checkpoint's when resuming)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=lora_targets(cfg), target_parameters=cfg.lora_target_parameters,
+                      modules_to_save=cfg.lora_modules_to_save, task_type=peft_task_type)
+    if cfg.gradient_checkpointing and not getattr(model, "is_quantized", False):
+        model.enable_input_require_grads()
+    with warnings.catch_warnings():
+        # peft asks is_gradient_checkpointing, which transformers 5 deprecates: not the user's concern
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        if checkpoint is not None:
+            return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
+        try:
+            return get_peft_model(model, lora)
+        except ValueError as error:  # peft's "Target modules {...} not found in the base model"
+            if "not found in the base model" not in str(error) and "NoMatchingPeftModule" not in type(error).__name__:
+                raise
+            raise UserError(f"config: `lora_target_modules: {cfg.lora_target_modules}` matches no module of this "
+                            f"model; its linear layers are named {', '.join(linear_layer_names(model))} "
+                            "(or set `lora_target_linear: true`)") from None
+
+
+def linear_layer_names(model) -> list[str]:
+    """The distinct last names of the model's linear layers (q_proj, v_proj, ...), the output head excluded."""
+    import torch
+
+    head = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if isinstance(module, torch.nn.Linear) and module is not head})
+
+
+def quantization_config(cfg, kind: str):
+    """bitsandbytes' loading config for QLoRA (4-bit NF4, double quantization, bf16 compute: QLoRA's own
+    choices) or 8-bit; `bnb_config_kwargs` overrides any of them."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if kind == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True, **(cfg.bnb_config_kwargs or {}))
+    settings = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                "bnb_4bit_compute_dtype": torch.bfloat16, **(cfg.bnb_config_kwargs or {})}
+    return BitsAndBytesConfig(**settings)
+
+
+def prepare_quantized(cfg, model):
+    """peft's preparation of quantized weights for training (norms in fp32, input gradients)."""
+    from peft import prepare_model_for_kbit_training
+
+    with warnings.catch_warnings():  # peft calls transformers' deprecated gradient_checkpointing_enable
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(cfg.gradient_checkpointing),
+                                               gradient_checkpointing_kwargs=checkpointing_kwargs(cfg))
+
+
+def checkpointing_kwargs(cfg) -> dict:
+    """Non-reentrant by default (it works with frozen inputs and DDP); the config's own kwargs win."""
+    return {"use_reentrant": False, **(cfg.gradient_checkpointing_kwargs or {})}
+
+
+def freeze_all_but(model, patterns: list[str]) -> None:
+    """Full fine-tuning of the parameters whose names match one of the regexes (axolotl's
+    `unfrozen_parameters`, matched from the start of the name as axolotl does); the rest is frozen."""
+    compiled = [re.compile(pattern) for pattern in patterns]
+    trained = 0
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad = any(pattern.match(name) for pattern in compiled)
+        trained += parameter.requires_grad
+    if not trained:
+        names = [name for name, _ in model.named_parameters()]
+        raise UserError(f"config: `unfrozen_parameters: {patterns}` matches no parameter of this model (its "
+                        f"parameters are named like {', '.join(names[:3])}, …)")

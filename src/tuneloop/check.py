@@ -1,0 +1,49 @@
+"""`tuneloop check CONFIG`: is this config one tuneloop runs, and what will it need? In well under a second.
+
+It validates the config (every problem at once, one line each), and says what the run is and what it
+needs of the machine, without reading data or the model and without importing torch.
+"""
+
+from __future__ import annotations
+
+from tuneloop.config import TuneloopConfig
+from tuneloop.hardware import hardware_needs, requested_attention
+
+
+def describe_config(cfg: TuneloopConfig) -> list[str]:
+    """What the run is, one line per part."""
+    if cfg.adapter:
+        targets = ("all linear layers" if cfg.lora_target_linear else
+                   cfg.lora_target_modules if isinstance(cfg.lora_target_modules, str) else
+                   ", ".join(cfg.lora_target_modules or cfg.lora_target_parameters or []))
+        trained = f"{cfg.adapter} adapter, r={cfg.lora_r}, on {targets}"
+    elif cfg.unfrozen_parameters:
+        trained = f"full fine-tuning of the parameters matching {', '.join(cfg.unfrozen_parameters)}"
+    else:
+        trained = "full fine-tuning"
+    datasets = ", ".join(f"{_dataset_kind(entry)} ({entry.path})" for entry in cfg.datasets)
+    batching = "packed" if cfg.sample_packing else "grouped by length" if cfg.group_by_length else "padded"
+    length = f"max_steps {cfg.max_steps}" if cfg.max_steps else f"{cfg.num_epochs} epoch(s)"
+    return [
+        f"  model                {cfg.base_model} ({cfg.model_type or 'AutoModelForCausalLM'}); {trained}",
+        f"  data                 {datasets}" + (f"; chat template {cfg.chat_template}" if cfg.chat_template else ""),
+        f"  batch                {cfg.micro_batch_size} rows/micro-batch × {cfg.gradient_accumulation_steps} "
+        f"accumulation, {batching}, sequence_len {cfg.sequence_len}, {length}",
+        f"  optimizer            {cfg.optimizer}, learning rate {cfg.learning_rate:g}, {cfg.lr_scheduler} schedule",
+        f"  precision            bf16: {cfg.bf16}{', fp16' if cfg.fp16 else ''}; attention "
+        f"{requested_attention(cfg)} (SDPA where the machine cannot run it)",
+    ]
+
+
+def _dataset_kind(entry) -> str:
+    if entry.type is None:
+        return "pre-tokenized"
+    return entry.type if isinstance(entry.type, str) else "custom format"
+
+
+def check_report(cfg: TuneloopConfig) -> list[str]:
+    lines = ["tuneloop check: accepted", *describe_config(cfg)]
+    needs = hardware_needs(cfg)
+    lines += [f"  needs                {need}" for need in needs] or ["  needs                nothing special: "
+                                                                     "runs on a CPU or a GPU"]
+    return lines
