@@ -110,13 +110,14 @@ def test_the_seeds_example_config_plans_unchanged_but_for_its_paths(tmp_path, ti
     raw.update(base_model=str(tiny_model_dir), output_dir=str(tmp_path / "out"),
                dataset_prepared_path=str(tmp_path / "prepared"))
     raw["datasets"][0]["path"] = str(data)
-    raw["sequence_len"] = 1024  # the tiny model's position limit (the config's 4096 is refused for it, rightly)
     path = tmp_path / "seed.yml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     result = run_in_process("plan", str(path), "--json")
     assert result.returncode == 0, result.stderr[-3000:]
     plan = json.loads(result.stdout)
     assert plan["batching"] == "packed" and plan["optimizer"] == "adamw_bnb_8bit" and plan["warmup_steps"] == 100
+    assert plan["sequence_len"] == 4096  # above the tiny model's 1024 rotary positions: a warning, as for LLaMA
+    assert any("max_position_embeddings=1024" in warning for warning in plan["warnings"])
     assert "flash_attn_rms_norm" in result.stderr  # warned about, speed only
 
 

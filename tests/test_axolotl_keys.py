@@ -366,3 +366,29 @@ def test_gradient_checkpointing_and_its_offload_give_the_same_weights_as_none(tm
         weights[name] = load_file(out / "model.safetensors")
     for name in ("checkpointed", "offload"):
         assert all(torch.allclose(weights[name][key], weights["none"][key], atol=1e-6) for key in weights["none"])
+
+
+def test_lora_target_parameters_put_the_adapter_on_those_parameters_only(tmp_path, tiny_model_dir, data):
+    from safetensors.torch import load_file
+
+    result, out = train(tmp_path, tiny_model_dir, data, adapter="lora", lora_target_parameters=["mlp.down_proj.weight"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    names = set(load_file(out / "adapter_model.safetensors"))
+    assert names and all("down_proj" in name for name in names)
+
+
+def test_revision_of_model_with_a_local_folder_is_refused_not_ignored(tmp_path, tiny_model_dir, data):
+    assert_user_error(train(tmp_path, tiny_model_dir, data, model_revision="main")[0],
+                      "`revision_of_model: main` applies to hub models")
+
+
+def test_a_dataset_can_have_its_own_chat_template(tmp_path, tokenizer):
+    row = prepared(tmp_path, tokenizer, [{"messages": CONVERSATION[1:3]}],
+                   {"type": "chat_template", "chat_template": "phi_3"}, chat_template="llama3")[0]
+    assert tokenizer.decode(row["input_ids"]).startswith("<|user|>\nHello there<|end|>")
+
+
+def test_eval_strategy_steps_evaluates_every_eval_steps(tmp_path, tiny_model_dir, data):
+    result, out = train(tmp_path, tiny_model_dir, data, val_set_size=0.2, eval_strategy="steps", eval_steps=1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((out / "plan.json").read_text())["eval_steps_at"] == [1, 2]

@@ -15,7 +15,7 @@ def lora_targets(cfg):
     if cfg.lora_target_modules:
         return cfg.lora_target_modules  # names, or one regex string matched against module paths (peft)
     if cfg.lora_target_parameters:
-        return None
+        return []  # parameters only (None would let peft pick its default modules for the architecture)
     raise UserError("config: `adapter: lora` needs `lora_target_modules`, `lora_target_parameters` or "
                     "`lora_target_linear: true`")
 

@@ -93,8 +93,14 @@ def load_tokenizer(cfg: TuneloopConfig):
 
 
 def _revision(cfg: TuneloopConfig, key: str = "base_model") -> dict:
-    """`revision_of_model` pins a hub model's commit; it says nothing about a tokenizer from elsewhere."""
-    return {"revision": cfg.revision_of_model} if cfg.revision_of_model and key == "base_model" else {}
+    """`revision_of_model` pins a hub model's commit; it says nothing about a tokenizer from elsewhere, and a local
+    folder has no revisions (refused rather than ignored)."""
+    if not cfg.revision_of_model or key != "base_model":
+        return {}
+    if Path(cfg.base_model).expanduser().exists():
+        raise UserError(f"config: `revision_of_model: {cfg.revision_of_model}` applies to hub models, and "
+                        f"{cfg.base_model} is a local folder; remove it")
+    return {"revision": cfg.revision_of_model}
 
 
 def model_config(cfg: TuneloopConfig):
@@ -203,7 +209,7 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
 
     config = model_config(cfg)
     source = _checked_source(cfg.base_model, "base_model")
-    options = {"revision": cfg.revision_of_model} if cfg.revision_of_model else {}
+    options = _revision(cfg)
     if checkpoint is not None and not cfg.adapter:
         source, options = str(checkpoint), {}
     else:
