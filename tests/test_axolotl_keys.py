@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import CHATML, assert_user_error, base_config, read_metrics, run_in_process, tiny_rows, write_config, \
+from conftest import assert_user_error, base_config, read_metrics, run_in_process, tiny_rows, write_config, \
     write_jsonl
 from transformers import AutoTokenizer
 
