@@ -114,6 +114,7 @@ def base_config(tmp_path: Path, model_dir: Path, data_file: Path, **overrides) -
         "logging_steps": 1,
         "save_strategy": "no",
         "seed": 7,
+        "bf16": False,  # tests that assert equality pin fp32 (bf16: auto is bf16 on this machine's CPU)
     }
     keys.update(overrides)
     return keys

@@ -125,7 +125,7 @@ def test_eval_metrics_are_the_same_packed_or_padded(prepared, tiny_model_dir):
         spec = BatchingSpec(mode, micro_batch_size=3, sequence_len=512, world_size=1, seed=0)
         batches = epoch_micro_batches(lengths, spec, 0, shuffle=False, even=False)[0]
         results[mode] = evaluate(model, batches, Collator(prepared.train, 0, packed=packed),
-                                   OBJECTIVES["language_model"], accelerator)
+                                   OBJECTIVES["language_model"](None), accelerator)
     packed, padded = results["packed"], results["group_by_length"]
     assert packed["eval_tokens"] == padded["eval_tokens"] == int(np.sum(prepared.train["n_targets"]))
     assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-6)

@@ -369,7 +369,7 @@ def test_the_plan_shows_the_optimizer_schedule_precision_attention_and_real_lora
     assert result.returncode == 0, result.stderr[-2000:]
     assert "optimizer            adamw_torch_fused, learning rate 0.0002, cosine schedule, warm-up 1 step" in \
         result.stdout
-    assert "precision            fp32; attention sdpa" in result.stdout
+    assert "precision            fp32 (bf16: false); attention sdpa" in result.stdout
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft's own deprecation notice, outside tuneloop
         adapter = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),

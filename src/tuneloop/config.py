@@ -188,6 +188,7 @@ class TuneloopConfig(_Strict):
     tf32: bool = False
     gradient_checkpointing: Union[bool, Literal["offload"]] = False  # "offload": checkpoints kept in CPU memory
     gradient_checkpointing_kwargs: Optional[dict[str, Any]] = None
+    chunked_cross_entropy: Optional[bool] = None  # unset/true: the loss meets lm_head in chunks; false: whole logits
     bfloat16: bool = False  # load the weights in bf16 (no fp32 copy): half the memory, bf16 updates
     float16: bool = False  # the same in fp16
     float32: bool = False  # the default: fp32 weights (mixed precision computes in bf16 where asked)

@@ -59,18 +59,39 @@ def check_hardware(cfg) -> None:
         raise UserError("config: this machine cannot run this config: " + "; ".join(missing))
 
 
-def mixed_precision(cfg) -> str:
-    """Accelerate's mixed_precision string for the config on this machine."""
+def native_bf16() -> str | None:
+    """Where this machine computes bf16 natively, in words (None: nowhere). Asked of torch, not /proc/cpuinfo."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"the GPU ({torch.cuda.get_device_name(0)}) has bf16" if torch.cuda.is_bf16_supported() else None
+    cpu = torch.cpu
+    if getattr(cpu, "_is_amx_tile_supported", lambda: False)():
+        return "the CPU has AMX"
+    if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
+        return "the CPU has AVX512-BF16"
+    return None
+
+
+def precision(cfg) -> tuple[str, str]:
+    """Accelerate's mixed_precision string for the config on this machine, and why, in words."""
     import torch
 
     if cfg.fp16:
         if not torch.cuda.is_available():  # accelerate would accept it and quietly train in fp32
             raise UserError("config: `fp16: true` needs a CUDA GPU, and this machine has none (accelerate would "
                             "silently train in fp32 here). Remove it, or use `bf16: true` where the CPU has bf16.")
-        return "fp16"
+        return "fp16", "fp16: true"
     if cfg.bf16 == "auto":
-        return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return "bf16" if cfg.bf16 else "no"
+        native = native_bf16()
+        # bf16 where the hardware runs it natively: on a Zen 4 CPU a 2048² matmul ran 411 GFLOPS in bf16 against
+        # 168 in fp32, and the quickstart trained 1.5x faster
+        return ("bf16", f"bf16: auto, and {native}") if native else ("no", "bf16: auto, and there is no native bf16 here")
+    return ("bf16", "bf16: true") if cfg.bf16 else ("no", "bf16: false")
+
+
+def mixed_precision(cfg) -> str:
+    return precision(cfg)[0]
 
 
 def requested_attention(cfg) -> str:

@@ -4,7 +4,8 @@ It is an estimate from the model's config (built on the meta device: no weights 
 and the plan's largest micro-batch, meant to catch a run that cannot fit before it starts,
 not to predict the allocator's peak to the megabyte. Activations follow the usual
 per-layer count for a transformer with fused attention (about 34 values per token and
-hidden unit, no s² attention matrix), plus the logits and their gradient in float32.
+hidden unit, no s² attention matrix), plus the logits and their gradient in float32: one chunk of
+them with the chunked loss (train/chunked_loss.py), the whole micro-batch's otherwise.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from tuneloop.hardware import quantized_loading
 from tuneloop.model import ModelFacts
 from tuneloop.optim import OPTIMIZERS
+from tuneloop.train.chunked_loss import chunk_tokens
 
 ACTIVATION_VALUES_PER_TOKEN_HIDDEN = 34
 
@@ -64,7 +66,10 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         activations = per_layer * (layers + ACTIVATION_VALUES_PER_TOKEN_HIDDEN)
     else:
         activations = per_layer * layers * ACTIVATION_VALUES_PER_TOKEN_HIDDEN
-    activations += tokens_per_micro_batch * vocab * 4 * 2  # logits in fp32 and their gradient
+    if facts.chunked_loss:  # one chunk's fp32 logits and their gradient, and the head's gradient buffer
+        activations += min(tokens_per_micro_batch, chunk_tokens(vocab)) * vocab * 4 * 2 + vocab * hidden * 4
+    else:  # the whole micro-batch's logits in fp32 and their gradient
+        activations += tokens_per_micro_batch * vocab * 4 * 2
     gb = 1e9
     weights, grads = params * weight_bytes / gb, trainable * trained_bytes / gb
     optimizer = trainable * OPTIMIZERS[cfg.optimizer].state_bytes_per_param * trained_bytes / 4 / gb

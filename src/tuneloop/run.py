@@ -54,22 +54,25 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
     length checked against the model's positions."""
     import numpy as np
 
-    from tuneloop.hardware import attention_implementation, mixed_precision
+    from tuneloop.hardware import attention_implementation, precision
     from tuneloop.memory import estimate_memory
     from tuneloop.model import check_sequence_len, model_facts
     from tuneloop.plan import attach_memory_estimate, make_plan
 
-    precision = mixed_precision(cfg)
+    mixed, why = precision(cfg)
     facts = model_facts(cfg, tokenizer)
     too_long = check_sequence_len(cfg, facts)
     stats = prepared.stats
     plan = make_plan(cfg, np.asarray(prepared.train["length"]), np.asarray(prepared.train["n_targets"]),
                      stats.eval_rows, stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens)
-    plan.precision = {"no": "fp32", "bf16": "bf16 (mixed)", "fp16": "fp16 (mixed)"}[precision]
+    plan.precision = f"{PRECISION_NAMES[mixed]} ({why})"
     plan.attention, attention_note = attention_implementation(cfg)
     plan.warnings += [note for note in (too_long, attention_note) if note]
-    attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, precision))
+    attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, mixed))
     return plan
+
+
+PRECISION_NAMES = {"no": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}
 
 
 def ranks_on_this_host() -> int:

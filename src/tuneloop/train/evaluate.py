@@ -1,4 +1,4 @@
-"""Evaluation that streams: per-batch sums stay on the device, logits are dropped at once.
+"""Evaluation that streams: per-batch sums stay on the device; logits are never whole (objectives.py).
 
 Loss, perplexity and token accuracy are per target token, so they are the same whether
 the eval set is packed or padded, and however it is split over ranks.
@@ -10,7 +10,6 @@ import math
 
 import torch
 
-from tuneloop.train.objectives import correct_predictions
 
 
 @torch.no_grad()
@@ -24,11 +23,10 @@ def evaluate(model, micro_batches, collator, objective, accelerator) -> dict:
     for rows in micro_batches:
         batch = collator(rows).to(device)
         with accelerator.autocast():
-            logits = model(**batch.inputs).logits
-        loss_sum += objective.summed_loss(logits, batch.targets).double()
+            summed, correct = objective.eval_sums(model, batch.inputs, batch.targets)
+        loss_sum += summed.double()
         counts[0] += batch.n_targets
-        counts[1] += correct_predictions(logits, batch.targets)
-        del logits
+        counts[1] += correct
     loss_sum = accelerator.reduce(loss_sum, reduction="sum")
     counts = accelerator.reduce(counts, reduction="sum")
     model.train(was_training)

@@ -7,8 +7,9 @@ the plan and the progress lines, the benchmark to time the phases and count toke
 one method call and an empty context manager when nobody watches.
 
 Phases, in the order a step meets them: "sampler" (an epoch's micro-batches), "collate",
-"to(device)", "forward", "loss", "backward", "clip grad norm", "optimizer step", "scheduler step",
-"zero_grad"; and, at the steps that have them, "logging", "eval" and "save".
+"to(device)", "forward and loss" (one forward: the loss meets the output projection in chunks),
+"backward", "clip grad norm", "optimizer step", "scheduler step", "zero_grad"; and, at the steps that
+have them, "logging", "eval" and "save".
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from tuneloop.train.evaluate import evaluate
 from tuneloop.train.guards import LossWatchdog, StopRequests
 from tuneloop.train.hooks import RunHooks
 from tuneloop.train.model_folder import has_best, publish_best, publish_final, save_best
-from tuneloop.train.objectives import Objective
+from tuneloop.train.objectives import Objective, ObjectiveModule
 from tuneloop.optim import build_optimizer, build_scheduler
 from tuneloop.train.state import RunState
 from tuneloop.train.track import LossWindow, MetricsLog
@@ -74,7 +74,9 @@ class TrainingLoop:
 
         optimizer = build_optimizer(cfg, model)
         self.scheduler = build_scheduler(cfg, plan, optimizer)  # stepped by us, once per optimizer step
-        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        # what the loop runs (the model and its loss, wrapped for DDP), and the language model itself
+        self.model, self.optimizer = accelerator.prepare(ObjectiveModule(model, objective), optimizer)
+        self.language_model = model
         self.state = RunState()
         if resume_from is not None:
             self.state = RunState.from_json(checkpoint.read_state(resume_from), self.rank, self.world_size)
@@ -134,7 +136,7 @@ class TrainingLoop:
 
         self.watchdog.check_before_save(self.accelerator)  # the final model is not saved from a diverged run
         train_seconds = time.perf_counter() - train_start
-        self.hooks.loop_ended(self.accelerator.unwrap_model(self.model))
+        self.hooks.loop_ended(self.language_model)
         if stopped_by != "signal":
             self.publish_model(best_instead=stopped_by == "early_stopping" and has_best(self.output_dir))
         # counted on each rank (real tokens this session; targets over the whole run): reduced once, here
@@ -156,17 +158,15 @@ class TrainingLoop:
                 batch = batch.to(accelerator.device)
             last = index == len(window) - 1
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                with hooks.phase("forward"), accelerator.autocast():
-                    logits = model(**batch.inputs).logits
-                with hooks.phase("loss"):
-                    loss_sum = self.objective.summed_loss(logits, batch.targets)
+                with hooks.phase("forward and loss"), accelerator.autocast():
+                    loss_sum = model(batch.inputs, batch.targets)
                 with hooks.phase("backward"):
                     accelerator.backward(loss_sum * scale)
             step_loss += loss_sum.detach().double()
             self.loss_window.real_tokens += batch.n_real_tokens
             self.real_tokens += batch.n_real_tokens
             self.state.targets_collated += batch.n_targets
-            del logits, loss_sum
+            del loss_sum
         with hooks.phase("clip grad norm"):
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm or float("inf"))
         lr = self.scheduler.get_last_lr()[0]  # the rate this update uses
@@ -194,7 +194,7 @@ class TrainingLoop:
 
     def evaluate(self, step: int) -> None:
         with self.hooks.phase("eval"):
-            model = self.accelerator.unwrap_model(self.model)
+            model = self.language_model
             result = evaluate(model, self.eval_batches, self.eval_collate, self.objective, self.accelerator)
             self.record({"step": step, "epoch": self.epoch_at(step), **result})
             best = self.state.record_eval(step, result)
@@ -209,9 +209,8 @@ class TrainingLoop:
                       "plan": self.plan.to_json(), **self.identity}
 
             def write_on_main() -> None:
-                written = checkpoint.write_checkpoint(self.output_dir, step, marker,
-                                                      self.accelerator.unwrap_model(self.model), self.optimizer,
-                                                      self.scheduler, self.world_size)
+                written = checkpoint.write_checkpoint(self.output_dir, step, marker, self.language_model,
+                                                      self.optimizer, self.scheduler, self.world_size)
                 checkpoint.prune_checkpoints(self.output_dir, self.cfg.save_total_limit, keep=written)
 
             checkpoint.write_on_every_rank(
@@ -220,7 +219,7 @@ class TrainingLoop:
                 clean_up=lambda: checkpoint.remove_rank_rngs(self.output_dir, step, self.world_size))
 
     def publish_model(self, best_instead: bool) -> None:
-        model = self.accelerator.unwrap_model(self.model)
+        model = self.language_model
         checkpoint.write_on_every_rank(
             self.accelerator, self.output_dir, "the final model",
             on_main=lambda: publish_best(self.output_dir) if best_instead

@@ -1,0 +1,89 @@
+"""Cross-entropy over a vocabulary without ever holding the [tokens, vocabulary] logits whole.
+
+The hidden states meet the output projection a chunk of tokens at a time. Training computes each chunk's
+loss and, in the same pass, its gradients with respect to the hidden states and the projection (the
+gradient of a summed cross-entropy is softmax − one-hot, known as soon as the chunk's logits are), so the
+backward only scales what the forward kept: a [tokens, hidden] and a [vocabulary, hidden] tensor, the sizes
+of the inputs. With SmolLM2's 49,152-token vocabulary a micro-batch of 4 × 2048 tokens would otherwise make
+a 1.6 GB fp32 logits tensor, and its softmax and gradient as much again.
+
+The maths is the plain loss's (logits in the autocast dtype, softmax in fp32); only the memory differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tuneloop.data.labels import IGNORE_INDEX
+
+LOGITS_PER_CHUNK = 1 << 25  # 32M fp32 logits (128 MB) per chunk: its tokens are this over the vocabulary size
+
+
+def chunk_tokens(vocabulary: int) -> int:
+    return max(1, LOGITS_PER_CHUNK // vocabulary)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # under autocast the matmul runs in bf16 as the model's own lm_head would; the softmax is taken in fp32
+    return torch.nn.functional.linear(hidden, weight).float()
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Forward: the summed loss, and the gradients for a backward that then only scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows = chunk_tokens(weight.shape[0])
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for start in range(0, hidden.shape[0], rows):  # no host sync: a chunk without targets costs its matmul
+            chunk, chunk_targets = hidden[start:start + rows], targets[start:start + rows]
+            valid = (chunk_targets != IGNORE_INDEX).unsqueeze(1)
+            safe = chunk_targets.clamp(min=0).unsqueeze(1)
+            logits = _chunk_logits(chunk, weight)
+            log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+            total += ((log_norm - logits.gather(1, safe)) * valid).sum()
+            # d(summed loss)/d(logits) = softmax − one-hot on target positions, 0 elsewhere
+            grad_logits = torch.exp_(logits.sub_(log_norm))
+            grad_logits.scatter_add_(1, safe, -torch.ones_like(safe, dtype=grad_logits.dtype))
+            grad_logits.mul_(valid)
+            if grad_hidden is not None:
+                grad_hidden[start:start + rows] = grad_logits.to(chunk.dtype) @ weight.to(chunk.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.t() @ chunk.float()
+            del logits, grad_logits
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        saved = list(ctx.saved_tensors)  # (a 0-d grad_output keeps each tensor's dtype)
+        grad_hidden = saved.pop(0) * grad_output if ctx.needs_input_grad[0] else None
+        grad_weight = (saved.pop(0) * grad_output).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropy of `hidden @ weight.T` against `targets` (-100: no loss); hidden [..., H], targets [...]."""
+    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1))
+
+
+@torch.no_grad()
+def chunked_loss_and_correct(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """Eval: the summed loss and the number of targets the argmax gets right, chunk by chunk."""
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    rows = chunk_tokens(weight.shape[0])
+    loss = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    correct = torch.zeros((), dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.shape[0], rows):
+        chunk_targets = targets[start:start + rows]
+        valid = chunk_targets != IGNORE_INDEX
+        if not bool(valid.any()):
+            continue
+        logits = _chunk_logits(hidden[start:start + rows], weight)
+        loss += torch.nn.functional.cross_entropy(logits, chunk_targets, ignore_index=IGNORE_INDEX,
+                                                  reduction="sum").double()
+        correct += (logits.argmax(dim=-1).eq(chunk_targets) & valid).sum()
+    return loss, correct
