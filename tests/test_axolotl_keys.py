@@ -97,6 +97,17 @@ def test_qwen3_trains_the_reasoning_of_a_turn_that_has_it(tmp_path, tokenizer):
     assert trained_text(rows[0], tokenizer) == "<think>\none plus two\n</think>\n\nthree<|im_end|>"
 
 
+def test_a_content_that_also_appears_earlier_in_the_turn_is_located_where_the_template_puts_it(tmp_path, tokenizer):
+    """The answer also appears in the reasoning, and a user's message is the word of its own header: the trained
+    span ends at the content the template wrote, not at an earlier copy of the same text."""
+    messages = [{"role": "user", "content": "user"},
+                {"role": "assistant", "content": "three", "thinking": "three, surely"}]
+    entry = {"type": "chat_template", "field_thinking": "thinking", "roles_to_train": ["user", "assistant"],
+             "train_on_eos": "none"}
+    row = prepared(tmp_path, tokenizer, [{"messages": messages}], entry, chat_template="qwen3")[0]
+    assert trained_text(row, tokenizer) == "user|<think>\nthree, surely\n</think>\n\nthree"
+
+
 def test_unknown_template_names_the_ones_tuneloop_has():
     with pytest.raises(UserError, match="'qwen3_5', a chat template tuneloop does not have.*'llama3'"):
         config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "chat_template": "qwen3_5"})
@@ -392,3 +403,52 @@ def test_eval_strategy_steps_evaluates_every_eval_steps(tmp_path, tiny_model_dir
     result, out = train(tmp_path, tiny_model_dir, data, val_set_size=0.2, eval_strategy="steps", eval_steps=1)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((out / "plan.json").read_text())["eval_steps_at"] == [1, 2]
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"adapter": "qlora", "load_in_8bit": True, "lora_target_linear": True}, "`adapter: qlora` loads the weights in 4-bit"),
+    ({"lr_scheduler": "constant", "cosine_min_lr_ratio": 0.1}, "`cosine_min_lr_ratio` sets where a decay ends"),
+    ({"flash_attention": True, "attn_implementation": "sdpa"}, "the attention settings disagree"),
+    ({"chat_template": "llama3", "chat_template_jinja": "{{ x }}"}, "name two templates"),
+    ({"datasets": [{"path": "x", "type": "alpaca", "roles_to_train": ["user"]}]}, "`roles_to_train` applies to chat"),
+    ({"datasets": [{"path": "x", "type": "alpaca", "field": "text"}]}, "`field` names the text of a `type: completion`"),
+    ({"datasets": [{"path": "x", "type": "chat_template", "trust_remote_code": True}]}, "asks for a dataset option"),
+])
+def test_combinations_that_would_leave_a_key_unused_are_refused(raw, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], **raw})
+
+
+def test_a_jinja_template_without_chat_template_jinja_is_that_template(tmp_path, tokenizer):
+    cfg = config_from_dict({"base_model": "m", "datasets": [{"path": "x", "type": "chat_template",
+                                                             "chat_template_jinja": "{{ 'x' }}"}],
+                            "chat_template_jinja": "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
+    assert cfg.chat_template == "jinja" and cfg.datasets[0].chat_template == "jinja"
+
+
+def test_lora_target_linear_with_extra_modules_trains_their_union(tmp_path, tiny_model_dir, data):
+    from safetensors.torch import load_file
+
+    result, out = train(tmp_path, tiny_model_dir, data, adapter="lora", lora_target_linear=True,
+                        lora_target_modules=["lm_head"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    modules = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name in load_file(out / "adapter_model.safetensors")}
+    assert {"lm_head", "q_proj", "down_proj"} <= modules
+
+
+def test_a_dataset_asking_for_the_tokenizers_own_template_gets_it_while_the_run_saves_its_named_one(
+        tmp_path, tiny_model_dir):
+    rows = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION[1:3]}] * 12)
+    result, out = train(tmp_path, tiny_model_dir, rows, chat_template="llama3",
+                        datasets=[{"path": str(rows), "type": "chat_template", "chat_template": "tokenizer_default"}])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "<|start_header_id|>" in AutoTokenizer.from_pretrained(out).chat_template  # the run's, saved
+    shown = run_in_process("preprocess", str(tmp_path / "run.yml"), "--show", "1").stdout
+    assert "<|im_start|>user" in shown and "start_header_id" not in shown  # the rows used the tokenizer's ChatML
+
+
+def test_evals_asked_for_without_an_eval_set_are_a_plan_warning(tmp_path, tiny_model_dir, data):
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, eval_steps=2,
+                                                              early_stopping_patience=2))
+    result = run_in_process("plan", str(config))
+    assert "warning: eval_steps, early_stopping_patience set, but there is no eval set" in result.stdout

@@ -108,12 +108,15 @@ def test_the_run_state_survives_a_checkpoint_whole():
     RunState and forgotten in to_json/from_json fails here."""
     state = RunState(step=7, tokens_seen=1234, targets_collated=600,
                      evals=[{"step": 4, "eval_loss": 2.5}, {"step": 7, "eval_loss": 2.75}],
-                     best_eval_loss=2.5, evals_without_improvement=1)
+                     best_eval_loss=2.5, evals_without_improvement=1, bad_steps_in_a_row=[0, 2])
     defaults = RunState()
     for field in dataclasses.fields(RunState):
         assert getattr(state, field.name) != getattr(defaults, field.name), f"set {field.name} in this test"
-    saved = state.to_json(targets_per_rank=[600, 634])
+    saved = state.to_json(targets_per_rank=[600, 634], streaks_per_rank=[[0, 2], [1, 0]])
     assert RunState.from_json(saved, rank=0, world_size=2) == state
     assert RunState.from_json(saved, rank=1, world_size=2).targets_collated == 634
-    # a forced resume on another number of ranks cannot split the per-rank counts: they restart at 0
-    assert RunState.from_json(saved, rank=0, world_size=1).targets_collated == 0
+    assert RunState.from_json(saved, rank=1, world_size=2).bad_steps_in_a_row == [1, 0]
+    # a forced resume on another number of ranks cannot split the per-rank counts: they restart at 0,
+    # while the watchdog keeps the longest streak any old rank had
+    alone = RunState.from_json(saved, rank=0, world_size=1)
+    assert alone.targets_collated == 0 and alone.bad_steps_in_a_row == [1, 2]

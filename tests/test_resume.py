@@ -122,17 +122,34 @@ def test_a_kill_during_a_save_leaves_no_checkpoint_that_is_resumed(tmp_path, tin
         == [{k: v for k, v in m.items() if "per_second" not in k} for m in expected_metrics]
 
 
-def test_overwrite_clears_every_folder_an_earlier_run_left(tmp_path):
-    from tuneloop.run_files import clear_run_files
+def test_overwrite_clears_what_tuneloop_wrote_and_nothing_else(tmp_path):
+    """Only names tuneloop recorded writing (and its saves in progress) go, even where a user's file has a name
+    tuneloop also uses (README.md is peft's adapter card too; checkpoint-notes.txt looks like a checkpoint)."""
+    from tuneloop.run_files import clear_run_files, record
 
     out = tmp_path / "out"
     for name in ("checkpoint-3", ".tmp-checkpoint-6", "best", ".old-best", ".tmp-final"):
         (out / name).mkdir(parents=True)
         (out / name / "model.safetensors").write_bytes(b"x")
-    (out / "plan.json").write_text("{}")
-    (out / "notes.txt").write_text("the user's own file")
+    for name in ("plan.json", "model.safetensors", "README.md", "checkpoint-notes.txt", "notes.txt"):
+        (out / name).write_text("{}")
+    record(out, "plan.json", "model.safetensors", "checkpoint-3", "best")
     clear_run_files(out)
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "checkpoint-notes.txt", "notes.txt"]
+
+
+def test_a_run_of_an_older_tuneloop_without_the_record_loses_only_its_own_kinds_of_files(tmp_path):
+    from tuneloop.run_files import STATE, clear_run_files
+
+    out = tmp_path / "out"
+    for name, marked in (("checkpoint-3", True), ("checkpoint-backup", False)):
+        (out / name).mkdir(parents=True)
+        if marked:
+            (out / name / STATE).write_text("{}")
+    for name in ("plan.json", "metrics.jsonl", "notes.txt"):
+        (out / name).write_text("{}")
+    clear_run_files(out)
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-backup", "notes.txt"]
 
 
 def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
@@ -149,7 +166,7 @@ def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
             (folder / STATE).write_text("{}")
     cfg = config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "auto_resume_from_checkpoints": True})
     notices = []
-    assert choose_checkpoint(cfg, out, notices).name == "checkpoint-6" and notices == []
+    assert choose_checkpoint(cfg, out, False, notices).name == "checkpoint-6" and notices == []
 
 
 @pytest.mark.slow
@@ -195,6 +212,21 @@ def test_loss_watchdog_threshold_stops_after_patience(tmp_path, tiny_model_dir, 
     result = run_in_process("train", str(config))
     assert result.returncode == 3 and "loss_watchdog_threshold=0.5 for 2 steps in a row, reaching step 2" \
         in result.stderr
+
+
+def test_a_high_loss_streak_carries_on_across_a_resume(tmp_path, tiny_model_dir, data, monkeypatch):
+    """Patience 3, stopped (SIGTERM) and checkpointed after 2 high steps: the resumed run trips at its first
+    step, the third in a row, not 3 steps after the resume."""
+    keys = dict(loss_watchdog_threshold=0.5, loss_watchdog_patience=3, max_steps=8, save_steps=1, save_strategy=None,
+                auto_resume_from_checkpoints=True)
+    config = write_config(tmp_path / "high.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+    monkeypatch.setenv(SIGNAL_AT_STEP_ENV, "0:2")
+    stopped = run_in_process("train", str(config))
+    assert stopped.returncode != 3 and [c.name for c in complete_checkpoints(tmp_path / "out")][-1] == "checkpoint-2", \
+        stopped.stdout[-2000:] + stopped.stderr[-2000:]
+    monkeypatch.delenv(SIGNAL_AT_STEP_ENV)
+    resumed = run_in_process("train", str(config))
+    assert resumed.returncode == 3 and "for 3 steps in a row, reaching step 3" in resumed.stderr, resumed.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ def test_overwrite_never_deletes_model_files_tuneloop_did_not_write(tmp_path, ti
     someone_elses = copy_of(tiny_model_dir, tmp_path / "their-model")
     before = file_bytes(someone_elses)
     config = config_file(tmp_path, tiny_model_dir, data, output_dir=str(someone_elses), max_steps=1)
-    assert_user_error(run_in_process("train", str(config), "--overwrite"), "model files tuneloop did not write",
+    assert_user_error(run_in_process("train", str(config), "--overwrite"), "files tuneloop did not write",
                       "config.json", "model.safetensors", "even with --overwrite")
     assert file_bytes(someone_elses) == before
 
@@ -431,3 +431,70 @@ def test_version_and_no_leaked_warnings_on_a_lora_run(tmp_path, tiny_model_dir, 
         warnings.simplefilter("always")
         assert run_in_process("train", str(config)).returncode == 0
     assert not [w for w in caught if issubclass(w.category, FutureWarning)], [str(w.message) for w in caught]
+
+
+# ---- found by a second reading ------------------------------------------------------------------------------------
+
+def test_resuming_another_folders_checkpoint_into_a_folder_with_someone_elses_model_is_refused(tmp_path,
+                                                                                             tiny_model_dir, data):
+    keys = dict(max_steps=2, save_strategy=None, save_steps=1, micro_batch_size=2)
+    assert run_in_process("train", str(config_file(tmp_path, tiny_model_dir, data, **keys))).returncode == 0
+    theirs = copy_of(tiny_model_dir, tmp_path / "theirs")
+    before = file_bytes(theirs)
+    result = run_in_process("train", str(config_file(tmp_path, tiny_model_dir, data, **keys)), "--set",
+                            f"resume_from_checkpoint={tmp_path / 'out' / 'checkpoint-1'}", "--set",
+                            f"output_dir={theirs}")
+    assert_user_error(result, "files tuneloop did not write")
+    assert file_bytes(theirs) == before
+
+
+def test_overwrite_starts_a_finished_auto_resume_run_over_as_the_refusal_advises(tmp_path, tiny_model_dir, data):
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=2, save_strategy=None, save_steps=1,
+                         auto_resume_from_checkpoints=True)
+    assert run_in_process("train", str(config)).returncode == 0
+    changed = run_in_process("train", str(config), "--set", "learning_rate=0.0005")
+    assert_user_error(changed, "pass --overwrite to replace that run")
+    again = run_in_process("train", str(config), "--set", "learning_rate=0.0005", "--overwrite")
+    assert again.returncode == 0 and "resuming from" not in again.stdout, again.stderr[-2000:]
+    assert read_metrics(tmp_path / "out")[0]["lr"] == pytest.approx(0.0005)
+
+
+def test_auto_resume_with_every_checkpoint_damaged_is_refused_and_deletes_nothing(tmp_path, tiny_model_dir, data):
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=3, save_strategy=None, save_steps=1,
+                         auto_resume_from_checkpoints=True)
+    assert run_in_process("train", str(config)).returncode == 0
+    out = tmp_path / "out"
+    (out / "summary.json").unlink()
+    for step in (1, 2):
+        truncate(out / f"checkpoint-{step}" / "model.safetensors")
+    names = sorted(p.name for p in out.iterdir())
+    assert_user_error(run_in_process("train", str(config)), "every checkpoint in", "is damaged", "--overwrite")
+    assert sorted(p.name for p in out.iterdir()) == names
+
+
+def test_bad_regexes_and_out_of_vocabulary_token_ids_are_messages_not_tracebacks(tmp_path, tiny_model_dir, data):
+    for keys, message in ((dict(unfrozen_parameters=["model.(layers"]), "'model.(layers' is not a valid regular"),
+                          (dict(adapter="lora", lora_target_modules="q_proj(("), "'q_proj((' is not a valid regular")):
+        assert_user_error(run_in_process("plan", str(config_file(tmp_path, tiny_model_dir, data, **keys))), message)
+    rows = write_jsonl(tmp_path / "tokens.jsonl", [{"input_ids": [5, 6, 7]}, {"input_ids": [5, 100000, 7]}])
+    config = config_file(tmp_path, tiny_model_dir, rows, datasets=[{"path": str(rows)}])
+    assert_user_error(run_in_process("plan", str(config)), "tokens.jsonl:2: token id 100000 is outside the "
+                      "tokenizer's vocabulary")
+
+
+def test_a_dataset_read_through_a_builder_name_is_hashed_like_a_local_file(tmp_path, tiny_model_dir):
+    """`path: json` with `data_files` (axolotl's way to name a local file): an edit changes the cache."""
+    data = write_jsonl(tmp_path / "d.jsonl", tiny_rows(20, seed=1))
+    config = config_file(tmp_path, tiny_model_dir, data, datasets=[{"path": "json", "data_files": str(data),
+                                                                    "type": "alpaca"}])
+    first = run_in_process("preprocess", str(config))
+    assert first.returncode == 0, first.stderr[-2000:]
+    write_jsonl(data, tiny_rows(30, seed=2))
+    second = run_in_process("preprocess", str(config))
+    assert "prepared 30 train" in second.stdout and first.stdout.split(" into ")[1] != second.stdout.split(" into ")[1]
+
+
+def test_one_cycle_with_a_warmup_as_long_as_the_run_still_runs(tmp_path, tiny_model_dir, data):
+    result = run_in_process("train", str(config_file(tmp_path, tiny_model_dir, data, lr_scheduler="one_cycle",
+                                                     max_steps=1, warmup_steps=3)))
+    assert result.returncode == 0, result.stderr[-2000:]

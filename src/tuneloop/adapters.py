@@ -9,7 +9,12 @@ import warnings
 from tuneloop.errors import UserError
 
 
-def lora_targets(cfg):
+def lora_targets(cfg, model):
+    if cfg.lora_target_linear and cfg.lora_target_modules:  # axolotl takes the union (lm_head added, say)
+        if isinstance(cfg.lora_target_modules, str):
+            raise UserError("config: `lora_target_linear` with a regex in `lora_target_modules`: give the extra "
+                            "modules as a list, or drop one of them")
+        return sorted(set(linear_layer_names(model)) | set(cfg.lora_target_modules))
     if cfg.lora_target_linear:
         return "all-linear"
     if cfg.lora_target_modules:
@@ -25,7 +30,7 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
     from peft import LoraConfig, PeftModel, get_peft_model
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=lora_targets(cfg), target_parameters=cfg.lora_target_parameters,
+                      target_modules=lora_targets(cfg, model), target_parameters=cfg.lora_target_parameters,
                       modules_to_save=cfg.lora_modules_to_save, task_type=peft_task_type)
     if cfg.gradient_checkpointing and not getattr(model, "is_quantized", False):
         model.enable_input_require_grads()
@@ -81,10 +86,16 @@ def checkpointing_kwargs(cfg) -> dict:
     return {"use_reentrant": False, **(cfg.gradient_checkpointing_kwargs or {})}
 
 
+def name_pattern(pattern: str) -> str:
+    """axolotl's reading of an `unfrozen_parameters` pattern: a dot is a literal dot (parameter names are dotted
+    paths), except in `.+`."""
+    return re.sub(r"\.(?!\+)", r"\\.", pattern)
+
+
 def freeze_all_but(model, patterns: list[str]) -> None:
-    """Full fine-tuning of the parameters whose names match one of the regexes (axolotl's
+    """Full fine-tuning of the parameters whose names match one of the patterns (axolotl's
     `unfrozen_parameters`, matched from the start of the name as axolotl does); the rest is frozen."""
-    compiled = [re.compile(pattern) for pattern in patterns]
+    compiled = [re.compile(name_pattern(pattern)) for pattern in patterns]
     trained = 0
     for name, parameter in model.named_parameters():
         parameter.requires_grad = any(pattern.match(name) for pattern in compiled)

@@ -173,7 +173,7 @@ DATASET_REFUSED = {key: feature for feature, text in {
     "data_options": """
         input_transform shards shards_idx preprocess_shards conversation input_format field_human field_model
         field_tools split_thinking message_field_training message_field_training_detail skip length
-        sequence_length min_input_id max_input_id seed train_on_split""",
+        sequence_length min_input_id max_input_id seed train_on_split trust_remote_code""",
     "preference": """field_chosen field_rejected step_separator max_completion_length train_on_last_step_only""",
     "training_methods": """logprobs_field temperature""",
     "pretraining": """text_column""",

@@ -42,6 +42,21 @@ class CustomFormat(_Strict):
     no_input_format: str = "{instruction} "
 
 
+# dataset keys that only a chat dataset reads (set on another type, they would be ignored: refused instead)
+CHAT_ONLY_KEYS = ("field_messages", "message_field_role", "message_field_content", "message_property_mappings",
+                  "roles", "roles_to_train", "train_on_eos", "train_on_eot", "drop_system_message", "field_thinking",
+                  "template_thinking_key", "chat_template", "chat_template_jinja")
+
+
+def _jinja_means_jinja(holder) -> None:
+    """A template's text without `chat_template: jinja` means that template, as in axolotl."""
+    if holder.chat_template_jinja and holder.chat_template is None:
+        holder.chat_template = "jinja"
+    elif holder.chat_template_jinja and holder.chat_template != "jinja":
+        raise ValueError(f"`chat_template: {holder.chat_template}` and `chat_template_jinja` name two templates: "
+                         "keep one of them")
+
+
 class DatasetConfig(_Strict):
     path: str
     type: Optional[Union[str, CustomFormat]] = None  # unset: rows already tokenized (input_ids, labels), as in axolotl
@@ -50,7 +65,6 @@ class DatasetConfig(_Strict):
     split: str = "train"  # a split, or a slice of it: train[:1%], train[10%:], train[:500]
     name: Optional[str] = None  # a hub dataset's configuration
     revision: Optional[str] = None  # a hub dataset's revision
-    trust_remote_code: bool = False  # a hub dataset's loading script
     # completion
     field: Optional[str] = None
     # chat_template
@@ -103,10 +117,19 @@ class DatasetConfig(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _one_turn_end_option(self):
+    def _consistent(self):
         if self.train_on_eos and self.train_on_eot and self.train_on_eos != self.train_on_eot:
             raise ValueError(f"`train_on_eos: {self.train_on_eos}` and `train_on_eot: {self.train_on_eot}` disagree; "
                              "tuneloop trains one end-of-turn marker per turn: keep one of them")
+        _jinja_means_jinja(self)
+        chat = self.type in ("chat_template", "chat_template.default", "sharegpt")
+        set_keys = [key for key in CHAT_ONLY_KEYS if key in self.model_fields_set]
+        if set_keys and not chat:
+            raise ValueError(f"`{set_keys[0]}` applies to chat datasets (type chat_template or sharegpt), and this "
+                             f"one is `type: {self.type if isinstance(self.type, str) else 'a custom format'}`; "
+                             "remove it")
+        if "field" in self.model_fields_set and self.type != "completion":
+            raise ValueError("`field` names the text of a `type: completion` dataset; remove it")
         return self
 
 
@@ -252,10 +275,20 @@ class TuneloopConfig(_Strict):
     @field_validator("unfrozen_parameters")
     @classmethod
     def _unfrozen_patterns(cls, value):
+        from tuneloop.adapters import name_pattern
+
         for pattern in value or []:
             if re.search(r"\[\d*(:\d*)?\]$", pattern):
                 raise ValueError(f"{pattern!r}: unfreezing a row range of a parameter asks for "
                                  f"{axolotl_keys.FEATURES['training_methods'][0]}; unfreeze whole parameters")
+            _compiled(pattern, name_pattern(pattern))
+        return value
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _target_regex(cls, value):
+        if isinstance(value, str):
+            _compiled(value, value)
         return value
 
     @field_validator("chat_template")
@@ -383,6 +416,22 @@ class TuneloopConfig(_Strict):
                              f"`{self.lr_scheduler}`: remove it or switch the scheduler")
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("`load_in_4bit` and `load_in_8bit` cannot both be true: choose one")
+        if self.adapter == "qlora" and self.load_in_8bit:
+            raise ValueError("`adapter: qlora` loads the weights in 4-bit, and `load_in_8bit` asks for 8-bit: use "
+                             "`adapter: lora` with load_in_8bit, or qlora without it")
+        if self.cosine_min_lr_ratio is not None and self.lr_scheduler in ("constant", "constant_with_warmup",
+                                                                           "one_cycle"):
+            raise ValueError(f"`cosine_min_lr_ratio` sets where a decay ends, and `lr_scheduler: "
+                             f"{self.lr_scheduler}` has none of its own: remove it or switch the scheduler")
+        flags = [name for name in ("flash_attention", "sdp_attention", "flex_attention", "eager_attention")
+                 if getattr(self, name)]
+        implied = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "flex_attention": "flex_attention",
+                   "eager_attention": "eager"}
+        if len(flags) > 1 or (flags and self.attn_implementation
+                              and implied[flags[0]] != self.attn_implementation):
+            named = flags + ([f"attn_implementation: {self.attn_implementation}"] if self.attn_implementation else [])
+            raise ValueError(f"the attention settings disagree ({', '.join(named)}): keep one of them")
+        _jinja_means_jinja(self)
         if (self.load_in_4bit or self.load_in_8bit) and not self.adapter:
             raise ValueError("quantized weights (`load_in_4bit`/`load_in_8bit`) are not trained directly: set "
                              "`adapter: qlora` (4-bit) or `adapter: lora`")
@@ -464,6 +513,13 @@ ALIASES = {"type_of_model": "model_type", "model_revision": "revision_of_model",
            "model_config": "overrides_of_model_config", "evaluation_strategy": "eval_strategy"}
 AXOLOTL_TOP_LEVEL = (set(axolotl_keys.SPEED_OR_LOGGING) | axolotl_keys.LAUNCHER | set(axolotl_keys.REFUSED)
                      | axolotl_keys.REMOVED)
+
+
+def _compiled(written: str, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"{written!r} is not a valid regular expression ({error})") from None
 
 
 def _is_empty(value: Any) -> bool:

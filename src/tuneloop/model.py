@@ -87,9 +87,14 @@ def load_tokenizer(cfg: TuneloopConfig):
     if tokenizer.pad_token is None:
         # padding positions never reach the loss or attention, so any id will do; eos is the convention
         tokenizer.pad_token = tokenizer.eos_token
-    if cfg.chat_template and cfg.chat_template != TOKENIZER_DEFAULT:  # saved with the model, for inference
-        tokenizer.chat_template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
     return tokenizer
+
+
+def apply_run_template(cfg: TuneloopConfig, tokenizer) -> None:
+    """The run's chat template becomes the tokenizer's, saved with the model for whoever generates next. Done
+    after the data is prepared: a dataset with `chat_template: tokenizer_default` meant the tokenizer's own."""
+    if cfg.chat_template and cfg.chat_template != TOKENIZER_DEFAULT:
+        tokenizer.chat_template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
 
 
 def _revision(cfg: TuneloopConfig, key: str = "base_model") -> dict:
@@ -231,8 +236,8 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     if quantized:
-        model = prepare_quantized(cfg, model)
-    elif cfg.gradient_checkpointing:
+        model = prepare_quantized(cfg, model)  # (peft's preparation checkpoints in place)
+    if cfg.gradient_checkpointing == "offload" or (cfg.gradient_checkpointing and not quantized):
         enable_checkpointing(cfg, model)
     if cfg.adapter:
         return add_adapter(cfg, model, model_kind(cfg).peft_task_type, checkpoint)

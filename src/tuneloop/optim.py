@@ -130,7 +130,8 @@ def _one_cycle(optimizer, cfg, plan):
     has_momentum = "betas" in optimizer.defaults or bool(optimizer.defaults.get("momentum"))
     return torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=cfg.learning_rate, total_steps=plan.total_steps,
-        pct_start=min(1.0, plan.warmup_steps / plan.total_steps), div_factor=cfg.lr_div_factor or 6.0,
+        # the cycle needs a step after its rise (torch divides by the fall's length)
+        pct_start=min(plan.warmup_steps, plan.total_steps - 1) / plan.total_steps, div_factor=cfg.lr_div_factor or 6.0,
         cycle_momentum=has_momentum)
 
 

@@ -250,6 +250,12 @@ def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
     if read and plan.dropped_too_long / read > 0.01:
         found.append(f"sequence_len={cfg.sequence_len} drops {plan.dropped_too_long} of {read} rows "
                      f"({plan.dropped_too_long / read:.1%}); raise sequence_len to keep them.")
+    asked_for_evals = [key for key in ("eval_steps", "evals_per_epoch", "eval_on_start", "early_stopping_patience")
+                       if getattr(cfg, key)]
+    if not plan.eval_rows and asked_for_evals:
+        found.append(f"{', '.join(asked_for_evals)} set, but there is no eval set (val_set_size or test_datasets): "
+                     "no eval will run" + (", and early stopping cannot stop the run" if cfg.early_stopping_patience
+                                           else "") + ".")
     if plan.micro_batches_per_epoch < plan.gradient_accumulation_steps:
         found.append(f"the global batch ({plan.global_batch_size} rows) is larger than one epoch of data "
                      f"({plan.micro_batches_per_epoch} micro-batches per rank): every step is a partial batch; "

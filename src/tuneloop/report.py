@@ -47,6 +47,7 @@ def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: d
         lines += ["", "Plan warnings:", *[f"- {w}" for w in plan["warnings"]]]
     lines += ["", f"![loss curves]({run_files.REPORT_PNG})", ""]
     path = output_dir / run_files.REPORT_MD
+    run_files.record(output_dir, path.name)
     path.write_text("\n".join(lines))
     return path
 
@@ -78,6 +79,7 @@ def write_plot(output_dir: Path, plan: dict, metrics: list[dict]) -> Path | None
     lr_axis.grid(alpha=0.3)
     figure.tight_layout()
     path = output_dir / run_files.REPORT_PNG
+    run_files.record(output_dir, path.name)
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path

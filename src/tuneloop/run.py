@@ -121,9 +121,17 @@ class TrainingSession:
 
     def run(self, overwrite: bool = False, force_resume: bool = False,
             ignore_memory_estimate: bool = False) -> RunResult:
+        """The run; every error it meets comes back in `RunResult.error` (see the module's docstring): each is
+        met by every rank at the same point, a main-rank decision being shared before it is acted on."""
+        try:
+            return self._run(overwrite, force_resume, ignore_memory_estimate)
+        except (UserError, TrainingDiverged) as error:
+            return RunResult(Path(self.cfg.output_dir), error=error)
+
+    def _run(self, overwrite: bool, force_resume: bool, ignore_memory_estimate: bool) -> RunResult:
         from tuneloop.config import result_settings
         from tuneloop.hardware import check_hardware
-        from tuneloop.model import load_model
+        from tuneloop.model import apply_run_template, load_model
         from tuneloop.plan import check_memory_fits
         from tuneloop.train.guards import StopRequests
         from tuneloop.train.loop import TrainingLoop
@@ -140,6 +148,7 @@ class TrainingSession:
             return RunResult(output_dir, already_finished=True)
         # rank 0 fills the data cache, the others read it
         tokenizer, prepared = self._on_main_first(lambda: prepare_data(cfg))
+        apply_run_template(cfg, tokenizer)  # after the data: a dataset may have asked for the tokenizer's own
         plan = plan_run(cfg, tokenizer, prepared, accelerator.num_processes)
         if not ignore_memory_estimate:
             check_memory_fits(plan, ranks_on_this_host() if accelerator.device.type == "cpu" else 1)
@@ -174,9 +183,12 @@ class TrainingSession:
             notices += resume.check_resumable(checkpoint.read_state(chosen), plan.to_json(), identity,
                                               self.cfg.lr_scheduler, force_resume)
             resume.continue_from(output_dir, chosen)
-        run_files.write_text(output_dir / run_files.RUN_CONFIG,
-                             yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
-        run_files.write_json(output_dir / run_files.PLAN, plan.to_json())
+        try:
+            run_files.write_text(output_dir / run_files.RUN_CONFIG,
+                                 yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))
+            run_files.write_json(output_dir / run_files.PLAN, plan.to_json())
+        except OSError as error:
+            raise UserError(f"output: cannot write in {output_dir} ({error.strerror or error})") from None
         for notice in notices:
             self.hooks.notice(notice)
         self.hooks.planned(plan, chosen)
@@ -193,12 +205,22 @@ class TrainingSession:
 
     def _on_main_first(self, action):
         """`action()` on the main process, then on the others (they read what it made: the data cache). A user
-        error on the main process (a bad row) stops every rank with its message."""
+        error on any rank (a bad row) stops every rank with its message."""
         if self.accelerator.num_processes == 1:
             return action()
+        from accelerate.utils import gather_object
+
         result, error = self._attempt_on_main(action)
         self._shared_or_raised(None, error)
-        return result if self.is_main else action()
+        if not self.is_main:
+            try:
+                result = action()
+            except UserError as raised:
+                error = str(raised)
+        failed = [message for message in gather_object([error]) if message]
+        if failed:
+            raise UserError(failed[0])
+        return result
 
     def _attempt_on_main(self, action) -> tuple:
         if not self.is_main:
@@ -233,7 +255,8 @@ class TrainingSession:
         finalization first; the worker then dies inside C++ and the process aborts with "terminate called
         without an active exception" (SIGABRT) after a complete run: seen on rank 1 of 2 in about one
         run in five on 2 busy cores. A barrier releases the GIL while it waits, so the worker finishes.
-        An unexpected error skips this: the other ranks may be anywhere, and a barrier could wait forever.
+        An unexpected error (a bug, not a UserError: those come back in the result) skips this: the other ranks
+        may be anywhere, and a barrier could wait forever.
         """
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()

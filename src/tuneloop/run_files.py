@@ -82,33 +82,68 @@ OUTPUT_FILES = (
     OutputEntry(".rng-*-rank*.pt", "RNG states of a checkpoint in progress"),
     OutputEntry(BEST, "the early-stopping best model"), OutputEntry(OLD_BEST, "the previous best model"),
 )
-# what a fresh run would overwrite in a folder that holds no tuneloop run
-OVERWRITTEN_MODEL_FILES = ("model.safetensors", "adapter_model.safetensors", "config.json")
+# Every name tuneloop has written into output_dir, one a line: what `--overwrite` may remove is what is both
+# listed here and an OUTPUT_FILES name, so a user's own README.md or checkpoint-notes.txt is never touched.
+WRITTEN = ".tuneloop-written"
+IN_PROGRESS = (f"{TEMP_PREFIX}*", ".rng-*-rank*.pt", OLD_BEST)  # tuneloop's by their names alone
+
+
+def record(output_dir: Path, *names: str) -> None:
+    """Main process: these names in output_dir are tuneloop's (see WRITTEN)."""
+    known = written_names(output_dir)
+    new = [name for name in names if name not in known]
+    if new:
+        with open(output_dir / WRITTEN, "a") as handle:
+            handle.write("".join(f"{name}\n" for name in new))
+
+
+def written_names(output_dir: Path) -> set[str]:
+    try:
+        return set((output_dir / WRITTEN).read_text().split("\n")) - {""}
+    except FileNotFoundError:
+        return set()
+
+
+def _is_output_name(name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, entry.pattern) for entry in OUTPUT_FILES)
 
 
 def is_tuneloop_run(output_dir: Path) -> bool:
-    return (output_dir / PLAN).exists() or bool(complete_checkpoints(output_dir))
+    return ((output_dir / WRITTEN).exists() or (output_dir / PLAN).exists()
+            or bool(complete_checkpoints(output_dir)))
 
 
 def run_files_in(output_dir: Path) -> list[Path]:
-    """What an earlier tuneloop run left in output_dir, by the list above; a user's own files are never in it."""
+    """What an earlier tuneloop run left in output_dir: the names it recorded writing (a run of an older tuneloop
+    without the record: its plan, records, model files and marked checkpoints), and saves in progress."""
     if not is_tuneloop_run(output_dir):
         return []
-    names = sorted(os.listdir(output_dir))
-    return [output_dir / name for name in names if any(fnmatch.fnmatchcase(name, e.pattern) for e in OUTPUT_FILES)]
+    recorded = written_names(output_dir)
+    found = []
+    for name in sorted(os.listdir(output_dir)):
+        path = output_dir / name
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in IN_PROGRESS) or name == WRITTEN:
+            found.append(path)
+        elif recorded:
+            if name in recorded and _is_output_name(name):
+                found.append(path)
+        elif _is_output_name(name) and (not name.startswith(CHECKPOINT_PREFIX) or (path / STATE).is_file()):
+            found.append(path)
+    return found
 
 
 def never_trained(output_dir: Path) -> bool:
     """A run that stopped before its first step (a bad config found late, a model that did not load): it left
     its plan and config, and nothing else worth keeping."""
-    return {path.name for path in run_files_in(output_dir)} <= {PLAN, RUN_CONFIG}
+    return {path.name for path in run_files_in(output_dir)} <= {PLAN, RUN_CONFIG, WRITTEN}
 
 
 def foreign_model_files(output_dir: Path) -> list[Path]:
-    """In a folder that holds no tuneloop run: the files a run would overwrite (someone else's model)."""
+    """In a folder that holds no tuneloop run: files a run would write over (someone else's model or notes)."""
     if is_tuneloop_run(output_dir):
         return []
-    return [output_dir / name for name in OVERWRITTEN_MODEL_FILES if (output_dir / name).exists()]
+    return [output_dir / name for name in sorted(os.listdir(output_dir))
+            if any(fnmatch.fnmatchcase(name, entry.pattern) for entry in (*MODEL_FILES, *OUTPUT_FILES[:6]))]
 
 
 def clear_run_files(output_dir: Path) -> None:
@@ -176,8 +211,10 @@ def move_files_into(source: Path, output_dir: Path) -> None:
     file system is atomic, so each file in output_dir is either the old one or whole (a power loss must not
     leave an empty model.safetensors behind a summary.json that says the run finished)."""
     fsync_files(source)
-    for path in sorted(source.iterdir()):
-        os.replace(path, output_dir / path.name)
+    names = sorted(path.name for path in source.iterdir())
+    record(output_dir, *names)
+    for name in names:
+        os.replace(source / name, output_dir / name)
     fsync_folder_entry(output_dir)
 
 
@@ -188,6 +225,7 @@ def write_json(path: Path, data: dict) -> None:
 def write_text(path: Path, text: str) -> None:
     """Written whole or not at all: a reader never sees half a plan.json or summary.json."""
     temp = path.with_name(f"{TEMP_PREFIX}{path.name}")
+    record(path.parent, path.name)
     try:
         temp.write_text(text)
         with open(temp, "rb") as handle:

@@ -202,22 +202,21 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
         end_text = render(k + 1, False)
         # an assistant turn starts where the generation prompt ends (reasoning before the content is trained
         # with it); another role's turn starts at its content (its header is the template's, not the model's)
-        header_end = len(render(k, True)) if k and message["role"] == "assistant" else len(before)
-        if not (full.startswith(before) and full.startswith(end_text) and full.startswith(full[:header_end])
-                and (not k or message["role"] != "assistant" or full.startswith(render(k, True)))):
+        assistant = k > 0 and message["role"] == "assistant"
+        header_end = len(render(k, True)) if assistant else len(before)
+        if not (full.startswith(before) and full.startswith(end_text)
+                and (not assistant or full.startswith(render(k, True)))):
             raise UserError(f"data: {row.where}: the chat template does not render conversations as growing "
                             "prefixes, so trained turns cannot be located; use `chat_template: chatml`")
-        content = message["content"].strip()
-        found = end_text.find(content, header_end) if content else header_end
+        content = _content_span(messages, k, end_text, header_end, tokenizer, template)
         end = len(end_text.rstrip())
-        if found < 0:  # the template rewrote the content: train the whole turn, end marker included
+        if content is None:  # the template rewrote the content: train the whole turn, end marker included
             if trained:
                 spans.append((header_end, end))
             continue
-        content_end = found + len(content)
+        content_start, content_end = content
         if trained:
-            start = header_end if k and message["role"] == "assistant" else found
-            spans.append((start, content_end))
+            spans.append((header_end if assistant else content_start, content_end))
         marker = _end_marker(end_text, content_end, end, context.eot_tokens, row, k)
         if marker:
             markers.append((marker, trained))
@@ -228,6 +227,27 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
     elif option == "last" and markers:
         spans.append(markers[-1][0])
     return Rendered(full, spans, add_special_tokens=False, append_eos=False)
+
+
+CONTENT_MARK = "\u27e6tuneloop-content\u27e7"  # stands in for a message's content to find where the template puts it
+
+
+def _content_span(messages: list[dict], k: int, end_text: str, header_end: int, tokenizer,
+                  template: str | None) -> tuple[int, int] | None:
+    """Where message k's content sits in `end_text` (the conversation rendered through turn k): rendered once
+    more with a mark in place of the content, the text around the mark is what the template adds, so the
+    content is what lies between (a template that trims it included). Searching for the content itself would
+    find an earlier copy of it (in the reasoning, or the role's header). None when the template transforms
+    the content beyond that."""
+    marked = [*messages[:k], {**messages[k], "content": CONTENT_MARK}]
+    text = tokenizer.apply_chat_template(marked, tokenize=False, chat_template=template, add_generation_prompt=False)
+    if text.count(CONTENT_MARK) != 1:
+        return None
+    head, tail = text.split(CONTENT_MARK)
+    start, end = len(head), len(end_text) - len(tail)
+    if not (end_text.startswith(head) and end_text.endswith(tail) and header_end <= start <= end):
+        return None
+    return start, end
 
 
 def _end_marker(text: str, content_end: int, turn_end: int, eot_tokens: tuple[str, ...], row: SourceRow,

@@ -55,9 +55,15 @@ def slice_rows(rows: list, split: str) -> list:
     return rows[position(start, 0):position(stop, len(rows))]
 
 
+# `datasets` builder names: `path: json` with local `data_files` reads those files (as in axolotl)
+BUILDERS = {"json": "json", "csv": "csv", "parquet": "parquet", "arrow": "arrow", "text": "text"}
+
+
 def is_hub_dataset(entry) -> bool:
     """A `path` that names no local file or folder and looks like a hub id (`name` or `owner/name`)."""
     path = entry.path
+    if path in BUILDERS and entry.data_files:
+        return False
     return (not Path(path).expanduser().exists() and not path.startswith(("/", ".", "~"))
             and Path(path).suffix not in SUFFIX_TO_TYPE and path.count("/") <= 1)
 
@@ -66,12 +72,12 @@ def data_files_of(entry) -> list[Path]:
     """The local files an entry reads, in a stable order (none for a hub dataset)."""
     if is_hub_dataset(entry):
         return []
-    base = Path(entry.path)
+    base = Path(entry.path).expanduser()
     if entry.data_files:
         names = [entry.data_files] if isinstance(entry.data_files, str) else entry.data_files
         # as in axolotl, data_files may be relative to a folder given as `path`
         files = [base / name if base.is_dir() and not Path(name).is_absolute() and not Path(name).exists()
-                 else Path(name) for name in names]
+                 else Path(name).expanduser() for name in names]
     elif base.is_dir():
         files = sorted(p for p in base.rglob("*") if p.suffix in SUFFIX_TO_TYPE and p.is_file())
         if not files:
@@ -88,6 +94,8 @@ def data_files_of(entry) -> list[Path]:
 def _file_type(entry, file: Path) -> str:
     if entry.ds_type:
         return "json" if entry.ds_type == "jsonl" else entry.ds_type
+    if entry.path in BUILDERS:
+        return BUILDERS[entry.path]
     if file.suffix in SUFFIX_TO_TYPE:
         return SUFFIX_TO_TYPE[file.suffix]
     raise UserError(f"data: cannot tell the format of {file}; set `ds_type` (json, parquet, csv, arrow, text)")

@@ -146,7 +146,7 @@ def _tokenize_entries(entries: list, cfg, tokenizer, stats: PrepareStats,
                 continue
             stats.rows_read += 1
             if entry.type is None:
-                keep_tokens(*pretokenized(row))
+                keep_tokens(*pretokenized(row, len(tokenizer)))
                 continue
             batch.append(render_row(row, entry, context))
             if len(batch) == TOKENIZE_BATCH_ROWS:
@@ -157,9 +157,10 @@ def _tokenize_entries(entries: list, cfg, tokenizer, stats: PrepareStats,
     return columns
 
 
-def pretokenized(row) -> tuple[list[int], list[int]]:
+def pretokenized(row, vocabulary: int) -> tuple[list[int], list[int]]:
     """A row given as tokens (a dataset entry without `type`, as in axolotl): `input_ids`, and `labels` with -100
-    where nothing is trained (all of it is trained without labels)."""
+    where nothing is trained (all of it is trained without labels). Ids outside the tokenizer's vocabulary are
+    refused here, naming the row, rather than crashing the embedding lookup or the loss mid-training."""
     input_ids, labels = row.values.get("input_ids"), row.values.get("labels")
     if not isinstance(input_ids, list) or not all(isinstance(token, int) for token in input_ids):
         raise UserError(f"data: {row.where}: a dataset without `type` is read as tokens and needs `input_ids` (a list "
@@ -168,6 +169,12 @@ def pretokenized(row) -> tuple[list[int], list[int]]:
         labels = list(input_ids)
     if not isinstance(labels, list) or len(labels) != len(input_ids):
         raise UserError(f"data: {row.where}: `labels` must be a list as long as `input_ids` ({len(input_ids)})")
+    outside = [token for token in input_ids if not 0 <= token < vocabulary]
+    outside += [label for label in labels
+                if label != IGNORE_INDEX and not (isinstance(label, int) and 0 <= label < vocabulary)]
+    if outside:
+        raise UserError(f"data: {row.where}: token id {outside[0]} is outside the tokenizer's vocabulary of "
+                        f"{vocabulary} (labels may also be -100); were these rows made with another tokenizer?")
     return list(input_ids), list(labels)
 
 

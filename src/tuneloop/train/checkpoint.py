@@ -127,6 +127,7 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer,
         run_files.fsync_files(temp)
         if final.exists():  # a stale folder of the same step without the marker (a torn earlier run)
             shutil.rmtree(final)
+        run_files.record(output_dir, final.name)
         os.replace(temp, final)
         run_files.fsync_folder_entry(output_dir)
     except BaseException:

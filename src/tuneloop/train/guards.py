@@ -18,11 +18,12 @@ from tuneloop.errors import TrainingDiverged
 
 
 class LossWatchdog:
-    def __init__(self, threshold: float | None, patience: int | None, device):
+    def __init__(self, threshold: float | None, patience: int | None, device, streaks: list[int] = (0, 0)):
         self.threshold = threshold
         # NaN/inf stop at once unless the user asked for patience; a high loss gets axolotl's 3
         self.patience = torch.tensor([patience or 1, patience or 3], device=device)
-        self.consecutive = torch.zeros(2, dtype=torch.long, device=device)
+        # [not finite, too high] steps in a row; a resumed run starts from the checkpoint's streaks
+        self.consecutive = torch.tensor(list(streaks), dtype=torch.long, device=device)
         self.tripped_at = torch.full((2,), -1, dtype=torch.long, device=device)
         self.first_not_finite = torch.full((), -1, dtype=torch.long, device=device)
 
@@ -37,6 +38,10 @@ class LossWatchdog:
         first = not_finite & (self.first_not_finite < 0)
         self.first_not_finite = torch.where(first, torch.full_like(self.first_not_finite, step),
                                             self.first_not_finite)
+
+    def streaks(self) -> list[int]:
+        """This rank's streaks (host sync: read when saving, after check_before_save has synced anyway)."""
+        return [int(v) for v in self.consecutive.tolist()]
 
     @staticmethod
     def _earliest(values: torch.Tensor, accelerator) -> list[int]:

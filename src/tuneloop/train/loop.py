@@ -83,7 +83,8 @@ class TrainingLoop:
             checkpoint.load_training_state(resume_from, self.optimizer, self.scheduler, self.rank)
         self.resumed = resume_from is not None
         self.metrics = MetricsLog(self.output_dir / run_files.METRICS, accelerator.is_main_process)
-        self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device)
+        self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device,
+                                     streaks=self.state.bad_steps_in_a_row)
         self.loss_window = LossWindow(accelerator.device)
         self.real_tokens = 0  # this session's, on this rank: for throughput, not part of the run state
 
@@ -205,7 +206,10 @@ class TrainingLoop:
     def save(self, step: int) -> None:
         with self.hooks.phase("save"):
             self.watchdog.check_before_save(self.accelerator)  # never checkpoint a diverged model
-            marker = {**self.state.to_json(self.gather_counts(self.state.targets_collated)),
+            self.state.bad_steps_in_a_row = self.watchdog.streaks()
+            streaks = self.gather_counts(self.state.bad_steps_in_a_row)
+            marker = {**self.state.to_json(self.gather_counts(self.state.targets_collated),
+                                           [streaks[i:i + 2] for i in range(0, len(streaks), 2)]),
                       "plan": self.plan.to_json(), **self.identity}
 
             def write_on_main() -> None:
@@ -234,7 +238,8 @@ class TrainingLoop:
     def epoch_at(self, step: int) -> float:
         return round(step / self.plan.steps_per_epoch, 4)
 
-    def gather_counts(self, count: int) -> list[int]:
-        """Every rank's count, on every rank (collective)."""
+    def gather_counts(self, counts: int | list[int]) -> list[int]:
+        """Every rank's count(s), on every rank, rank by rank (collective)."""
         device = self.accelerator.device
-        return [int(v) for v in self.accelerator.gather(torch.tensor([count], device=device)).tolist()]
+        local = torch.tensor(counts if isinstance(counts, list) else [counts], device=device)
+        return [int(v) for v in self.accelerator.gather(local).tolist()]

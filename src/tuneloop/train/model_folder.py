@@ -53,6 +53,7 @@ def save_best(model, tokenizer, output_dir: Path) -> None:
     finally:
         model.config.use_cache = False  # save_hf_folder switched it on; training goes on
     best, old = output_dir / run_files.BEST, output_dir / run_files.OLD_BEST
+    run_files.record(output_dir, run_files.BEST)
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
         best.rename(old)  # a kill from here on leaves .old-best, which publish_best falls back to

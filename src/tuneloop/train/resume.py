@@ -24,12 +24,13 @@ def finished_run(output_dir: Path) -> dict | None:
     return summary if summary is not None and summary.get("stopped_by") != "signal" else None
 
 
-def choose_checkpoint(cfg, output_dir: Path, notices: list[str]) -> Path | None:
+def choose_checkpoint(cfg, output_dir: Path, overwrite: bool, notices: list[str]) -> Path | None:
     """The checkpoint to resume from, or None. A damaged checkpoint named by resume_from_checkpoint is refused;
     with auto-resume the newest sound one is taken instead of a damaged newer one, and `notices` says so: a
-    requeued job then continues (the steps after it are trained again, exactly) instead of failing forever."""
+    requeued job then continues (the steps after it are trained again, exactly) instead of failing forever.
+    `--overwrite` means "start over": it turns auto-resume off (a named checkpoint is still resumed)."""
     if cfg.resume_from_checkpoint:
-        path = Path(cfg.resume_from_checkpoint)
+        path = Path(cfg.resume_from_checkpoint).expanduser()
         if not path.is_dir():
             raise UserError(f"resume: no checkpoint folder {path}")
         checkpoint.read_state(path)  # refuses a torn one
@@ -40,14 +41,18 @@ def choose_checkpoint(cfg, output_dir: Path, notices: list[str]) -> Path | None:
             raise UserError(f"resume: {path} is damaged: {problem}{offer}. Point resume_from_checkpoint at another "
                             "checkpoint.")
         return path
-    if cfg.auto_resume_from_checkpoints:
-        for candidate in reversed(complete_checkpoints(output_dir)):
-            problem = checkpoint.damage(candidate)
-            if problem is None:
-                return candidate
-            notices.append(f"{candidate.name} is damaged ({problem}); resuming from an older checkpoint: the steps "
-                           "after it are trained again, and the damaged checkpoint is replaced when the run gets "
-                           "there")
+    if not cfg.auto_resume_from_checkpoints or overwrite:
+        return None
+    saved = complete_checkpoints(output_dir)
+    for candidate in reversed(saved):
+        problem = checkpoint.damage(candidate)
+        if problem is None:
+            return candidate
+        notices.append(f"{candidate.name} is damaged ({problem}); resuming from an older checkpoint: the steps "
+                       "after it are trained again, and the damaged checkpoint is removed with them")
+    if saved:  # never start over in silence over a run that has checkpoints
+        raise UserError(f"resume: every checkpoint in {output_dir} is damaged ({'; '.join(notices)}). Pass "
+                        "--overwrite to start the run over, or point resume_from_checkpoint at a sound copy.")
     return None
 
 
@@ -90,25 +95,26 @@ def prepare_output_dir(cfg, output_dir: Path, overwrite: bool, notices: list[str
     except OSError as error:
         raise UserError(f"config: cannot write in `output_dir: {output_dir}` ({error.strerror or error}); choose a "
                         "folder you can write to") from None
-    resume = choose_checkpoint(cfg, output_dir, notices)
-    if resume is not None:
-        return resume
+    resume = choose_checkpoint(cfg, output_dir, overwrite, notices)
+    if resume is not None and resume.parent.resolve() == output_dir.resolve():
+        return resume  # this folder's own run, continued
+    # a fresh start, or another folder's checkpoint continued here: this folder must hold nothing else
     foreign = run_files.foreign_model_files(output_dir)
     if foreign:
-        raise UserError(f"output_dir {output_dir} holds model files tuneloop did not write "
+        raise UserError(f"output_dir {output_dir} holds files tuneloop did not write and a run would write over "
                         f"({', '.join(p.name for p in foreign)}). tuneloop never overwrites or deletes what it did "
                         "not write, even with --overwrite: choose another output_dir.")
     leftovers = run_files.run_files_in(output_dir)
     # auto-resume of a tuneloop run killed before its first checkpoint: start it again
-    interrupted_before_first_save = (cfg.auto_resume_from_checkpoints and (output_dir / run_files.PLAN).is_file()
-                                     and finished_run(output_dir) is None)
+    interrupted_before_first_save = (resume is None and cfg.auto_resume_from_checkpoints and not overwrite
+                                     and (output_dir / run_files.PLAN).is_file() and finished_run(output_dir) is None)
     if leftovers and not (overwrite or interrupted_before_first_save or run_files.never_trained(output_dir)):
         names = ", ".join(p.name for p in leftovers[:4]) + (" …" if len(leftovers) > 4 else "")
         raise UserError(f"output_dir {output_dir} holds another run's files ({names}). Pass --overwrite to "
                         "replace them, set `auto_resume_from_checkpoints: true` to continue that run, or "
                         "choose another output_dir.")
     run_files.clear_run_files(output_dir)
-    return None
+    return resume
 
 
 def continue_from(output_dir: Path, resume: Path) -> None:
@@ -117,6 +123,7 @@ def continue_from(output_dir: Path, resume: Path) -> None:
     run_files.remove_torn_saves(output_dir)
     saved_metrics = resume / run_files.METRICS
     if saved_metrics.is_file():
+        run_files.record(output_dir, run_files.METRICS)
         shutil.copyfile(saved_metrics, output_dir / run_files.METRICS)
     else:
         (output_dir / run_files.METRICS).unlink(missing_ok=True)

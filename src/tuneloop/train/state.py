@@ -26,6 +26,9 @@ class RunState:
     evals: list[dict] = field(default_factory=list)  # every eval's metrics, with its step
     best_eval_loss: float | None = None
     evals_without_improvement: int = 0
+    # the loss watchdog's streaks on this rank ([not finite, too high]): a streak that a checkpoint
+    # interrupts goes on counting after the resume, so a patience of 3 means 3 steps however it was saved
+    bad_steps_in_a_row: list[int] = field(default_factory=lambda: [0, 0])
 
     def record_eval(self, step: int, metrics: dict) -> bool:
         """Adds an eval; True when it is the best so far (the model early stopping keeps)."""
@@ -39,18 +42,24 @@ class RunState:
     def plateaued(self, patience: int | None) -> bool:
         return patience is not None and self.evals_without_improvement >= patience
 
-    def to_json(self, targets_per_rank: list[int]) -> dict:
-        """The counters as the checkpoint marker stores them (each rank's collated count, gathered)."""
+    def to_json(self, targets_per_rank: list[int], streaks_per_rank: list[list[int]]) -> dict:
+        """The counters as the checkpoint marker stores them (each rank's own counters, gathered)."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "targets_collated": targets_per_rank,
                 "evals": self.evals, "best_eval_loss": self.best_eval_loss,
-                "evals_without_improvement": self.evals_without_improvement}
+                "evals_without_improvement": self.evals_without_improvement,
+                "bad_steps_in_a_row": streaks_per_rank}
 
     @classmethod
     def from_json(cls, data: dict, rank: int, world_size: int) -> "RunState":
         counts = data.get("targets_collated", [])  # one per rank (a forced resume may change the ranks)
+        same_ranks = len(counts) == world_size
+        streaks = data.get("bad_steps_in_a_row", [])  # absent in checkpoints written before it was kept
         return cls(step=data["step"], tokens_seen=data["tokens_seen"],
-                   targets_collated=counts[rank] if len(counts) == world_size else 0, evals=list(data["evals"]),
-                   best_eval_loss=data["best_eval_loss"], evals_without_improvement=data["evals_without_improvement"])
+                   targets_collated=counts[rank] if same_ranks else 0, evals=list(data["evals"]),
+                   best_eval_loss=data["best_eval_loss"], evals_without_improvement=data["evals_without_improvement"],
+                   # with other ranks, the longest streak of any old rank carries on (the stricter reading)
+                   bad_steps_in_a_row=(list(streaks[rank]) if same_ranks and len(streaks) == world_size
+                                       else [max(s[i] for s in streaks) for i in range(2)] if streaks else [0, 0]))
 
 
 def rng_states() -> dict:

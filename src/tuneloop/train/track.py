@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from tuneloop import run_files
+
 
 class MetricsLog:
     def __init__(self, path: Path, enabled: bool):
@@ -20,6 +22,8 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
+        if not self.path.exists():
+            run_files.record(self.path.parent, self.path.name)
         with open(self.path, "a") as handle:
             # NaN and inf are written as they are (json's NaN/Infinity): a bad loss must never vanish
             handle.write(json.dumps(record) + "\n")
