@@ -1,13 +1,23 @@
 """Same model, same prepared rows, same seed, optimizer, schedule and global batch: who trains faster?
 
-Five variants, each in its own fresh process, interleaved A B C D E, A B C D E, ... for `--repeats` rounds:
+Nine variants (five on a GPU), each in its own fresh process, interleaved A B C ..., A B C ... for `--repeats`
+rounds. Each row says its precision:
 
-  tuneloop                 tuneloop's real run (tuneloop.run.TrainingSession, what `tuneloop train` runs), unpacked
-  trainer                  transformers Trainer, default arguments, DataCollatorForSeq2Seq (pad to longest)
-  trainer_group_by_length  the same with train_sampling_strategy="group_by_length"
-  bare_loop                a bare Accelerate loop as in Accelerate's docs (DataLoader shuffle + padding collator,
-                           accelerator.prepare / accumulate / backward) -- the "hand-written" reference
-  tuneloop_packed          tuneloop with sample_packing: true
+  tuneloop                      fp32   tuneloop's real run (tuneloop.run.TrainingSession, what `tuneloop train`
+                                       runs), unpacked, `bf16: false`
+  trainer                       fp32   transformers Trainer, default arguments, DataCollatorForSeq2Seq
+  trainer_group_by_length       fp32   the same with train_sampling_strategy="group_by_length"
+  bare_loop                     fp32   a bare Accelerate loop as in Accelerate's docs (DataLoader + padding
+                                       collator, accelerator.prepare / accumulate / backward), on the very
+                                       micro-batches of the `tuneloop` row -- the "hand-written" reference
+  tuneloop_packed               fp32   tuneloop with sample_packing: true
+  tuneloop_defaults             auto   tuneloop at its defaults (bf16: auto -- bf16 where the CPU has it --
+                                       and the chunked loss), unpacked
+  tuneloop_packed_defaults      auto   the same, packed
+  trainer_bf16                  bf16   the Trainer with bf16=True
+  trainer_bf16_group_by_length  bf16   and with group_by_length
+
+On a GPU every row runs bf16, so the last four would repeat the first five and are left out.
 
 Every variant runs one epoch over the same prepared train rows (tokenized once by tuneloop.data.prepare and read
 back from its Arrow cache), so every run processes the same real tokens; packed runs take fewer optimizer steps.
@@ -42,8 +52,21 @@ from pathlib import Path
 
 from tuneloop.train.hooks import RunHooks  # light: torch and transformers load in the children
 
-VARIANTS = ["tuneloop", "trainer", "trainer_group_by_length", "bare_loop", "tuneloop_packed"]
-H200_BF16_DENSE_FLOPS = 989e12
+# name -> (what runs, its precision). "fp32" rows compare the loops on the same arithmetic; "defaults" rows are
+# tuneloop as a user gets it (bf16: auto, the chunked loss), next to the Trainer asked for bf16. On a GPU every
+# row runs bf16, so the bf16-only rows would repeat the others and are left out (see variants_for).
+VARIANTS = {
+    "tuneloop": ("tuneloop", "fp32"),
+    "trainer": ("trainer", "fp32"),
+    "trainer_group_by_length": ("trainer_group_by_length", "fp32"),
+    "bare_loop": ("bare_loop", "fp32"),
+    "tuneloop_packed": ("tuneloop_packed", "fp32"),
+    "tuneloop_defaults": ("tuneloop", "bf16: auto"),
+    "tuneloop_packed_defaults": ("tuneloop_packed", "bf16: auto"),
+    "trainer_bf16": ("trainer", "bf16"),
+    "trainer_bf16_group_by_length": ("trainer_group_by_length", "bf16"),
+}
+BF16_ONLY = ("tuneloop_defaults", "tuneloop_packed_defaults", "trainer_bf16", "trainer_bf16_group_by_length")
 REPO = Path(__file__).resolve().parents[1]
 EVAL_BATCH = 8
 
@@ -341,11 +364,20 @@ def run_child(job: dict, variant: str, round_index: int, threads: int, timeout: 
     return json.loads(result_file.read_text())
 
 
+def variants_for(job: dict) -> list[str]:
+    return [name for name in VARIANTS if not (job["device"] == "cuda" and name in BF16_ONLY)]
+
+
+def precision_of(job: dict, name: str) -> str:
+    """The row's precision as the table prints it: on a GPU every row is bf16."""
+    return "bf16" if job["device"] == "cuda" else VARIANTS[name][1]
+
+
 def summarise(job: dict, runs: dict[str, list[dict]]) -> list[dict]:
     """Medians over rounds; ratios are taken within each round (interleaved), then the median of those."""
     rows = []
-    rounds = len(runs[VARIANTS[0]])
-    for name in VARIANTS:
+    rounds = len(runs["tuneloop"])
+    for name in variants_for(job):
         got = runs[name]
         speed = [r["real_tokens"] / r["train_seconds"] for r in got]
         ratio = lambda ref: statistics.median(  # noqa: E731
@@ -353,6 +385,7 @@ def summarise(job: dict, runs: dict[str, list[dict]]) -> list[dict]:
             / (runs[ref][i]["real_tokens"] / runs[ref][i]["train_seconds"]) for i in range(rounds))
         row = {
             "name": name,
+            "precision": precision_of(job, name),
             "real_tokens": got[0]["real_tokens"] if len({r["real_tokens"] for r in got}) == 1 else None,
             "real_tokens_per_s": round(statistics.median(speed), 2),
             "steps_per_s": round(statistics.median(r["steps"] / r["train_seconds"] for r in got), 4),
@@ -368,8 +401,8 @@ def summarise(job: dict, runs: dict[str, list[dict]]) -> list[dict]:
             "per_round": [{k: r[k] for k in ("real_tokens", "train_seconds", "steps", "peak_mem_mb", "eval_loss",
                                              "train_loss_last", "optimizer")} for r in got],
         }
-        if job["device"] == "cuda":
-            row["mfu"] = round(6 * got[0]["n_params"] * row["real_tokens_per_s"] / H200_BF16_DENSE_FLOPS, 4)
+        if got[0].get("mfu") is not None:  # tuneloop's own MFU (model FLOPs over the measured or listed peak)
+            row["mfu"] = round(statistics.median(r["mfu"] for r in got), 4)
         rows.append(row)
     return rows
 
@@ -389,16 +422,17 @@ def print_table(job: dict, rows: list[dict], rounds: int, threads: int) -> None:
         print(f"   tuneloop rows run with --set {' --set '.join(job['tuneloop_set'])}")
     print("   final loss = eval loss per target token on the "
           f"{data['eval_rows']} held-out rows, after training (same function for every variant)")
-    gpu = job["device"] == "cuda"
-    head = (f"{'variant':<24}{'real tok/s':>11}{'steps/s':>9}{'steps':>6}{'pad %':>7}{'peak MB':>9}"
-            f"{'final loss':>11}{'x bare':>8}{'x trainer':>10}" + (f"{'MFU':>7}" if gpu else ""))
+    print("   MFU = tuneloop's own figure (model FLOPs per real token over the peak its plan names); "
+          "x trainer = against the fp32 Trainer row")
+    head = (f"{'variant':<29}{'precision':>11}{'real tok/s':>11}{'steps/s':>9}{'steps':>6}{'pad %':>7}"
+            f"{'peak MB':>9}{'final loss':>11}{'x bare':>8}{'x trainer':>10}{'MFU':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        line = (f"{r['name']:<24}{r['real_tokens_per_s']:>11.1f}{r['steps_per_s']:>9.3f}{r['steps']:>6}"
-                f"{fmt_pct(r['padding_fraction']):>7}{r['peak_mem_mb']:>9.0f}{r['final_loss']:>11.4f}"
-                f"{r['ratio_vs_bare']:>8.2f}{r['ratio_vs_trainer']:>10.2f}")
-        print(line + (f"{100 * r['mfu']:>6.1f}%" if gpu else ""))
+        line = (f"{r['name']:<29}{r['precision']:>11}{r['real_tokens_per_s']:>11.1f}{r['steps_per_s']:>9.3f}"
+                f"{r['steps']:>6}{fmt_pct(r['padding_fraction']):>7}{r['peak_mem_mb']:>9.0f}"
+                f"{r['final_loss']:>11.4f}{r['ratio_vs_bare']:>8.2f}{r['ratio_vs_trainer']:>10.2f}")
+        print(line + (f"{100 * r['mfu']:>6.1f}%" if r.get("mfu") is not None else f"{'':>7}"))
     tokens = {r["real_tokens"] for r in rows}  # None: the rounds of one variant disagreed
     print(f"real tokens per run: {', '.join(str(t) for t in sorted(tokens, key=str))}"
           + (" (identical in every variant)" if len(tokens) == 1 else "  <-- NOT the same: unfair comparison"))
@@ -544,6 +578,8 @@ def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
     hooks = BenchHooks(device, profile)
     overrides = [*job.get("tuneloop_set", []), f"output_dir={job['output_dir']}",
                  f"sample_packing={'true' if packed else 'false'}"]
+    if job.get("precision") == "bf16: auto":  # tuneloop's default (the fp32 rows run the config's bf16: false)
+        overrides.append("bf16=auto")
     with TrainingSession(load_run_config(job["config_path"], overrides), hooks) as session:
         result = session.run(overwrite=True)
     if result.error is not None or "model" not in hooks.kept:
@@ -561,7 +597,7 @@ def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
             "train_loss_last": [m["loss"] for m in metrics if "loss" in m][-1],
             "eval_loss": eval_loss_per_token(model, job["eval_cache"], job_tokenizer(job).pad_token_id,
                                              device, job["bf16"]),
-            "n_params": sum(p.numel() for p in model.parameters()),
+            "n_params": sum(p.numel() for p in model.parameters()), "mfu": summary.get("mfu"),
             "optimizer": "torch.optim.AdamW(fused=True) (tuneloop's adamw_torch_fused)"}
 
 
@@ -591,7 +627,8 @@ def child_trainer(job: dict, group_by_length: bool) -> dict:
         output_dir=job["output_dir"], per_device_train_batch_size=job["micro_batch_size"],
         gradient_accumulation_steps=job["gradient_accumulation_steps"], num_train_epochs=1,
         learning_rate=job["learning_rate"], lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, seed=job["seed"], bf16=job["bf16"], use_cpu=device != "cuda",
+        max_grad_norm=1.0, seed=job["seed"], bf16=job["bf16"] or job.get("precision") == "bf16",
+        use_cpu=device != "cuda",
         report_to="none", save_strategy="no", **extra)
     trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=collator,
                       processing_class=tokenizer, callbacks=[clock])
@@ -744,6 +781,8 @@ def child_main(job_file: str) -> None:
     if job["device"] == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the gpu preset needs a CUDA device")
     variant = job["variant"]
+    if variant in VARIANTS:  # a row: what runs, at the row's precision
+        variant, job["precision"] = VARIANTS[variant]
     if variant == "tuneloop":
         result = child_tuneloop(job, packed=False)
     elif variant == "tuneloop_packed":
@@ -812,14 +851,14 @@ def main(argv=None) -> int:
             job["tuneloop_set"] = args.tuneloop_set
             print(f"[{model_key}] prepared {job['data']['train_rows']} train / {job['data']['eval_rows']} held-out "
                   f"rows in {time.perf_counter() - started:.1f} s (workdir {job['workdir']})", flush=True)
-            runs = {name: [] for name in VARIANTS}
+            runs = {name: [] for name in variants_for(job)}
             if not args.profile_only:
                 for round_index in range(repeats):
-                    for name in VARIANTS:
+                    for name in variants_for(job):
                         t0 = time.perf_counter()
                         result = run_child(job, name, round_index, args.threads, args.timeout)
                         runs[name].append(result)
-                        print(f"  round {round_index + 1}/{repeats} {name:<24} {result['real_tokens']:>8} real tokens "
+                        print(f"  round {round_index + 1}/{repeats} {name:<29} {result['real_tokens']:>8} real tokens "
                               f"in {result['train_seconds']:.2f} s ({result['steps']} steps; eval loss "
                               f"{result['eval_loss']:.4f}; process {time.perf_counter() - t0:.1f} s)", flush=True)
                 rows = summarise(job, runs)

@@ -134,8 +134,70 @@ def check_bf16_train(workdir: Path, model_dir: Path) -> dict:
 
     precision = mixed_precision(load_config(config))
     ok = len(steps) == plan["total_steps"] and all(math.isfinite(m["loss"]) for m in steps)
+    summary = json.loads((out / "summary.json").read_text())
     return {"ok": ok, "mixed_precision": precision, "steps": len(steps), "planned": plan["total_steps"],
-            "losses": [round(m["loss"], 4) for m in steps], "memory": plan.get("memory")}
+            "losses": [round(m["loss"], 4) for m in steps], "memory": plan.get("memory"),
+            "mfu": summary.get("mfu"), "peak": plan.get("peak_source")}
+
+
+def check_chunked_loss(device: str) -> dict:
+    """The chunked loss against whole logits at SmolLM2's vocabulary, 8 x 4096 tokens (6.4 GB of fp32 logits):
+    the same value and gradients under bf16 autocast, and the peak memory and time of each."""
+    import torch
+    import torch.nn.functional as F
+
+    from tuneloop.train.chunked_loss import chunked_linear_cross_entropy
+
+    tokens = 8 * 4096 if device == "cuda" else 2048
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, 576, device=device, requires_grad=True)
+    weight = (torch.randn(49152, 576, device=device) * 0.02).requires_grad_()
+    targets = torch.randint(0, 49152, (tokens,), device=device)
+    results = {}
+    for name in ("plain", "chunked"):
+        hidden.grad = weight.grad = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            if name == "plain":
+                loss = F.cross_entropy((hidden @ weight.t()).float(), targets, reduction="sum")
+            else:
+                loss = chunked_linear_cross_entropy(hidden, weight, targets)
+        loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        results[name] = {"loss": float(loss), "seconds": round(time.perf_counter() - start, 4),
+                         "grads": (hidden.grad.clone(), weight.grad.clone())}
+        if device == "cuda":
+            results[name]["peak_extra_gb"] = round((torch.cuda.max_memory_allocated() - before) / 1e9, 3)
+    pairs = zip(results["chunked"]["grads"], results["plain"]["grads"])
+    relative = [float((a - b).norm() / b.norm()) for a, b in pairs]
+    for result in results.values():
+        result.pop("grads")
+    ok = abs(results["chunked"]["loss"] / results["plain"]["loss"] - 1) < 1e-3 and max(relative) < 2e-2
+    return {"ok": ok, "tokens": tokens, "grad_relative_diff": [round(r, 5) for r in relative], **results}
+
+
+def check_qlora_train(workdir: Path, model_dir: Path) -> dict:
+    """Two QLoRA steps (4-bit NF4 base, LoRA on every linear layer) where bitsandbytes and CUDA are there."""
+    import importlib.util
+
+    import torch
+
+    if not (torch.cuda.is_available() and importlib.util.find_spec("bitsandbytes")):
+        return {"ok": None, "skipped": "needs CUDA and bitsandbytes"}
+    import conftest
+
+    data = conftest.write_jsonl(workdir / "qlora.jsonl", conftest.tiny_rows(40, seed=3))
+    keys = conftest.base_config(workdir / "qlora", model_dir, data, adapter="qlora", lora_r=4, lora_alpha=8,
+                                lora_target_linear=True, max_steps=2, bf16="auto")
+    result = conftest.run_cli("train", str(conftest.write_config(workdir / "qlora.yml", **keys)))
+    out = workdir / "qlora" / "out"
+    ok = result.returncode == 0 and (out / "adapter_model.safetensors").is_file()
+    return {"ok": ok, "stderr": result.stderr[-1500:] if not ok else ""}
 
 
 def check_compile(model_dir: Path, device: str) -> dict:
@@ -163,7 +225,8 @@ def run(name: str, function, *args) -> dict:
     except Exception:  # a check that breaks is reported, the others still run
         result = {"ok": False, "error": traceback.format_exc()[-3000:]}
     result["seconds"] = round(time.perf_counter() - start, 1)
-    print(f"[{'ok' if result.get('ok', True) else 'FAILED'}] {name}: "
+    status = {None: "skipped", False: "FAILED"}.get(result.get("ok", True), "ok")
+    print(f"[{status}] {name}: "
           f"{json.dumps({k: v for k, v in result.items() if k != 'error'})[:600]}", flush=True)
     if "error" in result:
         print(result["error"], flush=True)
@@ -187,8 +250,8 @@ def main() -> int:
                                             tokenizer_dir, device)
         report["bf16_train"] = run("bf16 train", check_bf16_train, workdir, model_dir)
         report["compile"] = run("torch.compile", check_compile, model_dir, device)
-    report["qlora"] = {"ok": None, "bitsandbytes": report["environment"]["bitsandbytes"],
-                       "note": "tuneloop refuses adapter: qlora until it is implemented"}
+        report["chunked_loss"] = run("chunked loss", check_chunked_loss, device)
+        report["qlora"] = run("qlora train", check_qlora_train, workdir, model_dir)
     if device == "cuda" and not args.skip_bench:
         bench = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--gpu", "--json",
                                 str(out / "gpu_bench.json")], text=True)

@@ -1,4 +1,5 @@
-"""benchmarks/compare.py --quick, as small as still meaningful: every variant runs, on the same tokens.
+"""benchmarks/compare.py --quick, as small as still meaningful: every variant (fp32 and bf16 rows) runs, on the
+same tokens.
 
 No timing assertions (timings on shared CPUs say nothing in a test); only that the comparison is fair
 (every row processed the same real tokens) and that the runs did comparable training (final losses agree).
@@ -15,8 +16,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-NAMES = ["tuneloop", "trainer", "trainer_group_by_length", "bare_loop", "tuneloop_packed"]
+NAMES = ["tuneloop", "trainer", "trainer_group_by_length", "bare_loop", "tuneloop_packed", "tuneloop_defaults",
+         "tuneloop_packed_defaults", "trainer_bf16", "trainer_bf16_group_by_length"]
 UNPACKED = NAMES[:4]
+UNPACKED_BF16 = ["tuneloop_defaults", "trainer_bf16", "trainer_bf16_group_by_length"]
 
 
 @pytest.mark.slow
@@ -37,13 +40,18 @@ def test_quick_benchmark_is_fair_and_complete(tmp_path):
                     "ratio_vs_bare", "ratio_vs_trainer"):
             assert isinstance(row[key], (int, float)) and row[key] > 0, (name, key, row[key])
     assert rows["bare_loop"]["ratio_vs_bare"] == 1.0 and rows["trainer"]["ratio_vs_trainer"] == 1.0
+    # every row says its precision; tuneloop's defaults are bf16 on this CPU (AVX512-BF16), and tuneloop's
+    # rows carry its MFU
+    assert {row["precision"] for row in rows.values()} == {"fp32", "bf16: auto", "bf16"}
+    assert all(0 < rows[name]["mfu"] < 1 for name in NAMES if name.startswith("tuneloop"))
 
     # fairness: every variant processed exactly the same real (non-pad) tokens: the whole prepared train set
     assert {row["real_tokens"] for row in rows.values()} == {document["data"]["train_tokens"]}
     # same global batch over the same rows: the unpacked variants take the same number of optimizer steps,
     # packing takes fewer (that is the point) and computes almost no padding
-    assert len({rows[name]["steps"] for name in UNPACKED}) == 1
+    assert len({rows[name]["steps"] for name in UNPACKED + UNPACKED_BF16}) == 1
     assert rows["tuneloop_packed"]["steps"] < rows["tuneloop"]["steps"]
+    assert rows["tuneloop_packed_defaults"]["steps"] == rows["tuneloop_packed"]["steps"]
     assert rows["tuneloop_packed"]["padding_fraction"] < rows["tuneloop"]["padding_fraction"]
 
     # comparable training: eval loss per token on the same held-out rows. The unpacked runs differ only in
@@ -54,3 +62,7 @@ def test_quick_benchmark_is_fair_and_complete(tmp_path):
     unpacked = [losses[name] for name in UNPACKED]
     assert max(unpacked) - min(unpacked) < 0.15, losses
     assert abs(losses["tuneloop_packed"] - losses["tuneloop"]) < 0.6, losses
+    # bf16 trains the same model to within bf16's rounding: the same steps, a close loss
+    for name in UNPACKED_BF16:
+        assert abs(losses[name] - losses["tuneloop"]) < 0.15, losses
+    assert abs(losses["tuneloop_packed_defaults"] - losses["tuneloop_packed"]) < 0.15, losses

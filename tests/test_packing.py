@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tuneloop.config import config_from_dict
 from tuneloop.data.batching import BatchingSpec, epoch_batches, epoch_micro_batches, pack_best_fit_decreasing
-from tuneloop.data.collate import Collator
+from tuneloop.data.collate import Collator, Padding
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.data.prepare import prepare
 
@@ -133,5 +133,5 @@ def test_eval_metrics_are_the_same_packed_or_padded(prepared, tiny_model_dir):
 
 
 def test_pad_to_sequence_len_gives_every_batch_the_same_width(prepared):
-    collate = Collator(prepared.train, 0, packed=False, pad_to=512)
+    collate = Collator(prepared.train, 0, packed=False, padding=Padding(fixed=512))
     assert {collate([[i], [i + 1]]).inputs["input_ids"].shape[1] for i in range(0, 10, 2)} == {512}

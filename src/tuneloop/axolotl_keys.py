@@ -86,8 +86,8 @@ SPEED_OR_LOGGING = _keys("""
     flash_attn_fuse_qkv flash_optimum sage_attention gemma4_hybrid_attn_impl large_head_attention
     flash_attn_d512 sdpa_varlen fused_attn_kernel experts_implementation lora_mlp_kernel lora_qkv_kernel
     lora_o_kernel lora_embedding_kernel chunked_cross_entropy_num_chunks tiled_mlp
-    tiled_mlp_num_shards tiled_mlp_use_original_mlp torch_compile torch_compile_backend torch_compile_mode
-    torch_compile_options save_first_step save_only_model use_tensorboard profiler_steps profiler_steps_start
+    tiled_mlp_num_shards tiled_mlp_use_original_mlp save_first_step save_only_model use_tensorboard
+    profiler_steps profiler_steps_start
     include_tokens_per_second include_tkps max_memory gpu_memory_limit low_cpu_mem_usage total_num_tokens
     total_supervised_tokens sample_packing_eff_est is_falcon_derived_model is_llama_derived_model
     is_mistral_derived_model is_qwen_derived_model generate_samples num_generation_samples

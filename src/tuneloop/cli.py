@@ -110,8 +110,11 @@ def _say_outcome(result) -> None:
         from tuneloop.plan import plural
 
         summary = result.summary
-        print(f"done: {plural(summary['steps'], 'step')} in {summary['train_seconds']:.1f} s"
+        compiled = (f" (the first, compiling: {summary['first_step_seconds']:.1f} s)"
+                    if summary.get("first_step_seconds") and result.plan.torch_compile else "")
+        print(f"done: {plural(summary['steps'], 'step')} in {summary['train_seconds']:.1f} s{compiled}"
               f"{_eval_losses(result.outcome.evals)}"
+              f"{'; MFU {:.1%}'.format(summary['mfu']) if summary.get('mfu') is not None else ''}"
               f"{' (early stopping: best model kept)' if result.outcome.stopped_by else ''}; model saved to "
               f"{result.output_dir}", flush=True)  # before the other ranks leave: a launcher may stop this one
 

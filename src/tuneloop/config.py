@@ -212,6 +212,12 @@ class TuneloopConfig(_Strict):
     gradient_checkpointing: Union[bool, Literal["offload"]] = False  # "offload": checkpoints kept in CPU memory
     gradient_checkpointing_kwargs: Optional[dict[str, Any]] = None
     chunked_cross_entropy: Optional[bool] = None  # unset/true: the loss meets lm_head in chunks; false: whole logits
+    # speed: torch.compile of the model's body (train/compiling.py), and the peak MFU is measured against
+    torch_compile: Union[bool, Literal["auto"]] = False  # "auto": true, as in axolotl (torch ≥ 2.5.1 here)
+    torch_compile_mode: Optional[Literal["default", "reduce-overhead", "max-autotune"]] = None
+    torch_compile_backend: Optional[str] = None  # torch.compile's backend (inductor when unset)
+    torch_compile_options: Optional[dict[str, Any]] = None  # torch._inductor.config flags set before compiling
+    peak_tflops: Optional[float] = None  # tuneloop's key: this device's peak for MFU, instead of table or probe
     bfloat16: bool = False  # load the weights in bf16 (no fp32 copy): half the memory, bf16 updates
     float16: bool = False  # the same in fp16
     float32: bool = False  # the default: fp32 weights (mixed precision computes in bf16 where asked)
@@ -331,6 +337,13 @@ class TuneloopConfig(_Strict):
     def _positive_or_none(cls, value):
         if value is not None and value < 1:
             raise ValueError("must be at least 1 (or left out)")
+        return value
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _peak_positive(cls, value):
+        if value is not None and value <= 0:
+            raise ValueError("is the device's peak in TFLOPS (e.g. 989 for an H100 in bf16): a positive number")
         return value
 
     @field_validator("warmup_steps", "dataset_shard_idx", "weight_decay", "evals_per_epoch", "saves_per_epoch",
@@ -482,6 +495,8 @@ NOT_RESULT_CHANGING = {
     "eval_sample_packing", "save_steps", "saves_per_epoch", "save_strategy", "save_total_limit",
     "resume_from_checkpoint", "auto_resume_from_checkpoints", "dataset_prepared_path", "loss_watchdog_threshold",
     "loss_watchdog_patience", "early_stopping_patience",
+    # speed only: compiling rounds widths up (more padding, the same rows and loss) and peak_tflops scales MFU
+    "torch_compile", "torch_compile_mode", "torch_compile_backend", "torch_compile_options", "peak_tflops",
 }
 RUN_LENGTH_KEYS = {"max_steps", "num_epochs"}
 

@@ -133,6 +133,7 @@ class ModelFacts:
     max_positions: int | None  # n_positions / max_position_embeddings, where the config has one
     learned_positions: bool  # a position-embedding table of max_positions rows: longer rows cannot run at all
     chunked_loss: bool = False  # the loss meets the output projection in chunks (no whole logits tensor)
+    matmul_weights: tuple[int, int] = (0, 0)  # (frozen, trained) weights tokens are multiplied by: flops.py
 
 
 def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
@@ -141,6 +142,7 @@ def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
     import torch
 
     from tuneloop.adapters import add_adapter, freeze_all_but
+    from tuneloop.flops import count_matmul_weights
     from tuneloop.train.objectives import uses_chunked_loss
 
     config = model_config(cfg)
@@ -165,7 +167,8 @@ def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
     elif cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return ModelFacts(config, parameters, trainable, max_positions, learned, uses_chunked_loss(cfg, model))
+    return ModelFacts(config, parameters, trainable, max_positions, learned, uses_chunked_loss(cfg, model),
+                      count_matmul_weights(model))
 
 
 def check_sequence_len(cfg: TuneloopConfig, facts: ModelFacts) -> str | None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from tuneloop.config import TuneloopConfig
 from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
-from tuneloop.data.collate import pad_multiple, round_up
+from tuneloop.data.collate import Padding, padding_for
 from tuneloop.errors import UserError
 
 FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
@@ -62,13 +62,18 @@ class TrainingPlan:
     dropped_no_trained_tokens: int = 0
     precision: str | None = None  # set from the machine: "fp32", "bf16 (mixed)", "fp16 (mixed)"
     attention: str | None = None  # the attention implementation the model loads with
+    torch_compile: str | None = None  # what torch.compile compiles, when the config asks for it
+    flops_per_token: float | None = None  # model FLOPs per real token of a training step (flops.py)
+    attention_context: float | None = None  # positions a token attends to, on average over the data
+    peak_flops: float | None = None  # one device's peak at the run's precision, per second
+    peak_source: str | None = None  # where that figure comes from, or why MFU is not counted
     estimated_memory_gb: float | None = None
     memory: dict | None = None  # the estimate's parts: weights, gradients, optimizer, activations, device
     warnings: list[str] = field(default_factory=list)
     # what the loop's sampler and collator are given; not in plan.json, whose numbers above say it all
     train_batching: BatchingSpec | None = None
     eval_batching: BatchingSpec | None = None
-    pad_to: int | None = None  # pad_to_sequence_len: every micro-batch this wide
+    padding: Padding | None = None  # how wide each micro-batch is (pad_to_sequence_len, rounding under compile)
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -77,7 +82,7 @@ class TrainingPlan:
         return data
 
 
-NOT_IN_JSON = ("train_batching", "eval_batching", "pad_to")
+NOT_IN_JSON = ("train_batching", "eval_batching", "padding")
 
 
 def world_size_from_env() -> int:
@@ -133,7 +138,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
 
     # walk every step the run will take, on every rank, and count its tokens
     total_targets = total_real = computed = largest = 0
-    multiple = pad_multiple()
+    padding = padding_for(cfg)
     step = 0
     for epoch in range(epochs_to_run):
         per_rank = first_epoch if epoch == 0 else epoch_micro_batches(train_lengths, spec, epoch=epoch)
@@ -147,7 +152,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
                         total_targets += int(train_targets[row].sum())
                         total_real += int(train_lengths[row].sum())
                     width = max(int(train_lengths[row].sum()) for row in micro)
-                    padded = cfg.sequence_len if cfg.pad_to_sequence_len else round_up(width, multiple)
+                    padded = padding.width(width)
                     computed += len(micro) * padded
                     largest = max(largest, len(micro) * padded)
 
@@ -189,7 +194,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         max_micro_batch_tokens=largest, learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler,
         optimizer=cfg.optimizer, dropped_no_trained_tokens=dropped_no_trained_tokens, train_batching=spec,
         eval_batching=eval_spec(cfg, world_size),
-        pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None,
+        padding=padding,
     )
     plan.warnings = plan_warnings(cfg, plan)
     return plan
@@ -290,6 +295,11 @@ def describe(plan: TrainingPlan) -> str:
     ]
     if plan.precision is not None:
         lines.append(f"  precision            {plan.precision}; attention {plan.attention}")
+    if plan.torch_compile is not None:
+        lines.append(f"  compile              {plan.torch_compile}: the first step compiles (it can take a minute) "
+                     "and is timed apart; widths rounded up to multiples of 64")
+    if plan.peak_source is not None:
+        lines.append(f"  compute              {_compute_line(plan)}")
     lines += [
         f"  memory               {_memory_line(plan)}",
         f"  evals                {plan.eval_count} (at steps {_short(plan.eval_steps_at)})",
@@ -303,6 +313,13 @@ def describe(plan: TrainingPlan) -> str:
     for warning in plan.warnings:
         lines.append(f"  warning: {warning}")
     return "\n".join(lines)
+
+
+def _compute_line(plan: TrainingPlan) -> str:
+    if plan.flops_per_token is None:
+        return f"MFU {plan.peak_source}"
+    return (f"{plan.flops_per_token / 1e9:.3g} GFLOP per real token (attention over {plan.attention_context:g} "
+            f"positions on average); MFU against {plan.peak_source}")
 
 
 def _memory_line(plan: TrainingPlan) -> str:

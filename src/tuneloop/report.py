@@ -24,7 +24,7 @@ def read_run(output_dir: Path) -> tuple[dict, list[dict], dict]:
 def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: dict) -> Path:
     train = [m for m in metrics if "loss" in m]
     evals = [m for m in metrics if "eval_loss" in m]
-    speeds = [m["real_tokens_per_second"] for m in train[1:] if "real_tokens_per_second" in m]
+    speeds = [m["real_tokens_per_second"] for m in train[1:] if m.get("real_tokens_per_second")]
     lines = [
         f"# tuneloop run: {output_dir.name}", "",
         "| | |", "|---|---|",
@@ -37,6 +37,10 @@ def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: d
     ]
     if speeds:
         lines.append(f"| real tokens/s (median after step 1) | {sorted(speeds)[len(speeds) // 2]:.0f} |")
+    if summary.get("mfu") is not None:
+        lines.append(f"| MFU (model FLOPs utilisation) | {summary['mfu']:.1%} of {plan['peak_source']} |")
+    if summary.get("first_step_seconds") is not None and plan.get("torch_compile"):
+        lines.append(f"| first step (compiling) | {summary['first_step_seconds']:.1f} s |")
     if train:
         lines.append(f"| train loss first → last | {train[0]['loss']:.4f} → {train[-1]['loss']:.4f} |")
     if evals:

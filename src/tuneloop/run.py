@@ -54,8 +54,10 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
     length checked against the model's positions."""
     import numpy as np
 
+    from tuneloop.flops import count_flops, run_peak
     from tuneloop.hardware import attention_implementation, precision
     from tuneloop.memory import estimate_memory
+    from tuneloop.train.compiling import compiles
     from tuneloop.model import check_sequence_len, model_facts
     from tuneloop.plan import attach_memory_estimate, make_plan
 
@@ -63,12 +65,24 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
     facts = model_facts(cfg, tokenizer)
     too_long = check_sequence_len(cfg, facts)
     stats = prepared.stats
-    plan = make_plan(cfg, np.asarray(prepared.train["length"]), np.asarray(prepared.train["n_targets"]),
+    lengths = np.asarray(prepared.train["length"])
+    plan = make_plan(cfg, lengths, np.asarray(prepared.train["n_targets"]),
                      stats.eval_rows, stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens)
     plan.precision = f"{PRECISION_NAMES[mixed]} ({why})"
     plan.attention, attention_note = attention_implementation(cfg)
     plan.warnings += [note for note in (too_long, attention_note) if note]
     attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, mixed))
+    count = count_flops(facts.config, *facts.matmul_weights, lengths)
+    plan.flops_per_token, plan.attention_context = count.per_token, count.attention_context
+    if count.per_token is None:
+        plan.peak_source = count.why_not
+    else:
+        # (`tuneloop plan --world-size N` outside a launcher: the N ranks are taken to share this host)
+        peak = run_peak(mixed, cfg.peak_tflops, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        plan.peak_flops, plan.peak_source = peak.flops, peak.source
+    if compiles(cfg):
+        plan.torch_compile = f"torch.compile ({cfg.torch_compile_backend or 'inductor'}" + (
+            f", mode {cfg.torch_compile_mode})" if cfg.torch_compile_mode else ")")
     return plan
 
 
@@ -280,11 +294,24 @@ def write_outputs(output_dir: Path, outcome, plan) -> dict:
 
 
 def summary_of(outcome, plan) -> dict:
+    """The run in numbers. Throughput after the first step is what MFU is taken from: under torch.compile the
+    first step is mostly compiling, and without it the first step still warms up allocators and caches."""
+    from tuneloop.flops import mfu
+
+    def per_second(tokens: int, seconds: float | None) -> float | None:
+        return round(tokens / seconds, 1) if seconds and seconds > 0 and tokens else None
+
+    after_first = per_second(outcome.real_tokens - outcome.first_step_real_tokens,
+                             outcome.train_seconds - (outcome.first_step_seconds or 0))
+    utilisation = mfu(after_first, plan.flops_per_token, plan.peak_flops)
     return {"steps": outcome.steps, "planned_steps": plan.total_steps, "tokens": outcome.tokens,
             "targets_collated": outcome.targets_collated, "real_tokens": outcome.real_tokens,
             "train_seconds": round(outcome.train_seconds, 4),
-            "real_tokens_per_second": round(outcome.real_tokens / outcome.train_seconds, 1)
-            if outcome.train_seconds else None, "stopped_by": outcome.stopped_by,
+            "real_tokens_per_second": per_second(outcome.real_tokens, outcome.train_seconds),
+            "first_step_seconds": round(outcome.first_step_seconds, 3) if outcome.first_step_seconds else None,
+            "real_tokens_per_second_after_first_step": after_first,
+            "mfu": round(utilisation, 4) if utilisation is not None else None,
+            "stopped_by": outcome.stopped_by,
             "first_eval_loss": outcome.evals[0]["eval_loss"] if outcome.evals else None,
             "last_eval_loss": outcome.evals[-1]["eval_loss"] if outcome.evals else None}
 

@@ -25,6 +25,35 @@ def pad_multiple() -> int:
     return 8 if torch.cuda.is_available() else 1
 
 
+# under torch.compile a new width is a new graph: widths rounded up to multiples of this make few shapes recur
+COMPILE_PAD_MULTIPLE = 64
+
+
+@dataclass(frozen=True)
+class Padding:
+    """How wide a micro-batch is: a fixed width (pad_to_sequence_len), or its longest row rounded up to a
+    multiple, never past `limit` (sequence_len) by the rounding alone."""
+
+    fixed: int | None = None
+    multiple: int = 1
+    limit: int | None = None
+
+    def width(self, longest: int) -> int:
+        if self.fixed:
+            return self.fixed
+        rounded = round_up(longest, self.multiple)
+        return max(longest, min(rounded, self.limit)) if self.limit else rounded
+
+    def unfixed(self) -> "Padding":
+        """The same rounding without the fixed width (eval batches are as wide as their rows need)."""
+        return Padding(None, self.multiple, self.limit)
+
+
+def padding_for(cfg) -> Padding:
+    multiple = COMPILE_PAD_MULTIPLE if cfg.torch_compile else pad_multiple()
+    return Padding(cfg.sequence_len if cfg.pad_to_sequence_len else None, multiple, cfg.sequence_len)
+
+
 @dataclass
 class MicroBatch:
     inputs: dict  # tensors for model(**inputs)
@@ -42,14 +71,13 @@ def round_up(value: int, multiple: int) -> int:
 
 
 class Collator:
-    def __init__(self, dataset, pad_token_id: int, packed: bool, pad_to: int | None = None):
+    def __init__(self, dataset, pad_token_id: int, packed: bool, padding: Padding | None = None):
         # Arrow rows are read once into Python lists: indexing them per batch is then cheap
         self.input_ids = list(dataset["input_ids"])
         self.labels = list(dataset["labels"])
         self.pad_token_id = pad_token_id
         self.packed = packed
-        self.pad_to = pad_to  # pad_to_sequence_len: a fixed width for every batch
-        self.multiple = pad_multiple()
+        self.padding = padding or Padding(multiple=pad_multiple())
 
     def __call__(self, rows: list[list[int]]) -> MicroBatch:
         row_ids, row_targets, row_positions = [], [], []
@@ -62,7 +90,7 @@ class Collator:
             row_ids.append(ids)
             row_targets.append(targets)
             row_positions.append(positions)
-        width = self.pad_to or round_up(max(len(ids) for ids in row_ids), self.multiple)
+        width = self.padding.width(max(len(ids) for ids in row_ids))
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         positions = torch.zeros((len(rows), width), dtype=torch.long)

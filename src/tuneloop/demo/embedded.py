@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from tuneloop.cache import cache_root
 from tuneloop.errors import UserError
 
 try:  # POSIX only; without it we fall back to tolerating rename races (see _publish_dir).
@@ -69,14 +70,6 @@ LOGITS_ATOL = 1e-4
 # The prompt used to compare logits: short, but through the chat template, so the
 # special tokens are covered too.
 _CHECK_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def cache_root() -> Path:
-    """Where tuneloop keeps what it builds: ``$TUNELOOP_CACHE``, else ``~/.cache/tuneloop``."""
-    configured = os.environ.get("TUNELOOP_CACHE")
-    if configured:
-        return Path(configured).expanduser()
-    return Path.home() / ".cache" / "tuneloop"
 
 
 def resolve_model_path(name: str) -> str:

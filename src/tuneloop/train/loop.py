@@ -29,8 +29,10 @@ import torch
 from tuneloop import run_files
 from tuneloop.data.batching import epoch_micro_batches
 from tuneloop.data.collate import Collator
+from tuneloop.flops import mfu
 from tuneloop.plan import TrainingPlan
 from tuneloop.train import checkpoint
+from tuneloop.train.compiling import compile_for_training, compiles
 from tuneloop.train.evaluate import evaluate
 from tuneloop.train.guards import LossWatchdog, StopRequests
 from tuneloop.train.hooks import RunHooks
@@ -50,6 +52,8 @@ class RunOutcome:
     targets_collated: int = 0  # target tokens the collator produced: the loss's denominators, summed
     evals: list = field(default_factory=list)
     stopped_by: str | None = None  # "signal", "early_stopping" or None (ran the whole plan)
+    first_step_seconds: float | None = None  # this session's first step (under torch.compile: compiling)
+    first_step_real_tokens: int = 0  # all ranks'
 
 
 class TrainingLoop:
@@ -64,14 +68,17 @@ class TrainingLoop:
         self.lengths = np.asarray(prepared.train["length"])
         self.targets_per_row = np.asarray(prepared.train["n_targets"])
         self.collate = Collator(prepared.train, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
-                                pad_to=plan.pad_to)
+                                padding=plan.padding)
         self.eval_batches, self.eval_collate = [], None
         if prepared.eval is not None:
             spec = plan.eval_batching
             self.eval_batches = epoch_micro_batches(np.asarray(prepared.eval["length"]), spec, 0, shuffle=False,
                                                     even=False)[self.rank]
-            self.eval_collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed")
+            self.eval_collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
+                                         padding=plan.padding.unfixed())
 
+        if compiles(cfg):  # before DDP wraps the model; in place, so names and checkpoints stay the eager ones
+            compile_for_training(cfg, model)
         optimizer = build_optimizer(cfg, model)
         self.scheduler = build_scheduler(cfg, plan, optimizer)  # stepped by us, once per optimizer step
         # what the loop runs (the model and its loss, wrapped for DDP), and the language model itself
@@ -100,6 +107,7 @@ class TrainingLoop:
         self.loss_window.restart()
         self.hooks.loop_started()
         train_start = time.perf_counter()
+        first_step = None  # (seconds, real tokens on this rank) of this session's first step
 
         for epoch in range(state.step // plan.steps_per_epoch, plan.epochs_to_run):
             if state.step == plan.total_steps or stopped_by:
@@ -115,6 +123,8 @@ class TrainingLoop:
                                   for micro in batches[start:start + accum] for row in micro)
                 lr, grad_norm = self.train_step(per_rank[self.rank][start:start + accum], step_tokens)
                 step = state.step
+                if first_step is None:
+                    first_step = self.time_first_step(train_start)
 
                 # a save also logs, so the metrics of a resumed run equal those of an uninterrupted one (the
                 # window being averaged is not part of the run state)
@@ -142,9 +152,21 @@ class TrainingLoop:
             self.publish_model(best_instead=stopped_by == "early_stopping" and has_best(self.output_dir))
         # counted on each rank (real tokens this session; targets over the whole run): reduced once, here
         device = self.accelerator.device
-        real_total = int(self.accelerator.reduce(torch.tensor(self.real_tokens, device=device), reduction="sum"))
+        real_total, first_real = (int(v) for v in self.accelerator.reduce(
+            torch.tensor([self.real_tokens, first_step[1] if first_step else 0], device=device), reduction="sum"))
         return RunOutcome(state.step, state.tokens_seen, train_seconds, real_total,
-                          sum(self.gather_counts(state.targets_collated)), state.evals, stopped_by)
+                          sum(self.gather_counts(state.targets_collated)), state.evals, stopped_by,
+                          first_step[0] if first_step else None, first_real)
+
+    def time_first_step(self, train_start: float) -> tuple[float, int]:
+        """The first step's wall time (one device sync). Under torch.compile it is mostly compiling, so the
+        throughput of the step lines starts after it."""
+        if self.accelerator.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - train_start
+        if self.cfg.torch_compile:
+            self.loss_window.restart_clock()
+        return seconds, self.real_tokens
 
     def train_step(self, window: list, step_tokens: int) -> tuple[float, torch.Tensor]:
         """One optimizer step over this rank's micro-batches `window`; returns the rate it used and the grad norm."""
@@ -187,10 +209,14 @@ class TrainingLoop:
     def log_train_line(self, step: int, lr: float, grad_norm: torch.Tensor) -> None:
         with self.hooks.phase("logging"):
             closed = self.loss_window.close(self.accelerator)
-            self.record({"step": step, "epoch": self.epoch_at(step), "loss": closed["loss"], "lr": lr,
-                         "grad_norm": float(grad_norm), "tokens": self.state.tokens_seen,
-                         "tokens_per_second": closed["tokens_per_second"],
-                         "real_tokens_per_second": closed["real_tokens_per_second"]})
+            line = {"step": step, "epoch": self.epoch_at(step), "loss": closed["loss"], "lr": lr,
+                    "grad_norm": float(grad_norm), "tokens": self.state.tokens_seen,
+                    "tokens_per_second": closed["tokens_per_second"],
+                    "real_tokens_per_second": closed["real_tokens_per_second"]}
+            utilisation = mfu(closed["real_tokens_per_second"], self.plan.flops_per_token, self.plan.peak_flops)
+            if utilisation is not None:
+                line["mfu"] = round(utilisation, 4)
+            self.record(line)
             self.watchdog.check(self.accelerator)
 
     def evaluate(self, step: int) -> None:

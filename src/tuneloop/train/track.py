@@ -45,9 +45,11 @@ class ProgressLines:
         step = record["step"]
         parts = [f"step {step}/{self.total_steps}"]
         for key, value in record.items():
-            if key == "step":
+            if key == "step" or value is None:
                 continue
-            if isinstance(value, float) and math.isfinite(value) and key != "epoch":
+            if key == "mfu":
+                parts.append(f"mfu {value:.1%}")
+            elif isinstance(value, float) and math.isfinite(value) and key != "epoch":
                 parts.append(f"{key} {value:.4g}")
             else:
                 parts.append(f"{key} {value}")
@@ -71,7 +73,8 @@ class LossWindow:
 
     def __init__(self, device):
         self.loss = torch.zeros((), device=device, dtype=torch.float64)
-        self.tokens = 0
+        self.tokens = 0  # target tokens of the window's steps: the loss's denominator
+        self.clock_tokens = 0  # the same, since the clock started: the throughput's numerator
         self.real_tokens = 0
         self.start = time.perf_counter()
 
@@ -82,6 +85,12 @@ class LossWindow:
     def add_step(self, summed_loss: torch.Tensor, tokens: int) -> None:
         self.loss += summed_loss
         self.tokens += tokens
+        self.clock_tokens += tokens
+
+    def restart_clock(self) -> None:
+        """Throughput counts from now (the step that just ended was compiling); the loss keeps every step."""
+        self.start = time.perf_counter()
+        self.clock_tokens = self.real_tokens = 0
 
     def close(self, accelerator) -> dict:
         """Loss per token and throughput over the window, summed over ranks (collectives: every rank
@@ -89,8 +98,9 @@ class LossWindow:
         loss = float(accelerator.reduce(self.loss, reduction="sum")) / self.tokens
         real = int(accelerator.reduce(torch.tensor(self.real_tokens, device=self.loss.device), reduction="sum"))
         elapsed = time.perf_counter() - self.start
-        closed = {"loss": loss, "tokens_per_second": round(self.tokens / elapsed, 1),
-                  "real_tokens_per_second": round(real / elapsed, 1)}
+        clocked = self.clock_tokens > 0  # nothing since the clock restarted: no throughput to tell
+        closed = {"loss": loss, "tokens_per_second": round(self.clock_tokens / elapsed, 1) if clocked else None,
+                  "real_tokens_per_second": round(real / elapsed, 1) if clocked else None}
         self.loss.zero_()
-        self.tokens, self.real_tokens, self.start = 0, 0, time.perf_counter()
+        self.tokens, self.clock_tokens, self.real_tokens, self.start = 0, 0, 0, time.perf_counter()
         return closed

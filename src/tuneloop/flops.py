@@ -1,0 +1,223 @@
+"""Model FLOPs utilisation (MFU): the share of the machine's peak that the run turns into the model's work.
+
+Model FLOPs per real token, counted from the model as it is built (model.py's meta-device copy, adapter included):
+
+- each weight matrix a token passes through costs 2 FLOPs per weight in the forward, 2 in the backward for the
+  gradient of its input, and 2 more for the gradient of the weight when it is trained: 6 per weight in a full
+  fine-tune, 4 per frozen weight under LoRA;
+- attention's two products (scores, weighted values) cost 4 FLOPs per layer, attention width and position
+  attended to in the forward, three times that with the backward. A causal token attends to itself and the
+  tokens before it in its own sequence (packing keeps sequences apart), so averaged over the data's tokens it
+  attends to Σ len·(len+1)/2 / Σ len positions: the count the data needs, not the padded width;
+- recomputation (gradient checkpointing) is not counted: MFU counts the model's work, not what the hardware redid.
+
+The peak: the vendor's dense bf16/fp16 tensor-core figure for GPUs this table knows, one per rank; otherwise,
+and on every CPU, the best of a few square matmuls at the run's precision on this machine. On a CPU the ranks
+of a host share its cores, so the host is the device, and the probe runs on as many threads as the run uses
+there (each rank's threads × the ranks on the host, at most the host's cores): the peak of what the run was
+given. Measured once per device, thread count, precision and torch version, and cached. `peak_tflops` (per
+GPU, or per host's CPU) overrides both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tuneloop.cache import cache_root
+
+# dense (not sparse) bf16/fp16 tensor-core TFLOPS from the vendors' data sheets; the first name found in the
+# device's name wins (so "H100 PCIe" is looked up before "H100")
+GPU_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0), ("B200", 2250.0),
+                   ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0)]
+PROBE_SIZE = {"cpu": 2048, "cuda": 8192}  # long enough to reach the matmul's speed, short enough to run in ~1 s
+PROBE_REPEATS = 10
+PEAK_CACHE = "peak_flops.json"
+
+
+@dataclass
+class FlopsCount:
+    per_token: float | None  # model FLOPs per real token of a training step (None: not counted, see why)
+    why_not: str | None = None
+    attention_context: float = 0.0  # positions a token attends to, on average over the data
+
+
+def count_matmul_weights(model) -> tuple[int, int]:
+    """(frozen, trained) weights of the matrices tokens are multiplied by: every Linear (an adapter's too, and
+    a tied output head once) and GPT-2's Conv1D; embeddings are looked up, not multiplied."""
+    import torch
+
+    frozen = trained = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        if weight.requires_grad:
+            trained += weight.numel()
+        else:
+            frozen += weight.numel()
+    return frozen, trained
+
+
+def attention_context(lengths: np.ndarray) -> float:
+    """Positions a token attends to, averaged over the tokens of rows of these lengths (causal, per sequence)."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    return float((lengths * (lengths + 1) / 2).sum() / lengths.sum()) if lengths.size and lengths.sum() else 0.0
+
+
+def count_flops(config, frozen: int, trained: int, lengths: np.ndarray) -> FlopsCount:
+    if getattr(config, "is_encoder_decoder", False):
+        return FlopsCount(None, "not counted for encoder-decoder models (their tokens meet different weights)")
+    experts = max(getattr(config, name, None) or 0 for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if experts > 1:
+        return FlopsCount(None, "not counted for mixture-of-experts models (a token meets only some experts)")
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not (layers and heads and width):
+        return FlopsCount(None, "not counted: the model's config names no layers, heads or hidden size")
+    head_dim = getattr(config, "head_dim", None) or width // heads
+    context = attention_context(lengths)
+    weights = 4 * frozen + 6 * trained
+    attention = 3 * 4 * layers * heads * head_dim * context
+    return FlopsCount(float(weights + attention), None, round(context, 1))
+
+
+@dataclass
+class Peak:
+    flops: float | None  # the run's peak per second: every GPU's, or every host's CPU
+    source: str  # where the figure comes from, in words
+
+
+def gpu_table_peak(name: str) -> float | None:
+    for known, tflops in GPU_PEAK_TFLOPS:
+        if known.lower() in name.lower():
+            return tflops * 1e12
+    return None
+
+
+def run_peak(precision: str, peak_tflops: float | None, world_size: int, ranks_per_host: int) -> Peak:
+    """The peak of the devices the run trains on, at its precision ("no", "bf16", "fp16"). A GPU is a device
+    per rank; on CPUs the ranks of a host share its cores, so a host is the device (see the module's text)."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    devices = world_size if cuda else max(1, world_size // max(1, ranks_per_host))
+    unit = "GPU" if cuda else "CPU"
+    times = f"{devices} × " if devices > 1 else ""
+    if peak_tflops:
+        return Peak(peak_tflops * 1e12 * devices, f"{times}{peak_tflops:g} TFLOPS per {unit} (peak_tflops)")
+    dtype = {"no": "fp32"}.get(precision, precision)
+    if cuda:
+        name = torch.cuda.get_device_name(0)
+        table = gpu_table_peak(name) if precision in ("bf16", "fp16") else None
+        if table:
+            return Peak(table * devices, f"{times}{table / 1e12:g} TFLOPS ({name}, dense {dtype}, data sheet)")
+    threads = min(_cores(), torch.get_num_threads() * max(1, ranks_per_host))
+    flops, where = measured_peak(precision, threads)
+    article = "an" if dtype.startswith("f") else "a"  # (an fp32, a bf16)
+    return Peak(flops * devices, f"{times}{flops / 1e9:,.0f} GFLOPS ({article} {dtype} matmul measured on {where})")
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def measured_peak(precision: str, threads: int = 1) -> tuple[float, str]:
+    """The best of PROBE_REPEATS square matmuls at the precision's dtype: on the GPU, or on `threads` threads
+    of this CPU whatever this process's own thread count. Measured once and cached; ranks starting together
+    take turns (a lock), so each reads the figure the first one wrote."""
+    import fcntl
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    where = torch.cuda.get_device_name(0) if cuda else f"{_cpu_name()}, {threads} thread{'s' if threads != 1 else ''}"
+    key = f"{where} | {str(dtype).removeprefix('torch.')} | torch {torch.__version__}"
+    cache = cache_root() / PEAK_CACHE
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(cache.with_suffix(".lock"), "a")
+    except OSError:  # a read-only home: measure, and measure again next time
+        lock = None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        known = _read_cache(cache)
+        if key not in known:
+            known[key] = _probe("cuda" if cuda else "cpu", dtype, threads)
+            if lock is not None:
+                _write_cache(cache, known)
+        return float(known[key]), where
+    finally:
+        if lock is not None:
+            lock.close()  # (releases the lock)
+
+
+def _probe(device: str, dtype, threads: int) -> float:
+    import torch
+
+    size = PROBE_SIZE[device]
+    own = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(threads)  # the cores the whole run uses on this host, not this rank's share
+    try:
+        a = torch.randn(size, size, device=device).to(dtype)
+        b = torch.randn(size, size, device=device).to(dtype)
+        best = float("inf")
+        for _ in range(PROBE_REPEATS + 1):  # the first is a warm-up
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            torch.mm(a, b)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(own)
+    return 2 * size**3 / best
+
+
+def _read_cache(cache) -> dict:
+    try:
+        return json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache, known: dict) -> None:
+    """Replaced whole (a reader never sees half a file)."""
+    import tempfile
+
+    try:
+        handle, temp = tempfile.mkstemp(dir=cache.parent, prefix=".peak-")
+        with os.fdopen(handle, "w") as out:
+            json.dump(known, out, indent=1)
+        os.replace(temp, cache)
+    except OSError:
+        pass
+
+
+def mfu(real_tokens_per_second: float | None, per_token: float | None, peak: float | None) -> float | None:
+    """The share of the run's peak (every device's) that its real tokens per second (every rank's) make."""
+    if not (real_tokens_per_second and per_token and peak):
+        return None
+    return real_tokens_per_second * per_token / peak

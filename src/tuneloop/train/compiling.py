@@ -1,0 +1,54 @@
+"""torch.compile for training (axolotl's `torch_compile`, `torch_compile_mode`, `torch_compile_backend` and
+`torch_compile_options`).
+
+What is compiled is the part of the model the step runs: its decoder when the chunked loss meets the output
+projection itself (train/objectives.py), the whole model otherwise. It is compiled in place
+(`nn.Module.compile`), so parameter names, checkpoints and the saved folder are those of the eager model.
+
+Shapes: a padded batch's width changes from step to step, and each new width would be a new graph. Widths are
+rounded up to multiples of 64 under compile (data/collate.py), so few shapes recur; after the second one torch
+marks the width dynamic, compiles once more, and then reuses that graph. The first step pays for compiling:
+the loop times it apart from the steps that follow (loop.py), and the plan says so.
+"""
+
+from __future__ import annotations
+
+from tuneloop.errors import UserError
+
+
+def compiles(cfg) -> bool:
+    """`torch_compile: auto` is true, as in axolotl, whose auto means "torch is recent enough" (2.5.1)."""
+    return cfg.torch_compile in (True, "auto")
+
+
+def compile_for_training(cfg, model) -> str:
+    """Compiles the step's part of `model` in place; returns what was compiled, in words."""
+    from tuneloop.train.objectives import output_head, uses_chunked_loss
+
+    _set_inductor_options(cfg.torch_compile_options or {})
+    options = {"backend": cfg.torch_compile_backend or "inductor"}
+    if cfg.torch_compile_mode:
+        options["mode"] = cfg.torch_compile_mode
+    if uses_chunked_loss(cfg, model):
+        decoder, _ = output_head(model)
+        decoder.compile(**options)
+        return f"the decoder ({type(decoder).__name__}), {options['backend']}"
+    model.compile(**options)
+    return f"the whole model ({type(model).__name__}), {options['backend']}"
+
+
+def _set_inductor_options(flags: dict) -> None:
+    """torch._inductor.config flags by name (a dotted name reaches a sub-section, e.g. `triton.cudagraphs`)."""
+    if not flags:
+        return
+    import torch._inductor.config as inductor
+
+    for name, value in flags.items():
+        section, _, leaf = name.rpartition(".")
+        holder = inductor
+        for part in filter(None, section.split(".")):
+            holder = getattr(holder, part, None)
+        if holder is None or not hasattr(holder, leaf):
+            raise UserError(f"config: `torch_compile_options: {name}` is not a torch._inductor.config flag of "
+                            "this torch; remove it or check its name")
+        setattr(holder, leaf, value)
