@@ -106,14 +106,15 @@ def test_under_compile_widths_round_up_to_64_but_never_past_sequence_len():
 
 @pytest.mark.slow
 def test_a_compiled_run_trains_what_the_eager_run_trains(tmp_path, tiny_model_dir, data):
-    """Three steps eager and compiled (inductor, fp32): the same losses and weights to float tolerance (a
-    compiled kernel sums in another order), the plan says it compiles and pads to 64, the first step is timed
-    apart."""
+    """Three steps eager and compiled (inductor, fp32), with an eval: the same losses, eval loss and weights to
+    float tolerance (a compiled kernel sums in another order), the plan says it compiles and pads to 64, the
+    first step is timed apart."""
     from torch._dynamo.utils import counters
 
     runs, graphs = {}, {}
     for name, compiled in (("eager", False), ("compiled", True)):
-        keys = dict(max_steps=3, torch_compile=compiled, output_dir=str(tmp_path / name))
+        keys = dict(max_steps=3, torch_compile=compiled, output_dir=str(tmp_path / name), val_set_size=0.25,
+                    eval_steps=3)
         config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
         counters.clear()
         result = run_in_process("train", str(config))
@@ -121,7 +122,11 @@ def test_a_compiled_run_trains_what_the_eager_run_trains(tmp_path, tiny_model_di
         runs[name], graphs[name] = result, counters["stats"]["unique_graphs"]
     assert graphs == {"eager": 0, "compiled": graphs["compiled"]} and graphs["compiled"] >= 1  # it did compile
     eager, compiled = (read_metrics(tmp_path / name) for name in ("eager", "compiled"))
-    assert [m["loss"] for m in compiled] == pytest.approx([m["loss"] for m in eager], rel=1e-4)
+    assert [m["loss"] for m in compiled if "loss" in m] == pytest.approx([m["loss"] for m in eager if "loss" in m],
+                                                                       rel=1e-4)
+    # evals run eagerly (no second, gradient-free graph to compile) and agree
+    assert [m["eval_loss"] for m in compiled if "eval_loss" in m] == pytest.approx(
+        [m["eval_loss"] for m in eager if "eval_loss" in m], rel=1e-4)
     weights = {name: load_file(tmp_path / name / "model.safetensors") for name in ("eager", "compiled")}
     for key, value in weights["eager"].items():
         assert torch.allclose(weights["compiled"][key], value, rtol=1e-4, atol=1e-5), key

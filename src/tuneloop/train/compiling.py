@@ -9,9 +9,15 @@ Shapes: a padded batch's width changes from step to step, and each new width wou
 rounded up to multiples of 64 under compile (data/collate.py), so few shapes recur; after the second one torch
 marks the width dynamic, compiles once more, and then reuses that graph. The first step pays for compiling:
 the loop times it apart from the steps that follow (loop.py), and the plan says so.
+
+Evals run the model eagerly (`torch.compiler.set_stance("force_eager")`): without gradients the compiled
+model would compile a second graph, and eval batches bring their own widths. On the quickstart that eval
+compiling took longer than the 14 training steps themselves.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from tuneloop.errors import UserError
 
@@ -35,6 +41,13 @@ def compile_for_training(cfg, model) -> str:
         return f"the decoder ({type(decoder).__name__}), {options['backend']}"
     model.compile(**options)
     return f"the whole model ({type(model).__name__}), {options['backend']}"
+
+
+def eager_for_eval(cfg):
+    """The context evals run in: eager where the model was compiled for training."""
+    import torch
+
+    return torch.compiler.set_stance("force_eager") if compiles(cfg) else contextlib.nullcontext()
 
 
 def _set_inductor_options(flags: dict) -> None:

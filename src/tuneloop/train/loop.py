@@ -32,7 +32,7 @@ from tuneloop.data.collate import Collator
 from tuneloop.flops import mfu
 from tuneloop.plan import TrainingPlan
 from tuneloop.train import checkpoint
-from tuneloop.train.compiling import compile_for_training, compiles
+from tuneloop.train.compiling import compile_for_training, compiles, eager_for_eval
 from tuneloop.train.evaluate import evaluate
 from tuneloop.train.guards import LossWatchdog, StopRequests
 from tuneloop.train.hooks import RunHooks
@@ -220,7 +220,7 @@ class TrainingLoop:
             self.watchdog.check(self.accelerator)
 
     def evaluate(self, step: int) -> None:
-        with self.hooks.phase("eval"):
+        with self.hooks.phase("eval"), eager_for_eval(self.cfg):
             model = self.language_model
             result = evaluate(model, self.eval_batches, self.eval_collate, self.objective, self.accelerator)
             self.record({"step": step, "epoch": self.epoch_at(step), **result})
