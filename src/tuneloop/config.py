@@ -233,6 +233,18 @@ class TuneloopConfig(_Strict):
     save_strategy: Optional[Literal["steps", "epoch", "no"]] = None
     save_total_limit: Optional[int] = None
     seed: int = 42
+    # trackers (trackers.py), as axolotl spells them; metrics.jsonl is always written
+    use_tensorboard: bool = False  # event files in output_dir/runs/
+    use_wandb: Optional[bool] = None  # unset: on when wandb_project is set
+    wandb_project: Optional[str] = None
+    wandb_entity: Optional[str] = None
+    wandb_name: Optional[str] = None
+    wandb_run_id: Optional[str] = None  # continue that run (and its name, when wandb_name is unset)
+    wandb_mode: Optional[Literal["online", "offline", "disabled", "shared"]] = None  # unset: WANDB_MODE or online
+    use_mlflow: Optional[bool] = None  # unset: on when mlflow_experiment_name or mlflow_tracking_uri is set
+    mlflow_tracking_uri: Optional[str] = None
+    mlflow_experiment_name: Optional[str] = None
+    mlflow_run_name: Optional[str] = None
     # resume and failure handling
     resume_from_checkpoint: Optional[str] = None
     auto_resume_from_checkpoints: bool = False
@@ -497,6 +509,9 @@ NOT_RESULT_CHANGING = {
     "loss_watchdog_patience", "early_stopping_patience",
     # speed only: compiling rounds widths up (more padding, the same rows and loss) and peak_tflops scales MFU
     "torch_compile", "torch_compile_mode", "torch_compile_backend", "torch_compile_options", "peak_tflops",
+    # where the metrics go
+    "use_tensorboard", "use_wandb", "wandb_project", "wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode",
+    "use_mlflow", "mlflow_tracking_uri", "mlflow_experiment_name", "mlflow_run_name",
 }
 RUN_LENGTH_KEYS = {"max_steps", "num_epochs"}
 

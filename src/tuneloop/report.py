@@ -41,6 +41,18 @@ def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: d
         lines.append(f"| MFU (model FLOPs utilisation) | {summary['mfu']:.1%} of {plan['peak_source']} |")
     if summary.get("first_step_seconds") is not None and plan.get("torch_compile"):
         lines.append(f"| first step (compiling) | {summary['first_step_seconds']:.1f} s |")
+    seconds = summary.get("seconds") or {}
+    if seconds.get("total") is not None:
+        named = (("data", "data"), ("model_load", "model load"), ("training", "training"), ("eval", "eval"),
+                 ("saving", "saving"))
+        lines.append(f"| wall time | {seconds['total']:.1f} s: " + ", ".join(
+            f"{label} {seconds[key]:.1f} s" for key, label in named if seconds.get(key) is not None) + " |")
+    memory = summary.get("peak_memory_gb") or {}
+    if memory:
+        gpu = memory.get("cuda_allocated")
+        device = f"{gpu:.2f} GB GPU allocated, " if gpu is not None else ""
+        lines.append(f"| peak memory | {device}{memory['host_rss']:.2f} GB host RSS (plan estimate "
+                     f"{memory.get('estimated') or '?'} GB) |")
     if train:
         lines.append(f"| train loss first → last | {train[0]['loss']:.4f} → {train[-1]['loss']:.4f} |")
     if evals:

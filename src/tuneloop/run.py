@@ -20,13 +20,14 @@ launcher stops the other ranks as soon as one exits.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from tuneloop import run_files
 from tuneloop.config import TuneloopConfig, load_config
 from tuneloop.errors import CheckpointFailed, TrainingDiverged, UserError
-from tuneloop.train.hooks import RunHooks
+from tuneloop.train.hooks import RunHooks, TogetherHooks
 
 
 def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
@@ -115,6 +116,8 @@ class TrainingSession:
         self.cfg = cfg
         self.hooks = hooks or RunHooks()
         self.accelerator = None
+        self.trackers = None  # main process: the trackers the config asks for (trackers.py), started with the plan
+        self.seconds: dict[str, float] = {}  # wall time of the steps before the loop: data, model load
 
     def __enter__(self) -> "TrainingSession":
         import torch
@@ -137,12 +140,18 @@ class TrainingSession:
             ignore_memory_estimate: bool = False) -> RunResult:
         """The run; every error it meets comes back in `RunResult.error` (see the module's docstring): each is
         met by every rank at the same point, a main-rank decision being shared before it is acted on."""
+        started = time.perf_counter()
+        result = None
         try:
-            return self._run(overwrite, force_resume, ignore_memory_estimate)
+            result = self._run(overwrite, force_resume, ignore_memory_estimate, started)
+            return result
         except (UserError, TrainingDiverged) as error:
             return RunResult(Path(self.cfg.output_dir), error=error)
+        finally:
+            if self.trackers is not None:  # the summary, when there is one, and the trackers' runs closed
+                self.trackers.finish(result.summary if result is not None else None)
 
-    def _run(self, overwrite: bool, force_resume: bool, ignore_memory_estimate: bool) -> RunResult:
+    def _run(self, overwrite: bool, force_resume: bool, ignore_memory_estimate: bool, started: float) -> RunResult:
         from tuneloop.config import result_settings
         from tuneloop.hardware import check_hardware
         from tuneloop.model import apply_run_template, load_model
@@ -161,25 +170,31 @@ class TrainingSession:
             check_finished_run_matches(output_dir, settings)
             return RunResult(output_dir, already_finished=True)
         # rank 0 fills the data cache, the others read it
+        clock = time.perf_counter()
         tokenizer, prepared = self._on_main_first(lambda: prepare_data(cfg))
+        self.seconds["data"] = time.perf_counter() - clock
         apply_run_template(cfg, tokenizer)  # after the data: a dataset may have asked for the tokenizer's own
         plan = plan_run(cfg, tokenizer, prepared, accelerator.num_processes)
         if not ignore_memory_estimate:
             check_memory_fits(plan, ranks_on_this_host() if accelerator.device.type == "cpu" else 1)
         identity = {"data_key": prepared.cache_dir.name, "settings": settings}
         resume = self._decided_on_main(lambda: self._start_output_dir(plan, identity, overwrite, force_resume))
+        clock = time.perf_counter()
         model = load_model(cfg, tokenizer, checkpoint=resume)
+        self.seconds["model_load"] = time.perf_counter() - clock
+        hooks = self.hooks if self.trackers is None else TogetherHooks(self.hooks, self.trackers)
         try:
             with StopRequests() as stop:
                 loop = TrainingLoop(cfg, plan, prepared, tokenizer, model, accelerator, objective_of(cfg), identity,
-                                    stop, self.hooks, resume_from=resume)
+                                    stop, hooks, resume_from=resume)
                 outcome = loop.run()
         except (TrainingDiverged, CheckpointFailed) as error:  # raised on every rank at the same collective
             return RunResult(output_dir, plan, resumed_from=resume, error=error)
         result = RunResult(output_dir, plan, outcome, resumed_from=resume)
         if self.is_main:
             try:
-                result.summary = write_outputs(output_dir, outcome, plan)
+                result.summary = write_outputs(output_dir, outcome, plan,
+                                               {**self.seconds, "total": time.perf_counter() - started})
             except UserError as error:  # the other ranks are already on their way out
                 result.error = error
         return result
@@ -206,7 +221,19 @@ class TrainingSession:
         for notice in notices:
             self.hooks.notice(notice)
         self.hooks.planned(plan, chosen)
+        self._start_trackers(plan, output_dir)
         return chosen
+
+    def _start_trackers(self, plan, output_dir: Path) -> None:
+        """Main process: the trackers the config asks for, started now so that one that cannot start stops the
+        run before its first step (a UserError, shared with the other ranks like every decision made here)."""
+        from tuneloop.trackers import Trackers, wanted_trackers
+
+        if not wanted_trackers(self.cfg):
+            return
+        self.trackers = Trackers(self.hooks.notice)
+        for where in self.trackers.start(self.cfg, plan, output_dir):
+            self.hooks.told(f"tracking: {where}")
 
     def _decided_on_main(self, decide):
         """`decide()` on the main process; its answer on every rank. A user error there (an output_dir that
@@ -276,12 +303,12 @@ class TrainingSession:
         self.accelerator.end_training()
 
 
-def write_outputs(output_dir: Path, outcome, plan) -> dict:
+def write_outputs(output_dir: Path, outcome, plan, seconds: dict | None = None) -> dict:
     """Main process, after the loop: summary.json and the report. Returns the summary."""
     from tuneloop.report import write_report
 
     try:
-        summary = summary_of(outcome, plan)
+        summary = summary_of(outcome, plan, seconds)
         run_files.write_json(output_dir / run_files.SUMMARY, summary)
         write_report(output_dir)
     except OSError as error:
@@ -293,9 +320,10 @@ def write_outputs(output_dir: Path, outcome, plan) -> dict:
     return summary
 
 
-def summary_of(outcome, plan) -> dict:
+def summary_of(outcome, plan, seconds: dict | None = None) -> dict:
     """The run in numbers. Throughput after the first step is what MFU is taken from: under torch.compile the
-    first step is mostly compiling, and without it the first step still warms up allocators and caches."""
+    first step is mostly compiling, and without it the first step still warms up allocators and caches.
+    `seconds`: the wall time before the loop (data, model_load) and of the whole session (total)."""
     from tuneloop.flops import mfu
 
     def per_second(tokens: int, seconds: float | None) -> float | None:
@@ -313,7 +341,33 @@ def summary_of(outcome, plan) -> dict:
             "mfu": round(utilisation, 4) if utilisation is not None else None,
             "stopped_by": outcome.stopped_by,
             "first_eval_loss": outcome.evals[0]["eval_loss"] if outcome.evals else None,
-            "last_eval_loss": outcome.evals[-1]["eval_loss"] if outcome.evals else None}
+            "last_eval_loss": outcome.evals[-1]["eval_loss"] if outcome.evals else None,
+            "seconds": time_split(outcome, seconds or {}),
+            "peak_memory_gb": peak_memory(plan)}
+
+
+def time_split(outcome, before_loop: dict) -> dict:
+    """Where the session's wall time went. Training is the loop without its evals and checkpoints; the rest of
+    total (planning, the summary) is what none of the parts name."""
+    parts = {"data": before_loop.get("data"), "model_load": before_loop.get("model_load"),
+             "training": outcome.training_seconds, "eval": outcome.eval_seconds, "saving": outcome.save_seconds,
+             "total": before_loop.get("total")}
+    return {name: round(value, 2) if value is not None else None for name, value in parts.items()}
+
+
+def peak_memory(plan) -> dict:
+    """This process's peak resident memory (host), the device's peak allocation where there is one, and the
+    plan's estimate beside them. Reading either costs no device sync."""
+    import resource
+    import sys
+
+    import torch
+
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux, bytes on macOS
+    rss = rss_kb if sys.platform == "darwin" else rss_kb * 1024
+    cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return {"host_rss": round(rss / 1e9, 2), "cuda_allocated": round(cuda / 1e9, 2) if cuda is not None else None,
+            "estimated": plan.estimated_memory_gb}
 
 
 def _forget_accelerate_state() -> None:

@@ -34,11 +34,59 @@ class RunHooks:
         """Main process: something the user should know before training (a damaged checkpoint skipped, a
         resumed run made longer)."""
 
+    def told(self, text: str) -> None:
+        """Main process: a line worth showing that is not a warning (where the trackers write)."""
+
     def logged(self, record: dict) -> None:
         """Main process: every line written to metrics.jsonl (train and eval)."""
+
+    def stepped(self, step: int) -> None:
+        """Main process: after every optimizer step (host-side only: nothing here may wait for the device)."""
 
     def loop_started(self) -> None:
         """Right before the first step of this session."""
 
     def loop_ended(self, model) -> None:
         """Right after the last step, before the final model is written (the unwrapped model)."""
+
+
+class TogetherHooks(RunHooks):
+    """The run's own hooks and observers that watch beside them (trackers). Phases and micro-batches go to
+    the first alone: they are for timing and counting, and a second observer there would cost every step."""
+
+    def __init__(self, first: RunHooks, *others: RunHooks):
+        self.first, self.all = first, (first, *others)
+
+    def phase(self, name: str):
+        return self.first.phase(name)
+
+    def micro_batch(self, batch) -> None:
+        self.first.micro_batch(batch)
+
+    def planned(self, plan, resume_from) -> None:
+        for hooks in self.all:
+            hooks.planned(plan, resume_from)
+
+    def notice(self, text: str) -> None:
+        for hooks in self.all:
+            hooks.notice(text)
+
+    def told(self, text: str) -> None:
+        for hooks in self.all:
+            hooks.told(text)
+
+    def logged(self, record: dict) -> None:
+        for hooks in self.all:
+            hooks.logged(record)
+
+    def stepped(self, step: int) -> None:
+        for hooks in self.all:
+            hooks.stepped(step)
+
+    def loop_started(self) -> None:
+        for hooks in self.all:
+            hooks.loop_started()
+
+    def loop_ended(self, model) -> None:
+        for hooks in self.all:
+            hooks.loop_ended(model)

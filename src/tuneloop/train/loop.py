@@ -54,6 +54,9 @@ class RunOutcome:
     stopped_by: str | None = None  # "signal", "early_stopping" or None (ran the whole plan)
     first_step_seconds: float | None = None  # this session's first step (under torch.compile: compiling)
     first_step_real_tokens: int = 0  # all ranks'
+    eval_seconds: float = 0.0  # every eval of this session (the step-0 one too; a best-model save inside them)
+    save_seconds: float = 0.0  # checkpoints and the final model
+    training_seconds: float = 0.0  # train_seconds without the evals and checkpoints inside the loop
 
 
 class TrainingLoop:
@@ -94,6 +97,7 @@ class TrainingLoop:
                                      streaks=self.state.bad_steps_in_a_row)
         self.loss_window = LossWindow(accelerator.device)
         self.real_tokens = 0  # this session's, on this rank: for throughput, not part of the run state
+        self.seconds = {"eval": 0.0, "save": 0.0}  # this session's wall time in evals and saves
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> RunOutcome:
@@ -107,6 +111,7 @@ class TrainingLoop:
         self.loss_window.restart()
         self.hooks.loop_started()
         train_start = time.perf_counter()
+        outside_steps_before = self.seconds["eval"] + self.seconds["save"]
         first_step = None  # (seconds, real tokens on this rank) of this session's first step
 
         for epoch in range(state.step // plan.steps_per_epoch, plan.epochs_to_run):
@@ -123,6 +128,8 @@ class TrainingLoop:
                                   for micro in batches[start:start + accum] for row in micro)
                 lr, grad_norm = self.train_step(per_rank[self.rank][start:start + accum], step_tokens)
                 step = state.step
+                if self.accelerator.is_main_process:
+                    self.hooks.stepped(step)
                 if first_step is None:
                     first_step = self.time_first_step(train_start)
 
@@ -147,6 +154,7 @@ class TrainingLoop:
 
         self.watchdog.check_before_save(self.accelerator)  # the final model is not saved from a diverged run
         train_seconds = time.perf_counter() - train_start
+        training_seconds = train_seconds - (self.seconds["eval"] + self.seconds["save"] - outside_steps_before)
         self.hooks.loop_ended(self.language_model)
         if stopped_by != "signal":
             self.publish_model(best_instead=stopped_by == "early_stopping" and has_best(self.output_dir))
@@ -156,7 +164,17 @@ class TrainingLoop:
             torch.tensor([self.real_tokens, first_step[1] if first_step else 0], device=device), reduction="sum"))
         return RunOutcome(state.step, state.tokens_seen, train_seconds, real_total,
                           sum(self.gather_counts(state.targets_collated)), state.evals, stopped_by,
-                          first_step[0] if first_step else None, first_real)
+                          first_step[0] if first_step else None, first_real, self.seconds["eval"],
+                          self.seconds["save"], training_seconds)
+
+    @contextlib.contextmanager
+    def timed(self, what: str):
+        """Wall time spent in `what` ("eval" or "save"), for the summary's split of the run's time."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[what] += time.perf_counter() - start
 
     def time_first_step(self, train_start: float) -> tuple[float, int]:
         """The first step's wall time (one device sync). Under torch.compile it is mostly compiling, so the
@@ -220,7 +238,7 @@ class TrainingLoop:
             self.watchdog.check(self.accelerator)
 
     def evaluate(self, step: int) -> None:
-        with self.hooks.phase("eval"), eager_for_eval(self.cfg):
+        with self.hooks.phase("eval"), self.timed("eval"), eager_for_eval(self.cfg):
             model = self.language_model
             result = evaluate(model, self.eval_batches, self.eval_collate, self.objective, self.accelerator)
             self.record({"step": step, "epoch": self.epoch_at(step), **result})
@@ -230,7 +248,7 @@ class TrainingLoop:
                                                on_main=lambda: save_best(model, self.tokenizer, self.output_dir))
 
     def save(self, step: int) -> None:
-        with self.hooks.phase("save"):
+        with self.hooks.phase("save"), self.timed("save"):
             self.watchdog.check_before_save(self.accelerator)  # never checkpoint a diverged model
             self.state.bad_steps_in_a_row = self.watchdog.streaks()
             streaks = self.gather_counts(self.state.bad_steps_in_a_row)
@@ -250,10 +268,11 @@ class TrainingLoop:
 
     def publish_model(self, best_instead: bool) -> None:
         model = self.language_model
-        checkpoint.write_on_every_rank(
-            self.accelerator, self.output_dir, "the final model",
-            on_main=lambda: publish_best(self.output_dir) if best_instead
-            else publish_final(model, self.tokenizer, self.output_dir))
+        with self.timed("save"):
+            checkpoint.write_on_every_rank(
+                self.accelerator, self.output_dir, "the final model",
+                on_main=lambda: publish_best(self.output_dir) if best_instead
+                else publish_final(model, self.tokenizer, self.output_dir))
 
     # ---- small helpers ------------------------------------------------------------------------
     def record(self, metrics: dict) -> None:

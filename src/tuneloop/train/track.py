@@ -1,11 +1,9 @@
-"""Metrics: one JSON object per line in output_dir/metrics.jsonl; progress lines that count against the
-plan's total ("step 7/14", with the time left at the current pace), for whoever shows them; and the
-window of steps a train line averages over."""
+"""Metrics: one JSON object per line in output_dir/metrics.jsonl, and the window of steps a train line
+averages over. (What the console shows of them is console.py's.)"""
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -28,43 +26,6 @@ class MetricsLog:
             # NaN and inf are written as they are (json's NaN/Infinity): a bad loss must never vanish
             handle.write(json.dumps(record) + "\n")
             handle.flush()
-
-
-class ProgressLines:
-    """One line per metrics record, counting against the plan: "step 7/14 | loss 1.23 | … | left ~1m05s"."""
-
-    def __init__(self, total_steps: int, first_step: int = 0):
-        self.total_steps = total_steps
-        self.first_step = first_step  # a resumed run measures its pace from where it started
-        self.started = time.perf_counter()
-
-    def restart(self) -> None:
-        self.started = time.perf_counter()
-
-    def line(self, record: dict) -> str:
-        step = record["step"]
-        parts = [f"step {step}/{self.total_steps}"]
-        for key, value in record.items():
-            if key == "step" or value is None:
-                continue
-            if key == "mfu":
-                parts.append(f"mfu {value:.1%}")
-            elif isinstance(value, float) and math.isfinite(value) and key != "epoch":
-                parts.append(f"{key} {value:.4g}")
-            else:
-                parts.append(f"{key} {value}")
-        done = step - self.first_step
-        if "loss" in record and done > 0 and step < self.total_steps:
-            left = (time.perf_counter() - self.started) / done * (self.total_steps - step)
-            parts.append(f"left ~{format_duration(left)}")
-        return " | ".join(parts)
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
 class LossWindow:
