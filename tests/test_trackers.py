@@ -177,3 +177,17 @@ def test_metrics_lines_become_grouped_tracker_names_and_secrets_stay_out_of_para
     assert run_parameters(config, plan) == {"plan/total_steps": 8, "plan/memory/weights_gb": 0.1,
                                             "plan/warnings": "[]", "config/learning_rate": 1e-3}
     assert redacted("http://u:pw@host:5000/api and https://token@h/x") == "http://***@host:5000/api and https://***@h/x"
+
+
+def test_an_online_wandb_run_without_credentials_is_refused_before_training(tmp_path, tiny_model_dir, monkeypatch):
+    for variable in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb login
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    data = write_jsonl(tmp_path / "data.jsonl", tiny_rows(12))
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=2,
+                                                              wandb_project="p"))
+    result = run_in_process("train", str(config))
+    assert_user_error(result, "wandb: could not start the run", "set WANDB_API_KEY or run `wandb login`",
+                      "`wandb_mode: offline`")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -43,6 +43,8 @@ OLD_BEST = f".old-{BEST}"  # the previous best while save_best replaces it
 # ---- trackers' files (trackers.py)
 TENSORBOARD = "runs"  # as the Trainer names it
 WANDB = "wandb"  # wandb's own folder (an offline run lives there until `wandb sync`)
+# ---- what the use commands write there (use/)
+MERGED = "merged"  # `tuneloop merge-lora`'s default output
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -86,6 +88,7 @@ OUTPUT_FILES = (
     OutputEntry(".rng-*-rank*.pt", "RNG states of a checkpoint in progress"),
     OutputEntry(BEST, "the early-stopping best model"), OutputEntry(OLD_BEST, "the previous best model"),
     OutputEntry(TENSORBOARD, "TensorBoard event files"), OutputEntry(WANDB, "wandb's run files"),
+    OutputEntry(MERGED, "the merged model (merge-lora)"),
 )
 # Every name tuneloop has written into output_dir, one a line: what `--overwrite` may remove is what is both
 # listed here and an OUTPUT_FILES name, so a user's own README.md or checkpoint-notes.txt is never touched.

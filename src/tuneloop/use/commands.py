@@ -1,0 +1,159 @@
+"""The `infer`, `eval` and `merge-lora` subcommands. Light at import: torch, transformers and peft are imported
+inside the handlers, so `tuneloop --help` stays instant."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from tuneloop.errors import UserError
+
+
+def add_use_commands(commands) -> None:
+    """Registers the three commands on the CLI's subparsers object."""
+    _add_infer(commands)
+    _add_eval(commands)
+    _add_merge(commands)
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser, optional: bool) -> None:
+    parser.add_argument("config", nargs="?" if optional else None, help="the run's YAML file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key (value parsed as YAML); repeatable")
+
+
+def _add_infer(commands) -> None:
+    infer = commands.add_parser("infer", help="complete prompts with a trained model (jsonl on stdout), or chat")
+    _add_config_arguments(infer, optional=True)
+    infer.add_argument("--model", metavar="DIR",
+                       help="a model folder (config.json and weights) or a LoRA adapter folder, instead of CONFIG")
+    infer.add_argument("--base", metavar="DIR", help="an adapter's base model, instead of the one it names")
+    infer.add_argument("--prompts", metavar="FILE", help="prompts: .jsonl rows with `prompt` or `messages`, else "
+                       "one prompt a line (default: stdin)")
+    infer.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="the longest completion (128)")
+    infer.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (the default): greedy")
+    infer.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (1.0: off)")
+    infer.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling")
+    infer.add_argument("--batch-size", type=int, default=8, metavar="B",
+                       help="prompts generated together (8); halved on out-of-memory")
+    infer.add_argument("--raw", action="store_true",
+                       help="plain prompts as raw text, without the tokenizer's chat template")
+    infer.add_argument("--chat", action="store_true", help="a conversation: one user turn a line on stdin")
+    infer.set_defaults(handler=command_infer)
+
+
+def _add_eval(commands) -> None:
+    evaluate = commands.add_parser("eval", help="the config's eval set through the trained model (or --model)")
+    _add_config_arguments(evaluate, optional=False)
+    evaluate.add_argument("--model", metavar="DIR",
+                          help="evaluate this model folder or adapter instead of output_dir (the base, say)")
+    evaluate.add_argument("--output", metavar="FILE", help="also write the result to FILE as JSON")
+    evaluate.set_defaults(handler=command_eval)
+
+
+def _add_merge(commands) -> None:
+    merge = commands.add_parser("merge-lora", help="fold a LoRA adapter into its base: a plain model folder")
+    _add_config_arguments(merge, optional=True)
+    merge.add_argument("--adapter", metavar="DIR", help="the adapter folder, instead of CONFIG's output_dir")
+    merge.add_argument("--base", metavar="DIR", help="the base model, instead of the one the adapter names")
+    merge.add_argument("--output", metavar="DIR", help="where the merged model goes (default: OUTPUT_DIR/merged, "
+                       "or ADAPTER/merged); it must not exist or be empty")
+    merge.set_defaults(handler=command_merge)
+
+
+def load_config(args):
+    """The run's config, its warnings on stderr."""
+    from tuneloop.run import load_run_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_run_config(args.config, args.set)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    return cfg
+
+
+def _one_source(args, command: str, flag: str) -> None:
+    if (args.config is None) == (getattr(args, flag.strip("-")) is None):
+        raise UserError(f"{command}: give CONFIG or {flag} DIR (one of them)")
+
+
+# ---- infer ---------------------------------------------------------------------------------------
+
+def command_infer(args) -> int:
+    from tuneloop.use.generate import GenerationSettings, chat, generate_all, print_rows, read_prompts
+
+    _one_source(args, "infer", "--model")
+    if args.chat and args.prompts:
+        raise UserError("infer: --chat reads the conversation from stdin; drop --prompts (or --chat)")
+    settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.batch_size,
+                                  use_template=not args.raw)
+    settings.check()
+    prompts = None if args.chat else read_prompts(args.prompts)  # a bad file is said before the model loads
+    model, tokenizer = load_for_inference(args)
+    if args.chat:
+        chat(model, tokenizer, settings)
+        return 0
+    print_rows(prompts, generate_all(model, tokenizer, prompts, settings))
+    return 0
+
+
+def load_for_inference(args):
+    """(model, tokenizer): CONFIG's output_dir (an adapter there sits on the config's base_model) or --model."""
+    from tuneloop.use.folders import find_model_folder, load_model_from, load_tokenizer_of
+    from tuneloop.use.generate import prepare_for_generation
+
+    trust_remote_code = False
+    if args.config is not None:
+        cfg = load_config(args)
+        trust_remote_code = cfg.trust_remote_code
+        folder = find_model_folder(cfg.output_dir, "infer: output_dir", base=args.base or cfg.base_model,
+                                   no_model_hint="; train first (`tuneloop train CONFIG`), or give --model DIR")
+    else:
+        folder = find_model_folder(args.model, "infer: --model", base=args.base)
+    tokenizer = load_tokenizer_of(folder)
+    model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
+    return prepare_for_generation(model), tokenizer
+
+
+# ---- eval ----------------------------------------------------------------------------------------
+
+def command_eval(args) -> int:
+    from tuneloop.use.evaluate_model import evaluate_model
+
+    result = evaluate_model(load_config(args), args.model)
+    text = json.dumps(result)
+    if args.output:
+        _write(Path(args.output), json.dumps(result, indent=2) + "\n", "eval: --output")
+    print(text, flush=True)
+    return 0
+
+
+def _write(path: Path, text: str, flag: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as error:
+        raise UserError(f"{flag} {path}: cannot write it ({error.strerror or error})") from None
+
+
+# ---- merge-lora ----------------------------------------------------------------------------------
+
+def command_merge(args) -> int:
+    from tuneloop.run_files import MERGED
+    from tuneloop.use.merge import adapter_folder, merge_lora
+
+    _one_source(args, "merge-lora", "--adapter")
+    trust_remote_code = False
+    if args.config is not None:
+        cfg = load_config(args)
+        trust_remote_code = cfg.trust_remote_code
+        folder = adapter_folder(cfg.output_dir, "output_dir", args.base or cfg.base_model)
+    else:
+        folder = adapter_folder(args.adapter, "--adapter", args.base)
+    output = Path(args.output).expanduser() if args.output else folder.path / MERGED
+    print(f"merged model saved to {merge_lora(folder, output, trust_remote_code)}", flush=True)
+    return 0

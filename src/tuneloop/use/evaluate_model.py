@@ -1,0 +1,80 @@
+"""`tuneloop eval CONFIG`: the config's eval set through a model, measured exactly as the run measures it.
+
+The same prepared rows, the same eval micro-batches and collator as the training loop builds, the same
+objective and precision, and the model in the config's weights dtype and attention: so on the run's own
+output_dir it reproduces the run's last eval, and `--model BASE` says what training changed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tuneloop.errors import UserError
+from tuneloop.use.folders import ModelFolder, find_model_folder, load_model_from
+
+
+def check_has_eval_set(cfg) -> None:
+    if not cfg.val_set_size and not cfg.test_datasets:
+        raise UserError("eval: the config has no eval set; set `val_set_size` (a fraction of the data held out, "
+                        "e.g. 0.05) or `test_datasets` (files of their own)")
+
+
+def eval_folder(cfg, model: str | None) -> ModelFolder:
+    """`--model DIR`, else the run's output_dir (an adapter there sits on the config's base_model)."""
+    if model is not None:
+        return find_model_folder(model, "eval: --model")
+    output_dir = Path(cfg.output_dir)
+    found = find_model_folder(output_dir, "eval: output_dir", no_model_hint=(
+        "; train first (`tuneloop train CONFIG`), or name a model with --model DIR"))
+    return ModelFolder(found.path, cfg.base_model) if found.is_adapter else found
+
+
+def evaluate_model(cfg, model: str | None = None) -> dict:
+    """{"model", "eval_loss", "eval_perplexity", "eval_token_accuracy", "eval_tokens"} of the config's eval set."""
+    check_has_eval_set(cfg)
+    folder = eval_folder(cfg, model)
+
+    import numpy as np
+    import torch
+    from accelerate import Accelerator
+
+    from tuneloop.data.batching import epoch_micro_batches
+    from tuneloop.data.collate import Collator
+    from tuneloop.hardware import mixed_precision
+    from tuneloop.run import _forget_accelerate_state, plan_run, prepare_data
+    from tuneloop.train.evaluate import evaluate
+    from tuneloop.train.objectives import objective_of
+
+    tokenizer, prepared = prepare_data(cfg)
+    if prepared.eval is None or len(prepared.eval) == 0:
+        raise UserError("eval: the eval set is empty after preparing the data (every held-out row was dropped or "
+                        "the split gave none); raise `val_set_size` or check `test_datasets`")
+    plan = plan_run(cfg, tokenizer, prepared, world_size=1)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(cfg))
+    try:
+        loaded = load_for_eval(cfg, folder, len(tokenizer)).to(accelerator.device)
+        spec = plan.eval_batching  # as TrainingLoop builds them: the run's own eval batches
+        batches = epoch_micro_batches(np.asarray(prepared.eval["length"]), spec, 0, shuffle=False, even=False)[0]
+        collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
+                           padding=plan.padding.unfixed())
+        result = evaluate(loaded, batches, collate, objective_of(cfg), accelerator)
+    finally:
+        _forget_accelerate_state()  # the next command in this process may ask for another precision
+    return {"model": str(folder.path), **result}
+
+
+def load_for_eval(cfg, folder: ModelFolder, vocabulary: int):
+    """In the config's weights dtype and attention, as the run loaded it; the cache off, as in training (packed
+    rows need it off)."""
+    from tuneloop.hardware import attention_implementation
+    from tuneloop.model import model_class, model_config, weights_dtype
+
+    # the run's base gets the run's config (overrides_of_model_config applied), as load_model gives it
+    base_config = model_config(cfg) if folder.is_adapter and folder.base == cfg.base_model else None
+    model = load_model_from(folder, weights_dtype(cfg), attn_implementation=attention_implementation(cfg)[0],
+                            model_class=model_class(cfg), base_config=base_config,
+                            trust_remote_code=cfg.trust_remote_code, vocabulary=vocabulary)
+    model.config.use_cache = False
+    if not folder.is_adapter and vocabulary > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(vocabulary)  # a base model next to a run that added tokens
+    return model

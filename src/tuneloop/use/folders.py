@@ -1,0 +1,120 @@
+"""Model folders as the `use` commands meet them: a full model (config.json and weights) or a LoRA adapter
+(adapter_config.json, its base model named inside), loaded for inference or evaluation."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tuneloop.errors import UserError
+
+ADAPTER_CONFIG = "adapter_config.json"
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+@dataclass(frozen=True)
+class ModelFolder:
+    path: Path
+    base: str | None = None  # an adapter's base model (a local folder or a hub name); None: a full model
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.base is not None
+
+
+def find_model_folder(path: str | Path, flag: str, base: str | None = None, no_model_hint: str = "") -> ModelFolder:
+    """The folder `flag` names, as a full model or an adapter whose base is `base` if given, else the one its
+    adapter_config.json names. `no_model_hint` ends the message when the folder holds neither."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"{flag}: {folder} is not a folder{no_model_hint}")
+    if (folder / ADAPTER_CONFIG).is_file():
+        return ModelFolder(folder, base or adapter_base(folder))
+    if (folder / "config.json").is_file() and any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        return ModelFolder(folder)
+    raise UserError(f"{flag}: {folder} holds no model: neither config.json with weights (a full model) nor "
+                    f"{ADAPTER_CONFIG} (a LoRA adapter){no_model_hint}")
+
+
+def adapter_base(folder: Path) -> str:
+    """The base model the adapter was trained on, as its adapter_config.json names it (tuneloop writes the
+    base_model path of the run there)."""
+    try:
+        base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as error:
+        raise UserError(f"model: cannot read {folder / ADAPTER_CONFIG}: {error}") from None
+    if not base:
+        raise UserError(f"model: {folder / ADAPTER_CONFIG} names no base model (base_model_name_or_path); "
+                        "give it with --base DIR")
+    return base
+
+
+def check_base_reachable(folder: ModelFolder) -> None:
+    """A local base that moved or was deleted since training: said before anything is loaded."""
+    base = folder.base
+    if base and base.startswith(("/", "./", "../", "~")) and not Path(base).expanduser().is_dir():
+        raise UserError(f"model: the adapter in {folder.path} was trained on {base}, which is not there; give the "
+                        "base model's folder with --base DIR")
+
+
+def load_tokenizer_of(folder: ModelFolder):
+    """The tokenizer saved with the model (a tuneloop run saves the run's tokenizer and chat template next to
+    the weights or the adapter), else the base model's."""
+    from transformers import AutoTokenizer
+
+    sources = [folder.path] + ([folder.base] if folder.is_adapter else [])
+    for source in sources:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, TypeError):
+            continue
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token  # padded positions are masked: any id will do
+        return tokenizer
+    raise UserError(f"model: no tokenizer in {folder.path}" + (f" nor in {folder.base}" if folder.is_adapter else ""))
+
+
+def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | None = None, model_class=None,
+                    base_config=None, trust_remote_code: bool = False, vocabulary: int | None = None):
+    """The model of a full folder, or the adapter on its base (not merged). `vocabulary`: the tokenizer's
+    length; a base with fewer embedding rows is grown first, as the run grew it before training the adapter."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a loading bar per file would mix into the output
+    loader = model_class or AutoModelForCausalLM
+    options = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        options["attn_implementation"] = attn_implementation
+    if not folder.is_adapter:
+        try:
+            return loader.from_pretrained(folder.path, **options)
+        except (OSError, ValueError, SafetensorError) as error:
+            raise UserError(f"model: cannot load {folder.path}: {type(error).__name__}: {error}") from None
+    check_base_reachable(folder)
+    if base_config is not None:
+        options["config"] = base_config
+    try:
+        base = loader.from_pretrained(folder.base, **options)
+    except (OSError, ValueError, SafetensorError) as error:
+        raise UserError(f"model: cannot load {folder.base}, the base model of the adapter in {folder.path} "
+                        f"({type(error).__name__}: {error}); give the base model's folder with --base DIR") from None
+    if vocabulary and vocabulary > base.get_input_embeddings().weight.shape[0]:
+        base.resize_token_embeddings(vocabulary)
+    return attach_adapter(base, folder.path)
+
+
+def attach_adapter(base, adapter_dir: Path):
+    import warnings
+
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft's own deprecation notices, not the user's concern
+        try:
+            return PeftModel.from_pretrained(base, str(adapter_dir))
+        except (OSError, ValueError, RuntimeError) as error:  # a damaged adapter, or one for another base
+            raise UserError(f"model: cannot load the adapter in {adapter_dir} on its base: "
+                            f"{type(error).__name__}: {error}") from None

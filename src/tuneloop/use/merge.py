@@ -1,0 +1,64 @@
+"""`tuneloop merge-lora`: a LoRA adapter folded into its base, saved as a plain Hugging Face model folder
+that loads without peft (for serving, conversion, or another round of training).
+
+The merged model is written into a hidden sibling folder and renamed into place when complete, so a kill
+or a full disk never leaves a half-written folder where `from_pretrained` would find it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from tuneloop import run_files
+from tuneloop.errors import UserError
+from tuneloop.use.folders import ADAPTER_CONFIG, ModelFolder, adapter_base
+
+
+def adapter_folder(path: str | Path, flag: str, base: str | None) -> ModelFolder:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"merge-lora: {flag} {folder} is not a folder")
+    if not (folder / ADAPTER_CONFIG).is_file():
+        if (folder / "config.json").is_file():
+            raise UserError(f"merge-lora: {flag} {folder} is already a full model (config.json, no "
+                            f"{ADAPTER_CONFIG}): there is no adapter to merge; use it as it is")
+        raise UserError(f"merge-lora: {flag} {folder} holds no LoRA adapter ({ADAPTER_CONFIG} is missing)")
+    return ModelFolder(folder, base or adapter_base(folder))
+
+
+def check_output_free(output: Path) -> None:
+    """Never written over: the folder may hold something that is not ours."""
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise UserError(f"merge-lora: {output} exists and is not empty; choose another folder with --output, or "
+                        "remove it yourself")
+
+
+def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = False) -> Path:
+    """The merged model and the adapter's tokenizer (the run's, with its chat template) in `output`."""
+    check_output_free(output)
+    from tuneloop.use.folders import load_model_from, load_tokenizer_of
+
+    tokenizer = load_tokenizer_of(folder)
+    # the base in its own dtype: the merged weights are what serving the base in that dtype would compute with
+    model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
+    merged = model.merge_and_unload()
+    merged.config.use_cache = True  # for whoever generates next
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temp = Path(tempfile.mkdtemp(prefix=f".tmp-{output.name}-", dir=output.parent))
+    try:
+        merged.save_pretrained(temp)  # (transformers 5 writes safetensors only)
+        tokenizer.save_pretrained(temp)
+        run_files.make_readable(temp)  # mkdtemp's folder is private (0700); a model is for others to read too
+        run_files.fsync_files(temp)
+        check_output_free(output)  # again: the folder may have been filled while we merged
+        if output.parent.resolve() == folder.path.resolve() and run_files.is_tuneloop_run(folder.path):
+            run_files.record(folder.path, output.name)  # the run's: `train --overwrite` may clear it
+        os.replace(temp, output)  # over an empty folder, or none: atomic within one file system
+        run_files.fsync_folder_entry(output.parent)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)  # ours alone: the output folder was never touched
+        raise
+    return output
