@@ -19,14 +19,9 @@ TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
 
 
 def _config(args):
-    from tuneloop.run import load_run_config
+    from tuneloop.console import load_config_saying_warnings
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg = load_run_config(args.config, args.set)
-    for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
-    return cfg
+    return load_config_saying_warnings(args)
 
 
 def command_check(args) -> int:

@@ -22,6 +22,20 @@ REDRAW_SECONDS = 0.2  # at most five redraws a second: a fast run's steps would 
 BAR_WIDTH = 20
 
 
+def load_config_saying_warnings(args):
+    """The run's config from a command's CONFIG and --set arguments, its warnings said on stderr."""
+    import warnings
+
+    from tuneloop.run import load_run_config
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_run_config(args.config, args.set)
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    return cfg
+
+
 def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import warnings
 from pathlib import Path
 
 from tuneloop.errors import UserError
@@ -65,15 +63,9 @@ def _add_merge(commands) -> None:
 
 
 def load_config(args):
-    """The run's config, its warnings on stderr."""
-    from tuneloop.run import load_run_config
+    from tuneloop.console import load_config_saying_warnings
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        cfg = load_run_config(args.config, args.set)
-    for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
-    return cfg
+    return load_config_saying_warnings(args)
 
 
 def _one_source(args, command: str, flag: str) -> None:
