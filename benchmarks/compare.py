@@ -50,6 +50,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tuneloop.data.token_store import TokenRows  # light (numpy): the prepared rows, memory-mapped
 from tuneloop.train.hooks import RunHooks  # light: torch and transformers load in the children
 
 # name -> (what runs, its precision). "fp32" rows compare the loops on the same arithmetic; "defaults" rows are
@@ -458,12 +459,11 @@ def eval_loss_per_token(model, eval_cache: str, pad_token_id: int, device: str, 
     """Mean cross-entropy per target token over the held-out rows: the same function for every variant."""
     import contextlib
 
-    import datasets
     import torch
     import torch.nn.functional as F
 
-    data = datasets.load_from_disk(eval_cache)
-    ids_all, labels_all = list(data["input_ids"]), list(data["labels"])
+    data = TokenRows(eval_cache)
+    ids_all, labels_all = data["input_ids"], data["labels"]
     order = sorted(range(len(ids_all)), key=lambda i: len(ids_all[i]))
     was_training = model.training
     model.eval()
@@ -602,13 +602,12 @@ def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
 
 
 def child_trainer(job: dict, group_by_length: bool) -> dict:
-    import datasets
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 
     device = job["device"]
     tokenizer = job_tokenizer(job)
     model = load_hf_model(job)
-    train = datasets.load_from_disk(job["train_cache"])  # input_ids, labels (+ length, n_targets: unused)
+    train = TokenRows(job["train_cache"]).to_datasets()  # input_ids, labels (+ length, n_targets: unused)
     collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True))  # pads labels with -100
 
     class Clock(TrainerCallback):
@@ -644,7 +643,6 @@ def child_trainer(job: dict, group_by_length: bool) -> dict:
 
 def child_bare(job: dict, profile: bool = False) -> dict:
     """A bare Accelerate loop, written as in Accelerate's docs (gradient accumulation guide)."""
-    import datasets
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -658,7 +656,7 @@ def child_bare(job: dict, profile: bool = False) -> dict:
     set_seed(job["seed"])
     tokenizer = job_tokenizer(job)
     model = load_hf_model(job)
-    train = datasets.load_from_disk(job["train_cache"]).select_columns(["input_ids", "labels"])
+    train = TokenRows(job["train_cache"]).to_datasets().select_columns(["input_ids", "labels"])
     collator = CountingCollator(DataCollatorForSeq2Seq(tokenizer, padding=True))
     # Identical batches: the bare loop takes the very micro-batches the `tuneloop` row trains on (its seeded
     # epoch-0 order), so the two differ only in the loop around them — the overhead comparison. Otherwise it is
@@ -669,7 +667,7 @@ def child_bare(job: dict, profile: bool = False) -> dict:
     from tuneloop.data.batching import epoch_micro_batches
     from tuneloop.plan import train_spec
 
-    lengths = np.asarray(datasets.load_from_disk(job["train_cache"])["length"])
+    lengths = np.asarray(TokenRows(job["train_cache"])["length"])
     micro_batches = epoch_micro_batches(lengths, train_spec(load_config(job["config_path"]), 1), 0)[0]
     batch_sampler = [[row[0] for row in micro] for micro in micro_batches]
     dataloader = DataLoader(train, batch_sampler=batch_sampler, collate_fn=collator)

@@ -2,4 +2,5 @@ import sys
 
 from tuneloop.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # (a spawned worker process imports this module without running the command)
+    sys.exit(main())

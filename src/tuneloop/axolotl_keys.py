@@ -75,7 +75,7 @@ SPEED_OR_LOGGING = _keys("""
     otel_metrics_host otel_metrics_port gradio_title gradio_share gradio_server_name gradio_server_port
     gradio_max_new_tokens gradio_temperature eval_table_size eval_max_new_tokens s2_attention flash_attn_rms_norm
     strict resize_token_embeddings_to_32x dynamic_checkpoint skip_prepare_dataset num_dataset_shards_to_save
-    dataset_processes dataset_num_proc dataset_keep_in_memory dataloader_pin_memory dataloader_num_workers
+    dataset_keep_in_memory dataloader_pin_memory dataloader_num_workers
     dataloader_prefetch_factor dataloader_drop_last accelerator_config remove_unused_columns push_dataset_to_hub
     hf_use_auth_token device_map ddp_timeout ddp_bucket_cap_mb ddp_broadcast_buffers ddp_find_unused_parameters
     do_causal_lm_eval eval_causal_lm_metrics do_bench_eval bench_dataset bench_split gc_steps

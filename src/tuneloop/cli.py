@@ -39,25 +39,32 @@ def command_check(args) -> int:
 
 
 def command_plan(args) -> int:
+    from tuneloop.console import ConsoleHooks
     from tuneloop.plan import describe, world_size_from_env
     from tuneloop.run import plan_run, prepare_data
 
     cfg = _config(args)
-    tokenizer, prepared = prepare_data(cfg)
+    hooks = ConsoleHooks(sys.stderr if args.json else None)  # (--json keeps stdout for the plan alone)
+    tokenizer, prepared = prepare_data(cfg, hooks=hooks)
+    hooks.prepared()
     plan = plan_run(cfg, tokenizer, prepared, args.world_size or world_size_from_env())
     print(json.dumps(plan.to_json(), indent=2) if args.json else describe(plan))
     return 0
 
 
 def command_preprocess(args) -> int:
+    from tuneloop.console import ConsoleHooks
     from tuneloop.run import prepare_data
 
     cfg = _config(args)
-    tokenizer, prepared = prepare_data(cfg, force=args.force)
+    hooks = ConsoleHooks()
+    tokenizer, prepared = prepare_data(cfg, force=args.force, hooks=hooks)
+    hooks.prepared()
     stats = prepared.stats
     print(f"prepared {stats.train_rows} train and {stats.eval_rows} eval rows from {stats.rows_read} read "
           f"({stats.dropped_too_long} longer than sequence_len={cfg.sequence_len} dropped, "
-          f"{stats.dropped_no_trained_tokens} with no trained tokens dropped) into {prepared.cache_dir}")
+          f"{stats.dropped_no_trained_tokens} with no trained tokens dropped) into {prepared.cache_dir}"
+          f"{f' with {prepared.worker_processes} worker processes' if prepared.worker_processes else ''}")
     for index in range(min(args.show, stats.train_rows)):
         row = prepared.train[index]
         print(f"\n--- row {index} ({row['length']} tokens, {row['n_targets']} trained; trained text "

@@ -233,6 +233,7 @@ class TuneloopConfig(_Strict):
     save_strategy: Optional[Literal["steps", "epoch", "no"]] = None
     save_total_limit: Optional[int] = None
     seed: int = 42
+    dataset_processes: Optional[int] = None  # processes that tokenize the data (default: every core available)
     # trackers (trackers.py), as axolotl spells them; metrics.jsonl is always written
     use_tensorboard: bool = False  # event files in output_dir/runs/
     use_wandb: Optional[bool] = None  # unset: on when wandb_project is set
@@ -343,7 +344,7 @@ class TuneloopConfig(_Strict):
                           "logging, so tuneloop trains without it.", UserWarning, stacklevel=2)
         return value
 
-    @field_validator("max_steps", "eval_batch_size", "batch_size",
+    @field_validator("max_steps", "eval_batch_size", "batch_size", "dataset_processes",
                      "save_total_limit", "loss_watchdog_patience", "early_stopping_patience")
     @classmethod
     def _positive_or_none(cls, value):
@@ -509,6 +510,8 @@ NOT_RESULT_CHANGING = {
     "loss_watchdog_patience", "early_stopping_patience",
     # speed only: compiling rounds widths up (more padding, the same rows and loss) and peak_tflops scales MFU
     "torch_compile", "torch_compile_mode", "torch_compile_backend", "torch_compile_options", "peak_tflops",
+    # how fast the data is prepared (the cache's bytes are the same for any process count)
+    "dataset_processes",
     # where the metrics go
     "use_tensorboard", "use_wandb", "wandb_project", "wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode",
     "use_mlflow", "mlflow_tracking_uri", "mlflow_experiment_name", "mlflow_run_name",
@@ -540,7 +543,8 @@ DATASET_KEYS = set(DatasetConfig.model_fields)
 CUSTOM_FORMAT_KEYS = set(CustomFormat.model_fields)
 # axolotl's other names for keys tuneloop implements (its remapped and deprecated spellings)
 ALIASES = {"type_of_model": "model_type", "model_revision": "revision_of_model",
-           "model_config": "overrides_of_model_config", "evaluation_strategy": "eval_strategy"}
+           "dataset_num_proc": "dataset_processes", "model_config": "overrides_of_model_config",
+           "evaluation_strategy": "eval_strategy"}
 AXOLOTL_TOP_LEVEL = (set(axolotl_keys.SPEED_OR_LOGGING) | axolotl_keys.LAUNCHER | set(axolotl_keys.REFUSED)
                      | axolotl_keys.REMOVED)
 

@@ -164,6 +164,43 @@ class ProgressBar:
             self.visible = False
 
 
+class PrepareProgress:
+    """Data preparation as it goes: one line redrawn on a terminal, else a plain line every PLAIN_EVERY seconds:
+    rows read, the share of the data files read, rows/s, and the time left at that pace."""
+
+    PLAIN_EVERY = 15.0
+
+    def __init__(self, stream, live: bool):
+        self.stream, self.live = stream, live
+        self.started = time.perf_counter()
+        self.shown_at = self.started  # a preparation shorter than the first interval says nothing
+        self.visible = False
+
+    def update(self, rows_read: int, fraction: float) -> None:
+        now = time.perf_counter()
+        if now - self.shown_at < (REDRAW_SECONDS if self.live else self.PLAIN_EVERY):
+            return
+        elapsed = now - self.started
+        text = f"preparing data: {rows_read:,} rows read ({fraction:.0%} of the files)"
+        if elapsed > 0:
+            text += f" | {rows_read / elapsed:,.0f} rows/s"
+        if 0 < fraction < 1:
+            text += f" | left {format_duration(elapsed / fraction * (1 - fraction))}"
+        if self.live:
+            self.stream.write(f"\r{text}\x1b[K")
+            self.stream.flush()
+            self.visible = True
+        else:
+            print(text, file=self.stream, flush=True)
+        self.shown_at = now
+
+    def close(self) -> None:
+        if self.visible:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.visible = False
+
+
 class ConsoleHooks(RunHooks):
     """The plan, then a live bar on a terminal or a progress line per metrics record elsewhere."""
 
@@ -172,11 +209,24 @@ class ConsoleHooks(RunHooks):
         self.err = err or sys.stderr
         self.live = self.stream.isatty()
         self.progress = None  # a ProgressBar (terminal) or ProgressLines, once the plan is known
+        self.preparation = None  # a PrepareProgress while a data cache is built
+
+    def preparing(self, rows_read: int, fraction: float) -> None:
+        if self.preparation is None:
+            self.preparation = PrepareProgress(self.stream, self.live)
+        self.preparation.update(rows_read, fraction)
+
+    def prepared(self) -> None:
+        """The data is ready: the preparation line, if one was drawn, ends."""
+        if self.preparation is not None:
+            self.preparation.close()
+            self.preparation = None
 
     def planned(self, plan, resume_from) -> None:
         from tuneloop.plan import describe
         from tuneloop.run_files import step_of
 
+        self.prepared()
         print(describe(plan), file=self.stream, flush=True)
         first_step = 0
         if resume_from is not None:
@@ -192,6 +242,7 @@ class ConsoleHooks(RunHooks):
         self._say(text, self.stream)
 
     def _say(self, text: str, stream) -> None:
+        self.prepared()
         if isinstance(self.progress, ProgressBar):
             self.progress.above(text, stream)
         else:

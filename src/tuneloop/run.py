@@ -37,8 +37,9 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> Tunel
     return resolve_aliases(load_config(path, overrides))
 
 
-def prepare_data(cfg: TuneloopConfig, force: bool = False):
-    """(tokenizer, prepared data): the rows tokenized, masked and cached once (data/prepare.py)."""
+def prepare_data(cfg: TuneloopConfig, force: bool = False, hooks: RunHooks | None = None):
+    """(tokenizer, prepared data): the rows tokenized, masked and cached once (data/prepare.py); `hooks` hear of
+    the progress of a cache being built, and of what the user should know about it."""
     from transformers.utils import logging as transformers_logging
 
     from tuneloop.data.prepare import prepare
@@ -46,7 +47,8 @@ def prepare_data(cfg: TuneloopConfig, force: bool = False):
 
     transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
     tokenizer = load_tokenizer(cfg)
-    return tokenizer, prepare(cfg, tokenizer, force=force)
+    hooks = hooks or RunHooks()
+    return tokenizer, prepare(cfg, tokenizer, force=force, report=hooks.preparing, notice=hooks.notice)
 
 
 def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
@@ -171,7 +173,7 @@ class TrainingSession:
             return RunResult(output_dir, already_finished=True)
         # rank 0 fills the data cache, the others read it
         clock = time.perf_counter()
-        tokenizer, prepared = self._on_main_first(lambda: prepare_data(cfg))
+        tokenizer, prepared = self._on_main_first(lambda: prepare_data(cfg, hooks=self.hooks))
         self.seconds["data"] = time.perf_counter() - clock
         apply_run_template(cfg, tokenizer)  # after the data: a dataset may have asked for the tokenizer's own
         plan = plan_run(cfg, tokenizer, prepared, accelerator.num_processes)

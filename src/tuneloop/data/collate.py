@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tuneloop.data.labels import IGNORE_INDEX, shifted_targets
@@ -71,10 +72,8 @@ def round_up(value: int, multiple: int) -> int:
 
 
 class Collator:
-    def __init__(self, dataset, pad_token_id: int, packed: bool, padding: Padding | None = None):
-        # Arrow rows are read once into Python lists: indexing them per batch is then cheap
-        self.input_ids = list(dataset["input_ids"])
-        self.labels = list(dataset["labels"])
+    def __init__(self, rows, pad_token_id: int, packed: bool, padding: Padding | None = None):
+        self.rows = rows  # a TokenRows: each sequence's tokens are numpy views of the memory-mapped store
         self.pad_token_id = pad_token_id
         self.packed = packed
         self.padding = padding or Padding(multiple=pad_multiple())
@@ -82,23 +81,21 @@ class Collator:
     def __call__(self, rows: list[list[int]]) -> MicroBatch:
         row_ids, row_targets, row_positions = [], [], []
         for row in rows:
-            ids, targets, positions = [], [], []
-            for index in row:
-                ids.extend(self.input_ids[index])
-                targets.extend(shifted_targets(self.labels[index]))
-                positions.extend(range(len(self.input_ids[index])))
-            row_ids.append(ids)
-            row_targets.append(targets)
-            row_positions.append(positions)
+            ids = [self.rows.tokens("input_ids", index) for index in row]
+            labels = [self.rows.tokens("labels", index) for index in row]
+            row_ids.append(np.concatenate(ids) if ids else np.zeros(0, np.int32))
+            # each sequence is shifted on its own: no sequence predicts the first token of the next
+            row_targets.append(np.concatenate([shifted_targets(label) for label in labels]))
+            row_positions.append(np.concatenate([np.arange(len(sequence)) for sequence in ids]))
         width = self.padding.width(max(len(ids) for ids in row_ids))
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         positions = torch.zeros((len(rows), width), dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
         for i, (ids, tgt, pos) in enumerate(zip(row_ids, row_targets, row_positions)):
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            targets[i, :len(tgt)] = torch.tensor(tgt)
-            positions[i, :len(pos)] = torch.tensor(pos)
+            input_ids[i, :len(ids)] = torch.from_numpy(ids.astype(np.int64))
+            targets[i, :len(tgt)] = torch.from_numpy(tgt.astype(np.int64))
+            positions[i, :len(pos)] = torch.from_numpy(pos.astype(np.int64))
             attention[i, :len(ids)] = 1
         n_real = sum(len(ids) for ids in row_ids)
         n_targets = int((targets != IGNORE_INDEX).sum())

@@ -9,14 +9,19 @@ rows shift each sequence on its own, so no sequence predicts the first token of 
 
 from __future__ import annotations
 
+import numpy as np
+
 IGNORE_INDEX = -100  # what torch's cross-entropy skips, and what transformers' collators pad labels with
 
 
-def shifted_targets(labels: list[int]) -> list[int]:
+def shifted_targets(labels: np.ndarray) -> np.ndarray:
     """The target of each position: the next position's label; the last position has none."""
-    return list(labels[1:]) + [IGNORE_INDEX]
+    targets = np.empty(len(labels), dtype=np.int64)
+    targets[:-1] = labels[1:]
+    targets[-1:] = IGNORE_INDEX
+    return targets
 
 
-def count_targets(labels: list[int]) -> int:
-    """How many positions of the row the loss sees."""
-    return sum(1 for target in shifted_targets(labels) if target != IGNORE_INDEX)
+def count_targets(labels: np.ndarray) -> int:
+    """How many positions of the row the loss sees: every trained label but the row's first."""
+    return int(np.count_nonzero(np.asarray(labels)[1:] != IGNORE_INDEX))

@@ -9,6 +9,7 @@ A `path` that is no local file or folder is read with `datasets.load_dataset` (a
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -39,20 +40,6 @@ def parse_split(text: str) -> tuple[str, str | None, str | None]:
         raise ValueError(f"got {text!r}; use a split name, optionally sliced: train, train[:1%], train[10%:], "
                          "train[:500], train[100:200]")
     return match.group(1), match.group(2), match.group(3)
-
-
-def slice_rows(rows: list, split: str) -> list:
-    """The rows a sliced split names (percentages round to the closest row, as `datasets` does)."""
-    _, start, stop = parse_split(split)
-
-    def position(bound: str | None, default: int) -> int:
-        if bound is None:
-            return default
-        if bound.endswith("%"):
-            return min(len(rows), round(len(rows) * int(bound[:-1]) / 100))
-        return min(len(rows), int(bound))
-
-    return rows[position(start, 0):position(stop, len(rows))]
 
 
 # `datasets` builder names: `path: json` with local `data_files` reads those files (as in axolotl)
@@ -101,8 +88,53 @@ def _file_type(entry, file: Path) -> str:
     raise UserError(f"data: cannot tell the format of {file}; set `ds_type` (json, parquet, csv, arrow, text)")
 
 
-def _json_rows(file: Path) -> Iterator[SourceRow]:
-    raw = file.read_bytes()
+@dataclass(frozen=True)
+class RawRow:
+    """A row as read, before it is checked: a JSON line's text (parsed where the row is rendered, which may be
+    another process) or a row a table reader already made."""
+
+    value: str | dict
+    where: str
+
+
+class ReadProgress:
+    """Bytes of the data files read so far, against their total: what a progress bar shows."""
+
+    def __init__(self, total_bytes: int, report=None):
+        self.total_bytes, self.done_bytes, self.report = max(total_bytes, 1), 0, report
+
+    def advance(self, nbytes: int) -> None:
+        self.done_bytes += nbytes
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.done_bytes / self.total_bytes)
+
+
+def _json_rows(file: Path, progress: ReadProgress | None = None) -> Iterator[RawRow]:
+    """Line by line (a JSON-lines file of any size streams); a file that is one JSON array is read whole."""
+    with open(file, "rb") as handle:
+        head = handle.read(4096).lstrip()
+        handle.seek(0)
+        if head.startswith(b"["):
+            yield from _json_array_rows(file, handle.read())
+            if progress:
+                progress.advance(file.stat().st_size)
+            return
+        for number, raw in enumerate(handle, start=1):
+            if progress:
+                progress.advance(len(raw))
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise UserError(f"data: {file}:{number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at column "
+                                f"{error.start + 1}); save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+                                ) from None
+            if line.strip():
+                yield RawRow(line, f"{file}:{number}")
+
+
+def _json_array_rows(file: Path, raw: bytes) -> Iterator[RawRow]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -110,23 +142,23 @@ def _json_rows(file: Path) -> Iterator[SourceRow]:
         column = error.start - (raw.rfind(b"\n", 0, error.start) + 1) + 1
         raise UserError(f"data: {file}:{line}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at column {column}); "
                         "save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)") from None
-    stripped = text.lstrip()
-    if stripped.startswith("["):  # one JSON array
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"data: {file}:{error.lineno}: malformed JSON: {error.msg}") from None
+    for index, row in enumerate(rows):
+        yield RawRow(row, f"{file} row {index + 1}")
+
+
+def parse_row(raw: RawRow) -> SourceRow:
+    """The row checked: a JSON line parsed, and a JSON object either way."""
+    value = raw.value
+    if isinstance(value, str):
         try:
-            rows = json.loads(text)
+            value = json.loads(value)
         except json.JSONDecodeError as error:
-            raise UserError(f"data: {file}:{error.lineno}: malformed JSON: {error.msg}") from None
-        for index, row in enumerate(rows):
-            yield _checked_row(row, f"{file} row {index + 1}")
-        return
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UserError(f"data: {file}:{number}: malformed JSON line: {error.msg} (column {error.colno})") from None
-        yield _checked_row(row, f"{file}:{number}")
+            raise UserError(f"data: {raw.where}: malformed JSON line: {error.msg} (column {error.colno})") from None
+    return _checked_row(value, raw.where)
 
 
 def _checked_row(row, where: str) -> SourceRow:
@@ -135,7 +167,7 @@ def _checked_row(row, where: str) -> SourceRow:
     return SourceRow(row, where)
 
 
-def _table_rows(file: Path, kind: str) -> Iterator[SourceRow]:
+def _table_rows(file: Path, kind: str, progress: ReadProgress | None = None) -> Iterator[RawRow]:
     import datasets  # heavy; only needed for these formats
 
     try:
@@ -148,28 +180,57 @@ def _table_rows(file: Path, kind: str) -> Iterator[SourceRow]:
     offset = 2 if kind == "csv" else 1  # csv line 1 is the header
     label = "line" if kind in ("csv", "text") else "row"
     for index, row in enumerate(table):
-        yield SourceRow(dict(row), f"{file} {label} {index + offset}")
+        yield RawRow(dict(row), f"{file} {label} {index + offset}")
+    if progress:
+        progress.advance(file.stat().st_size)
 
 
-def read_rows(entry) -> list[SourceRow]:
+def stream_rows(entry, progress: ReadProgress | None = None) -> Iterator[RawRow]:
+    """The entry's rows in order, one at a time (memory does not grow with the data); a sliced split
+    (`train[:10%]`) counts the rows first when it is given in percent."""
     if is_hub_dataset(entry):
         return _hub_rows(entry)
     for key in ("name", "revision"):
         if getattr(entry, key):
             raise UserError(f"data: `{key}: {getattr(entry, key)}` applies to hub datasets, and {entry.path} is a "
                             f"local file or folder; remove `{key}`")
-    split_name = parse_split(entry.split)[0]
+    split_name, start, stop = parse_split(entry.split)
     if split_name != "train":
         raise UserError(f"data: `split: {entry.split}` for {entry.path}: local files hold one split, `train` (sliced "
                         "if you like: train[:10%]); point `path` or `data_files` at the file of the split you want")
-    rows: list[SourceRow] = []
-    for file in data_files_of(entry):
-        kind = _file_type(entry, file)
-        rows.extend(_json_rows(file) if kind == "json" else _table_rows(file, kind))
-    return slice_rows(rows, entry.split)
+    files = data_files_of(entry)
+
+    def every_row(report: ReadProgress | None) -> Iterator[RawRow]:
+        for file in files:
+            kind = _file_type(entry, file)
+            yield from _json_rows(file, report) if kind == "json" else _table_rows(file, kind, report)
+
+    if start is None and stop is None:
+        return every_row(progress)
+    total = sum(1 for _ in every_row(None)) if "%" in f"{start}{stop}" else None
+    first, last = slice_bounds(total, start, stop)
+    return itertools.islice(every_row(progress), first, last)
 
 
-def _hub_rows(entry) -> list[SourceRow]:
+def slice_bounds(total: int | None, start: str | None, stop: str | None) -> tuple[int, int | None]:
+    """Row positions of a slice; percentages need the total (and round to the closest row, as `datasets`)."""
+
+    def position(bound: str | None, default):
+        if bound is None:
+            return default
+        if bound.endswith("%"):
+            return min(total, round(total * int(bound[:-1]) / 100))
+        return int(bound) if total is None else min(total, int(bound))
+
+    return position(start, 0), position(stop, total)
+
+
+def read_rows(entry) -> list[SourceRow]:
+    """Every row of the entry, checked, in a list (for small sets: preparation streams them instead)."""
+    return [parse_row(raw) for raw in stream_rows(entry)]
+
+
+def _hub_rows(entry) -> Iterator[RawRow]:
     import datasets  # heavy; only needed here
 
     options = {"name": entry.name, "data_files": entry.data_files, "revision": entry.revision}
@@ -180,4 +241,4 @@ def _hub_rows(entry) -> list[SourceRow]:
                         f"Face hub: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}. "
                         "tuneloop reads local files and folders; for a hub dataset it needs the network "
                         "(or the hub's cache)") from None
-    return [SourceRow(dict(row), f"{entry.path} row {index + 1}") for index, row in enumerate(table)]
+    return (RawRow(dict(row), f"{entry.path} row {index + 1}") for index, row in enumerate(table))

@@ -1,8 +1,16 @@
-"""Tokenize and mask every row once, split off the eval set, and cache the result as Arrow.
+"""Tokenize and mask every row once, split off the eval set, and cache the result on disk.
 
-The cache key is a hash of everything that changes the prepared tokens: the data files'
-bytes, the dataset entries, the tokenizer (vocabulary, special tokens, chat template) and
-the settings sequence_len, train_on_inputs, val_set_size and seed. Same key, same tokens.
+Rows stream through: read a chunk of rows (CHUNK_ROWS), render and tokenize it, write its tokens to the
+store (token_store.py), next chunk. Nothing grows with the number of rows but the per-row counts written
+to disk, so a million rows prepare in about the memory of a thousand. With `dataset_processes` above one
+(axolotl's key; default: every core this process may use), chunks are tokenized by that many worker
+processes, spawned with a pickled copy of the tokenizer (no torch in them: about 100 MB each), and their
+results written in reading order: the store's bytes are the same for any process count, and the process
+count is not part of the cache key.
+
+The cache key is a hash of everything that changes the prepared tokens: the data files' bytes, the dataset
+entries, the tokenizer (vocabulary, special tokens, chat template) and the settings sequence_len,
+train_on_inputs, val_set_size and seed. Same key, same tokens.
 
 Like every module of data/, this one sits under the config (which validates a dataset's `type:`
 against formats.FORMATS): it takes the config's objects (`cfg`, dataset entries) without importing it.
@@ -10,24 +18,31 @@ against formats.FORMATS): it takes the config's objects (`cfg`, dataset entries)
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 import json
 import os
+import pickle
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 
 from tuneloop.data.chat_templates import resolve_template
 from tuneloop.data.formats import RenderContext, render_row
 from tuneloop.data.labels import IGNORE_INDEX, count_targets
-from tuneloop.data.load import data_files_of, read_rows
+from tuneloop.data.load import RawRow, ReadProgress, data_files_of, is_hub_dataset, parse_row, stream_rows
+from tuneloop.data.token_store import TokenChunk, TokenRows, TokenStoreWriter
 from tuneloop.errors import UserError
 from tuneloop.run_files import make_readable
 
-PREPARE_VERSION = 1  # bump when the tokenization or masking rules change
+PREPARE_VERSION = 2  # bump when the tokenization or masking rules, or the store's layout, change
+CHUNK_ROWS = 2000  # rows read, tokenized and written at a time (a worker's unit of work)
+SPLIT_BLOCK_ROWS = 50_000  # rows per read when the eval rows are split off
 
 
 @dataclass
@@ -38,39 +53,125 @@ class PrepareStats:
     train_rows: int = 0
     eval_rows: int = 0
 
+    def add(self, other: "PrepareStats") -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
 
 @dataclass
 class PreparedData:
-    train: "datasets.Dataset"  # noqa: F821  columns: input_ids, labels, length, n_targets
-    eval: "datasets.Dataset | None"  # noqa: F821
+    train: TokenRows  # input_ids, labels (tokens), length, n_targets (one per row)
+    eval: TokenRows | None
     stats: PrepareStats
     cache_dir: Path
+    worker_processes: int = 0  # the processes besides this one that tokenized it (0: this one, or a cache hit)
 
 
-def tokenize_batch(rendered: list, tokenizer, train_on_inputs: bool) -> list[tuple[list[int], list[int]]]:
+def processes_for(cfg) -> int:
+    """`dataset_processes`, else every core this process may run on."""
+    if cfg.dataset_processes:
+        return cfg.dataset_processes
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# ---- rows to tokens: the same code in this process and in workers ---------------------------------
+@dataclass(frozen=True)
+class EntryRules:
+    """How one dataset entry's rows become tokens: the entry and its chat template's text."""
+
+    entry: object  # a DatasetConfig
+    template: str | None
+    eot_tokens: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    entry_index: int
+    rows: list  # RawRow
+
+
+@dataclass
+class ChunkResult:
+    tokens: TokenChunk
+    stats: PrepareStats
+    pid: int  # the process that tokenized it
+
+
+class ChunkTokenizer:
+    """Renders, tokenizes and masks a chunk of rows, and drops the rows the run cannot use."""
+
+    def __init__(self, tokenizer, entries: list[EntryRules], sequence_len: int, train_on_inputs: bool):
+        self.tokenizer, self.entries = tokenizer, entries
+        self.sequence_len, self.train_on_inputs = sequence_len, train_on_inputs
+        self.contexts = [RenderContext(tokenizer, rules.template, rules.eot_tokens) for rules in entries]
+        self.encoder = plain_encoder(tokenizer)
+        self.vocabulary = len(tokenizer)
+
+    def __call__(self, job: ChunkJob) -> ChunkResult:
+        entry = self.entries[job.entry_index].entry
+        rows = [parse_row(raw) for raw in job.rows]
+        if entry.type is None:
+            sequences = [pretokenized(row, self.vocabulary) for row in rows]
+        else:
+            context = self.contexts[job.entry_index]
+            sequences = tokenize_rendered([render_row(row, entry, context) for row in rows], self.tokenizer,
+                                          self.encoder, self.train_on_inputs)
+        return self.kept(sequences, len(rows))
+
+    def kept(self, sequences: list[tuple[np.ndarray, np.ndarray]], rows_read: int) -> ChunkResult:
+        lengths = np.fromiter((len(ids) for ids, _ in sequences), dtype=np.int64, count=len(sequences))
+        n_targets = np.fromiter((count_targets(labels) for _, labels in sequences), dtype=np.int64,
+                                count=len(sequences))
+        too_long = lengths > self.sequence_len
+        untrained = ~too_long & (n_targets == 0)
+        keep = ~too_long & ~untrained
+        kept = [pair for pair, wanted in zip(sequences, keep) if wanted]
+        tokens = TokenChunk(
+            np.concatenate([ids for ids, _ in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
+            np.concatenate([labels for _, labels in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
+            lengths[keep].astype(np.int32), n_targets[keep].astype(np.int32))
+        return ChunkResult(tokens, PrepareStats(rows_read=rows_read, dropped_too_long=int(too_long.sum()),
+                                                dropped_no_trained_tokens=int(untrained.sum())), os.getpid())
+
+
+def plain_encoder(tokenizer):
+    """The fast tokenizer's Rust backend with truncation and padding off: what `tokenizer(texts)` runs, without
+    building the Python dict of every encoding's fields (a third of the time, measured)."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
+def tokenize_rendered(rendered: list, tokenizer, encoder, train_on_inputs: bool) -> list[tuple[np.ndarray, np.ndarray]]:
     """Token ids and labels per row: a token is trained when its characters overlap a trained span.
 
-    Rows are tokenized together (the fast tokenizer runs a batch in parallel, in Rust); all rows of
-    a batch come from one dataset entry, so they share `add_special_tokens`.
+    Rows are tokenized together; all rows of a chunk come from one dataset entry, so they share
+    `add_special_tokens`.
     """
-    encoded = tokenizer([r.text for r in rendered], add_special_tokens=rendered[0].add_special_tokens,
-                        return_offsets_mapping=True)
+    if not rendered:
+        return []
+    encodings = encoder.encode_batch([row.text for row in rendered], add_special_tokens=rendered[0].add_special_tokens)
+    eos = tokenizer.eos_token_id
     results = []
-    for row, input_ids, offsets in zip(rendered, encoded["input_ids"], encoded["offset_mapping"]):
-        spans = [(0, len(row.text))] if train_on_inputs else row.trained_spans
-        ids = np.asarray(input_ids, dtype=np.int64)
-        bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    for row, encoding in zip(rendered, encodings):
+        ids = np.asarray(encoding.ids, dtype=np.int64)
+        bounds = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         starts, ends = bounds[:, 0], bounds[:, 1]
+        spans = [(0, len(row.text))] if train_on_inputs else row.trained_spans
         trained = np.zeros(len(ids), dtype=bool)
         for span_start, span_end in spans:
             trained |= (starts < span_end) & (ends > span_start)
         trained &= ends > starts  # special tokens the tokenizer added have no characters
-        labels = np.where(trained, ids, IGNORE_INDEX).tolist()
-        input_ids = ids.tolist()
-        if row.append_eos and tokenizer.eos_token_id is not None:
-            input_ids.append(tokenizer.eos_token_id)
-            labels.append(tokenizer.eos_token_id)
-        results.append((input_ids, labels))
+        labels = np.where(trained, ids, IGNORE_INDEX)
+        if row.append_eos and eos is not None:
+            ids, labels = np.append(ids, eos), np.append(labels, eos)
+        results.append((ids, labels))
     return results
 
 
@@ -105,59 +206,7 @@ def cache_key(cfg, tokenizer) -> str:
     return digest.hexdigest()[:16]
 
 
-TOKENIZE_BATCH_ROWS = 1000
-
-
-def render_context(cfg, entry, tokenizer) -> RenderContext:
-    """What rendering an entry's rows needs: its chat template (the entry's own, else the run's) and eot_tokens."""
-    name = entry.chat_template or cfg.chat_template
-    jinja = entry.chat_template_jinja or cfg.chat_template_jinja
-    return RenderContext(tokenizer, resolve_template(name, jinja, tokenizer), tuple(cfg.eot_tokens or ()))
-
-
-def _tokenize_entries(entries: list, cfg, tokenizer, stats: PrepareStats,
-                      shard: tuple[int, int] | None = None) -> dict:
-    columns = {"input_ids": [], "labels": [], "length": [], "n_targets": []}
-
-    def keep_tokens(input_ids: list[int], labels: list[int]) -> None:
-        if len(input_ids) > cfg.sequence_len:
-            stats.dropped_too_long += 1
-            return
-        n_targets = count_targets(labels)
-        if n_targets == 0:
-            stats.dropped_no_trained_tokens += 1
-            return
-        columns["input_ids"].append(input_ids)
-        columns["labels"].append(labels)
-        columns["length"].append(len(input_ids))
-        columns["n_targets"].append(n_targets)
-
-    def keep(batch: list) -> None:
-        for input_ids, labels in tokenize_batch(batch, tokenizer, cfg.train_on_inputs):
-            keep_tokens(input_ids, labels)
-
-    position = -1
-    for entry in entries:
-        batch = []
-        context = render_context(cfg, entry, tokenizer)
-        for row in read_rows(entry):
-            position += 1
-            if shard and position % shard[0] != shard[1]:  # axolotl's dataset_shard_num/idx: every N-th row
-                continue
-            stats.rows_read += 1
-            if entry.type is None:
-                keep_tokens(*pretokenized(row, len(tokenizer)))
-                continue
-            batch.append(render_row(row, entry, context))
-            if len(batch) == TOKENIZE_BATCH_ROWS:
-                keep(batch)
-                batch = []
-        if batch:
-            keep(batch)
-    return columns
-
-
-def pretokenized(row, vocabulary: int) -> tuple[list[int], list[int]]:
+def pretokenized(row, vocabulary: int) -> tuple[np.ndarray, np.ndarray]:
     """A row given as tokens (a dataset entry without `type`, as in axolotl): `input_ids`, and `labels` with -100
     where nothing is trained (all of it is trained without labels). Ids outside the tokenizer's vocabulary are
     refused here, naming the row, rather than crashing the embedding lookup or the loss mid-training."""
@@ -175,61 +224,218 @@ def pretokenized(row, vocabulary: int) -> tuple[list[int], list[int]]:
     if outside:
         raise UserError(f"data: {row.where}: token id {outside[0]} is outside the tokenizer's vocabulary of "
                         f"{vocabulary} (labels may also be -100); were these rows made with another tokenizer?")
-    return list(input_ids), list(labels)
+    return np.asarray(input_ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
 
 
-def _split_eval(columns: dict, val_set_size: float, seed: int) -> tuple[dict, dict | None]:
-    total = len(columns["length"])
-    if not val_set_size:
-        return columns, None
+
+
+# ---- reading in chunks, tokenizing them here or in workers ------------------------------------------
+def entry_rules(cfg, entries: list, tokenizer) -> list[EntryRules]:
+    """Each entry's chat template (its own, else the run's) resolved to text once, here: workers get text."""
+    return [EntryRules(entry, resolve_template(entry.chat_template or cfg.chat_template,
+                                               entry.chat_template_jinja or cfg.chat_template_jinja, tokenizer),
+                       tuple(cfg.eot_tokens or ()))
+            for entry in entries]
+
+
+def read_jobs(entries: list, progress: ReadProgress | None, shard: tuple[int, int] | None = None) -> Iterator[ChunkJob]:
+    """Chunks of CHUNK_ROWS rows, in reading order; `shard` (axolotl's dataset_shard_num/idx) keeps every N-th
+    row, counted over all the entries."""
+    position = itertools.count()
+    for index, entry in enumerate(entries):
+        rows: list[RawRow] = []
+        for raw in stream_rows(entry, progress):
+            if shard and next(position) % shard[0] != shard[1]:
+                continue
+            rows.append(raw)
+            if len(rows) == CHUNK_ROWS:
+                yield ChunkJob(index, rows)
+                rows = []
+        if rows:
+            yield ChunkJob(index, rows)
+
+
+_WORKER: ChunkTokenizer | None = None
+
+
+def _start_worker(state_file: str) -> None:
+    """In a spawned worker: one thread of tokenization per process (the processes are the parallelism). The
+    state comes in a file: a large argument would block the parent's write to a worker that died starting."""
+    global _WORKER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tokenizer, entries, sequence_len, train_on_inputs = pickle.loads(Path(state_file).read_bytes())
+    _WORKER = ChunkTokenizer(tokenizer, entries, sequence_len, train_on_inputs)
+
+
+def _work(job: ChunkJob) -> ChunkResult:
+    return _WORKER(job)
+
+
+def tokenized_chunks(jobs: Iterator[ChunkJob], make_tokenizer: Callable[[], ChunkTokenizer],
+                     write_worker_state: Callable[[], Path], processes: int,
+                     notice: Callable[[str], None] | None = None) -> Iterator[ChunkResult]:
+    """Each job's result, in the jobs' order. Workers start only when there is more than one chunk to share;
+    at most two chunks per worker are in flight, so reading never runs ahead of tokenizing by more. Workers
+    that cannot run (a worker killed, or a program whose main module a spawned process cannot import) leave
+    the rest of the work to this process, with a notice."""
+    first = next(jobs, None)
+    second = next(jobs, None) if first is not None else None
+    if first is None:
+        return
+    jobs = itertools.chain([first], [second] if second is not None else [], jobs)
+    if processes > 1 and second is not None and _in_spawned_bootstrap():
+        # a program without `if __name__ == "__main__":` runs its work again in every spawned process; starting
+        # workers from there would never end. Failing here lets the parent prepare in its own process.
+        raise RuntimeError("tuneloop's data workers run the program's main module again, and it prepares data "
+                           "when imported: put its work under `if __name__ == \"__main__\":`")
+    if processes <= 1 or second is None or not _can_spawn():
+        yield from map(make_tokenizer(), jobs)  # this process (the tokenizer's Rust threads use the cores)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    pending: collections.deque = collections.deque()  # (job, future), in reading order
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch, no copy of this process
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_worker,
+                             initargs=(str(write_worker_state()),)) as pool:
+        try:
+            for job in jobs:
+                pending.append((job, pool.submit(_work, job)))
+                if len(pending) >= 2 * processes:
+                    yield pending[0][1].result()
+                    pending.popleft()
+            while pending:
+                yield pending[0][1].result()
+                pending.popleft()
+            return
+        except (BrokenProcessPool, BrokenPipeError) as error:  # a worker died (or could not start)
+            if notice:
+                notice(f"data preparation workers stopped ({type(error).__name__}: {error}); preparing the rest "
+                       "in this process (a program that prepares data when imported needs `if __name__ == "
+                       "\"__main__\":`)")
+    work = make_tokenizer()
+    yield from map(work, itertools.chain((job for job, _ in pending), jobs))
+
+
+def _in_spawned_bootstrap() -> bool:
+    """True while a spawned process imports its parent's main module (multiprocessing marks it inheriting)."""
+    import multiprocessing
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def _can_spawn() -> bool:
+    """A spawned process imports the parent's main module again; one read from stdin or a REPL has no file."""
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path is None or Path(path).is_file()
+
+
+def _tokenize_into(store: TokenStoreWriter, entries: list, cfg, tokenizer, stats: PrepareStats,
+                   progress: ReadProgress, notice, shard: tuple[int, int] | None = None) -> set[int]:
+    """Every row of `entries` into `store`; returns the ids of the processes that tokenized them."""
+    rules = entry_rules(cfg, entries, tokenizer)
+    settings = (cfg.sequence_len, cfg.train_on_inputs)
+
+    def write_worker_state() -> Path:
+        state = store.folder.parent / "worker-state.pkl"  # in the cache's temporary folder: removed with it
+        state.write_bytes(pickle.dumps((tokenizer, rules, *settings)))
+        return state
+
+    results = tokenized_chunks(read_jobs(entries, progress, shard),
+                               lambda: ChunkTokenizer(tokenizer, rules, *settings), write_worker_state,
+                               processes_for(cfg), notice)
+    pids = set()
+    for result in results:
+        store.write(result.tokens)
+        stats.add(result.stats)
+        pids.add(result.pid)
+        if progress.report:
+            progress.report(stats.rows_read, progress.fraction)
+    return pids
+
+
+# ---- the eval split and the cache -----------------------------------------------------------------
+def eval_row_mask(total: int, val_set_size: float, seed: int) -> np.ndarray:
+    """Which of `total` usable rows are held out: `val_set_size` of them (a share, or a count when ≥ 1), drawn
+    by a permutation seeded with `seed`."""
     n_eval = int(val_set_size) if val_set_size >= 1 else int(round(total * val_set_size))
     if n_eval >= total:
         raise UserError(f"config: `val_set_size: {val_set_size:g}` asks for {n_eval} eval rows, but the data has "
                         f"{total} usable rows: nothing would be left to train on. Lower it (a fraction such as "
                         "0.05 is a share of the rows).")
-    n_eval = max(1, n_eval)
-    order = np.random.default_rng(seed).permutation(total)
-    eval_index, train_index = sorted(order[:n_eval]), sorted(order[n_eval:])
-    pick = lambda index: {name: [values[i] for i in index] for name, values in columns.items()}  # noqa: E731
-    return pick(train_index), pick(eval_index)
+    held_out = np.zeros(total, dtype=bool)
+    held_out[np.random.default_rng(seed).permutation(total)[:max(1, n_eval)]] = True
+    return held_out
 
 
-def _build(cfg, tokenizer, target: Path) -> None:
-    import datasets
+def split_store(source: Path, train_dir: Path, eval_dir: Path, held_out: np.ndarray) -> tuple[int, int]:
+    """One pass over `source` in blocks, each row to the train or the eval store (in their order)."""
+    rows = TokenRows(source)
+    train, evaluation = TokenStoreWriter(train_dir), TokenStoreWriter(eval_dir)
+    for start in range(0, len(rows), SPLIT_BLOCK_ROWS):
+        stop = min(start + SPLIT_BLOCK_ROWS, len(rows))
+        block = rows.read_chunk(start, stop)
+        evaluation.write(block.rows(held_out[start:stop]))
+        train.write(block.rows(~held_out[start:stop]))
+    del rows
+    return train.close(), evaluation.close()
 
+
+def _build(cfg, tokenizer, target: Path, report=None, notice=None) -> int:
+    """Builds the cache in `target`; returns how many worker processes tokenized rows."""
     stats = PrepareStats()
-    shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
-    train_columns = _tokenize_entries(cfg.datasets, cfg, tokenizer, stats, shard)
-    if cfg.test_datasets:
-        eval_columns = _tokenize_entries(cfg.test_datasets, cfg, tokenizer, stats)
-    else:
-        train_columns, eval_columns = _split_eval(train_columns, cfg.val_set_size, cfg.seed)
-    stats.train_rows = len(train_columns["length"])
-    stats.eval_rows = len(eval_columns["length"]) if eval_columns else 0
-    if stats.train_rows == 0:
-        raise UserError(f"data: no training rows left: read {stats.rows_read}, dropped {stats.dropped_too_long} "
-                        f"longer than sequence_len={cfg.sequence_len} and {stats.dropped_no_trained_tokens} "
-                        "with no trained tokens")
-    if eval_columns is not None and stats.eval_rows == 0:
-        raise UserError("data: the eval set is empty after filtering; check test_datasets or sequence_len")
     temp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    datasets.Dataset.from_dict(train_columns).save_to_disk(str(temp / "train"))
-    if eval_columns is not None:
-        datasets.Dataset.from_dict(eval_columns).save_to_disk(str(temp / "eval"))
-    (temp / "stats.json").write_text(json.dumps(asdict(stats), indent=2))
-    make_readable(temp)  # mkdtemp made it private
+    try:
+        progress = ReadProgress(_bytes_to_read(cfg.datasets + cfg.test_datasets), report)
+        shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
+        usable = TokenStoreWriter(temp / "usable")
+        pids = _tokenize_into(usable, cfg.datasets, cfg, tokenizer, stats, progress, notice, shard)
+        total = usable.close()
+        if cfg.test_datasets:
+            evaluation = TokenStoreWriter(temp / "eval")
+            pids |= _tokenize_into(evaluation, cfg.test_datasets, cfg, tokenizer, stats, progress, notice)
+            stats.eval_rows = evaluation.close()
+            (temp / "usable").rename(temp / "train")
+            stats.train_rows = total
+        elif cfg.val_set_size and total:
+            held_out = eval_row_mask(total, cfg.val_set_size, cfg.seed)
+            stats.train_rows, stats.eval_rows = split_store(temp / "usable", temp / "train", temp / "eval", held_out)
+            shutil.rmtree(temp / "usable")
+        else:
+            (temp / "usable").rename(temp / "train")
+            stats.train_rows = total
+        if stats.train_rows == 0:
+            raise UserError(f"data: no training rows left: read {stats.rows_read}, dropped {stats.dropped_too_long} "
+                            f"longer than sequence_len={cfg.sequence_len} and {stats.dropped_no_trained_tokens} "
+                            "with no trained tokens")
+        if cfg.test_datasets and stats.eval_rows == 0:
+            raise UserError("data: the eval set is empty after filtering; check test_datasets or sequence_len")
+        (temp / "stats.json").write_text(json.dumps(asdict(stats), indent=2))
+        make_readable(temp)  # mkdtemp made it private
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
     try:
         os.replace(temp, target)  # atomic: a reader sees a complete cache or none
     except OSError:
         shutil.rmtree(temp, ignore_errors=True)  # another process finished first; theirs is identical
         if not (target / "stats.json").exists():
             raise
+    return len(pids - {os.getpid()})
 
 
-def prepare(cfg, tokenizer, force: bool = False) -> PreparedData:
-    import datasets
+def _bytes_to_read(entries: list) -> int:
+    return sum(file.stat().st_size for entry in entries if not is_hub_dataset(entry)
+               for file in data_files_of(entry))
 
-    datasets.disable_progress_bars()
+
+def prepare(cfg, tokenizer, force: bool = False, report=None, notice=None) -> PreparedData:
+    """The prepared rows (built once per cache key). While a cache is built, `report(rows_read, fraction of the
+    bytes read)` is called after every chunk (for a progress display) and `notice(text)` with what the user
+    should know (workers that stopped)."""
     root = Path(cfg.dataset_prepared_path)
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -240,9 +446,9 @@ def prepare(cfg, tokenizer, force: bool = False) -> PreparedData:
     target = root / cache_key(cfg, tokenizer)
     if force and target.exists():
         shutil.rmtree(target)
+    workers = 0
     if not (target / "stats.json").exists():
-        _build(cfg, tokenizer, target)
+        workers = _build(cfg, tokenizer, target, report, notice)
     stats = PrepareStats(**json.loads((target / "stats.json").read_text()))
-    train = datasets.load_from_disk(str(target / "train"))
-    eval_set = datasets.load_from_disk(str(target / "eval")) if (target / "eval").exists() else None
-    return PreparedData(train, eval_set, stats, target)
+    eval_set = TokenRows(target / "eval") if (target / "eval").exists() else None
+    return PreparedData(TokenRows(target / "train"), eval_set, stats, target, workers)

@@ -27,6 +27,10 @@ class RunHooks:
     def micro_batch(self, batch) -> None:
         """Every micro-batch the loop trains on, after collation (a data.collate.MicroBatch)."""
 
+    def preparing(self, rows_read: int, fraction: float) -> None:
+        """Main process, while the data cache is built: after every chunk of rows, the rows read and the share of
+        the data files' bytes read."""
+
     def planned(self, plan, resume_from) -> None:
         """Main process: the plan the run follows, and the checkpoint it resumes from (or None)."""
 
@@ -62,6 +66,10 @@ class TogetherHooks(RunHooks):
 
     def micro_batch(self, batch) -> None:
         self.first.micro_batch(batch)
+
+    def preparing(self, rows_read: int, fraction: float) -> None:
+        for hooks in self.all:
+            hooks.preparing(rows_read, fraction)
 
     def planned(self, plan, resume_from) -> None:
         for hooks in self.all:

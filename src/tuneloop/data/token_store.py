@@ -1,0 +1,140 @@
+"""Prepared rows on disk: written as they come, read back memory-mapped, never held whole in Python.
+
+A store is a folder of flat binary arrays (little-endian, no header):
+
+    input_ids.i32, labels.i32   every row's tokens, one row after the other
+    offsets.i64                 where each row starts in them (rows + 1 values, the first 0)
+    length.i32, n_targets.i32   one value per row
+    rows.json                   the row and token counts (written last: a store without it is incomplete)
+
+This is the layout Arrow uses for a list column, without Arrow's record-batch chunks: any row is two slices
+of one memory map, so the sampler and packer read `length` and `n_targets` as numpy arrays (8 bytes a row,
+whatever the data), and the collator slices tokens without copying the dataset into Python lists. The bytes
+depend only on the rows in their order, so a store is identical whichever process count prepared it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TOKEN_COLUMNS = ("input_ids", "labels")
+ROW_COLUMNS = ("length", "n_targets")
+FILE_TYPES = {"input_ids": np.int32, "labels": np.int32, "length": np.int32, "n_targets": np.int32,
+              "offsets": np.int64}
+SUFFIX = {np.int32: ".i32", np.int64: ".i64"}
+ROWS_FILE = "rows.json"
+
+
+def column_file(folder: Path, name: str) -> Path:
+    return folder / f"{name}{SUFFIX[FILE_TYPES[name]]}"
+
+
+@dataclass
+class TokenChunk:
+    """Rows in order, flat: what a worker hands back for one chunk of source rows."""
+
+    input_ids: np.ndarray  # int32, every row's tokens concatenated
+    labels: np.ndarray  # int32, aligned with input_ids
+    length: np.ndarray  # int32, one per row
+    n_targets: np.ndarray  # int32, one per row
+
+    @classmethod
+    def empty(cls) -> "TokenChunk":
+        nothing = np.zeros(0, dtype=np.int32)
+        return cls(nothing, nothing, nothing, nothing)
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    def rows(self, keep: np.ndarray) -> "TokenChunk":
+        """The rows where `keep` (a boolean per row) is true."""
+        per_token = np.repeat(keep, self.length)
+        return TokenChunk(self.input_ids[per_token], self.labels[per_token], self.length[keep], self.n_targets[keep])
+
+
+class TokenStoreWriter:
+    """Appends chunks to a new store in `folder`; `close()` writes rows.json and returns the row count."""
+
+    def __init__(self, folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.files = {name: open(column_file(folder, name), "wb") for name in FILE_TYPES}
+        self.rows = 0
+        self.tokens = 0
+        np.zeros(1, dtype=np.int64).tofile(self.files["offsets"])
+
+    def write(self, chunk: TokenChunk) -> None:
+        if not len(chunk):
+            return
+        for name in (*TOKEN_COLUMNS, *ROW_COLUMNS):
+            np.ascontiguousarray(getattr(chunk, name), dtype=FILE_TYPES[name]).tofile(self.files[name])
+        ends = self.tokens + np.cumsum(chunk.length, dtype=np.int64)
+        ends.tofile(self.files["offsets"])
+        self.rows += len(chunk)
+        self.tokens = int(ends[-1])
+
+    def close(self) -> int:
+        for handle in self.files.values():
+            handle.close()
+        (self.folder / ROWS_FILE).write_text(json.dumps({"rows": self.rows, "tokens": self.tokens}))
+        return self.rows
+
+
+def _mapped(path: Path, dtype, count: int) -> np.ndarray:
+    if count == 0:  # an empty file cannot be memory-mapped
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+class TokenRows:
+    """A store, read-only and memory-mapped. `rows[i]` is a row as a dict of lists and ints (as a `datasets`
+    row is); `rows["length"]` a column (numpy for one-value columns, lists for token columns: small sets
+    only); `rows.tokens("input_ids", i)` a row's tokens as a numpy view, which is what the collator uses."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        counts = json.loads((self.folder / ROWS_FILE).read_text())
+        self.count, token_count = counts["rows"], counts["tokens"]
+        self.offsets = _mapped(column_file(self.folder, "offsets"), np.int64, self.count + 1)
+        if self.count == 0:
+            self.offsets = np.zeros(1, dtype=np.int64)
+        self.columns = {name: _mapped(column_file(self.folder, name), np.int32, token_count)
+                        for name in TOKEN_COLUMNS}
+        self.columns.update({name: _mapped(column_file(self.folder, name), np.int32, self.count)
+                             for name in ROW_COLUMNS})
+
+    def __len__(self) -> int:
+        return self.count
+
+    def tokens(self, name: str, index: int) -> np.ndarray:
+        return self.columns[name][self.offsets[index]:self.offsets[index + 1]]
+
+    def read_chunk(self, start: int, stop: int) -> TokenChunk:
+        """Rows start..stop as a chunk, read into memory (for passes over the whole store in blocks)."""
+        first, last = int(self.offsets[start]), int(self.offsets[stop])
+        return TokenChunk(*(np.array(self.columns[name][first:last]) for name in TOKEN_COLUMNS),
+                          *(np.array(self.columns[name][start:stop]) for name in ROW_COLUMNS))
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            if key in ROW_COLUMNS:
+                return self.columns[key]
+            return [self.tokens(key, index).tolist() for index in range(self.count)]
+        index = int(key)
+        if not -self.count <= index < self.count:
+            raise IndexError(f"row {key} of {self.count}")
+        index %= self.count
+        row = {name: self.tokens(name, index).tolist() for name in TOKEN_COLUMNS}
+        row.update({name: int(self.columns[name][index]) for name in ROW_COLUMNS})
+        return row
+
+    def to_datasets(self):
+        """The rows as a `datasets.Dataset` (for the Trainer in the benchmarks; it holds them in memory)."""
+        import datasets
+
+        return datasets.Dataset.from_dict({name: self[name] if name in TOKEN_COLUMNS else self[name].tolist()
+                                           for name in (*TOKEN_COLUMNS, *ROW_COLUMNS)})
