@@ -59,7 +59,8 @@ def test_a_bad_row_found_in_a_worker_names_its_line(tmp_path, tiny_model_dir, mo
                           dataset_prepared_path=str(tmp_path / "prepared"), dataset_processes=2)
     result = run_in_process("preprocess", str(config))
     assert_user_error(result, f"{data}:38", "output")
-    assert not [path for path in (tmp_path / "prepared").iterdir() if path.name != ".tmp"]  # no half cache left
+    left = [path.name for path in (tmp_path / "prepared").iterdir()]
+    assert left == [prepare_module.FILE_DIGESTS]  # no cache, not even half of one (only the data file's hash)
 
 
 def test_a_script_without_a_main_guard_still_prepares_its_data_in_its_own_process(tmp_path, tiny_model_dir):
@@ -142,3 +143,22 @@ def test_preparation_progress_is_one_line_redrawn_on_a_terminal(monkeypatch):
     draws = screen.getvalue().replace("\x1b[K", "").split("\r")[1:]
     assert draws == ["preparing data: 2,000 rows read (25% of the files) | 2,000 rows/s | left 0m03s",
                      "preparing data: 8,000 rows read (100% of the files) | 2,667 rows/s\n"]
+
+
+def test_data_files_are_hashed_once_until_they_change(tmp_path, tiny_model_dir):
+    import hashlib
+    import json
+    import os
+
+    from tuneloop.model import load_tokenizer
+
+    data = write_jsonl(tmp_path / "rows.jsonl", tiny_rows(40))
+    cfg = config_for(tmp_path, tiny_model_dir, data, "prepared")
+    tokenizer = load_tokenizer(cfg)
+    first = prepare_module.prepare(cfg, tokenizer).cache_dir
+    memo = json.loads((tmp_path / "prepared" / prepare_module.FILE_DIGESTS).read_text())
+    assert memo[str(data.resolve())]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    assert prepare_module.prepare(cfg, tokenizer).cache_dir == first
+    write_jsonl(data, tiny_rows(40, seed=1))  # new content (and a new modification time)
+    os.utime(data, ns=(data.stat().st_atime_ns, data.stat().st_mtime_ns + 1_000_000))
+    assert prepare_module.prepare(cfg, tokenizer).cache_dir != first

@@ -12,9 +12,10 @@ normalised by the tokens actually in the step, so a short step is still an exact
 
 from __future__ import annotations
 
+import copy
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -74,15 +75,15 @@ class TrainingPlan:
     train_batching: BatchingSpec | None = None
     eval_batching: BatchingSpec | None = None
     padding: Padding | None = None  # how wide each micro-batch is (pad_to_sequence_len, rounding under compile)
+    first_epoch_batches: list | None = None  # epoch 0's micro-batches per rank, as counted: the loop starts on them
 
     def to_json(self) -> dict:
-        data = asdict(self)
-        for name in NOT_IN_JSON:
-            data.pop(name)
-        return data
+        # field by field: asdict would first copy the first epoch's micro-batches (a million rows' worth)
+        return {item.name: copy.deepcopy(getattr(self, item.name)) for item in fields(self)
+                if item.name not in NOT_IN_JSON}
 
 
-NOT_IN_JSON = ("train_batching", "eval_batching", "padding")
+NOT_IN_JSON = ("train_batching", "eval_batching", "padding", "first_epoch_batches")
 
 
 def world_size_from_env() -> int:
@@ -194,7 +195,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         max_micro_batch_tokens=largest, learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler,
         optimizer=cfg.optimizer, dropped_no_trained_tokens=dropped_no_trained_tokens, train_batching=spec,
         eval_batching=eval_spec(cfg, world_size),
-        padding=padding,
+        padding=padding, first_epoch_batches=first_epoch,
     )
     plan.warnings = plan_warnings(cfg, plan)
     return plan

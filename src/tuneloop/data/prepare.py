@@ -175,10 +175,42 @@ def tokenize_rendered(rendered: list, tokenizer, encoder, train_on_inputs: bool)
     return results
 
 
-def _hash_file(path: Path, digest) -> None:
+FILE_DIGESTS = ".file-digests.json"  # in dataset_prepared_path: each data file's sha256 by path, size and mtime
+
+
+def file_digest(path: Path, known: dict) -> str:
+    """The file's sha256, read again only when its size or modification time changed since it was last hashed
+    (`known` is the memo, updated here): a resumed run or a second `plan` does not read a large dataset again."""
+    status = path.stat()
+    stamp = {"size": status.st_size, "mtime_ns": status.st_mtime_ns}
+    remembered = known.get(str(path.resolve()))
+    if remembered and {name: remembered.get(name) for name in stamp} == stamp:
+        return remembered["sha256"]
+    digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
+    known[str(path.resolve())] = {**stamp, "sha256": digest.hexdigest()}
+    return digest.hexdigest()
+
+
+def _read_digests(root: Path) -> dict:
+    try:
+        return json.loads((root / FILE_DIGESTS).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_digests(root: Path, known: dict) -> None:
+    """Atomically, so that ranks and runs sharing the folder never read a torn memo (a lost update is only a
+    hash computed again)."""
+    try:
+        handle, temp = tempfile.mkstemp(prefix=".tmp-digests-", dir=root)
+        with os.fdopen(handle, "w") as out:
+            json.dump(known, out)
+        os.replace(temp, root / FILE_DIGESTS)
+    except OSError:
+        pass  # a read-only cache folder: the key is still right, only computed again next time
 
 
 def cache_key(cfg, tokenizer) -> str:
@@ -199,10 +231,15 @@ def cache_key(cfg, tokenizer) -> str:
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
+    root = Path(cfg.dataset_prepared_path)
+    known = _read_digests(root)
+    before = json.dumps(known, sort_keys=True)
     for entry in cfg.datasets + cfg.test_datasets:
         for file in data_files_of(entry):
             digest.update(str(file).encode())
-            _hash_file(file, digest)
+            digest.update(file_digest(file, known).encode())
+    if json.dumps(known, sort_keys=True) != before:
+        _write_digests(root, known)
     return digest.hexdigest()[:16]
 
 

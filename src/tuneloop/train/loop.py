@@ -117,8 +117,9 @@ class TrainingLoop:
         for epoch in range(state.step // plan.steps_per_epoch, plan.epochs_to_run):
             if state.step == plan.total_steps or stopped_by:
                 break
-            with self.hooks.phase("sampler"):
-                per_rank = epoch_micro_batches(self.lengths, plan.train_batching, epoch)
+            with self.hooks.phase("sampler"):  # epoch 0's were made by the plan (a million rows pack in seconds)
+                per_rank = (plan.first_epoch_batches if epoch == 0 and plan.first_epoch_batches is not None
+                            else epoch_micro_batches(self.lengths, plan.train_batching, epoch))
             # on resume, the first epoch starts at the exact micro-batch after the checkpoint
             first = (state.step - epoch * plan.steps_per_epoch) * accum
             for start in range(first, plan.micro_batches_per_epoch, accum):
