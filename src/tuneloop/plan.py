@@ -235,8 +235,9 @@ def check_memory_fits(plan: TrainingPlan, ranks_sharing_memory: int = 1) -> None
 def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
     found = []
     if cfg.max_steps and plan.epochs_covered != cfg.num_epochs:
-        ratio = cfg.num_epochs / plan.epochs_covered
-        text = (f"max_steps={cfg.max_steps} covers {plan.epochs_covered:g} passes over the data, "
+        covered = plan.total_steps / plan.steps_per_epoch  # unrounded: 2 steps of 148,480 round to 0 passes
+        ratio = cfg.num_epochs / covered
+        text = (f"max_steps={cfg.max_steps} covers {covered:.4g} passes over the data, "
                 f"while num_epochs={cfg.num_epochs}; max_steps wins.")
         if plan.world_size > 1 and math.isclose(ratio, plan.world_size, rel_tol=0.02):
             text += (f" The ratio is the world size ({plan.world_size}): you probably counted per-device "
