@@ -113,6 +113,7 @@ def main() -> None:
                         help="process counts to compare, comma-separated (default: 1 and every core)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sequence-len", type=int, default=1024)
+    parser.add_argument("--val-set-size", type=float, default=0.05, help="held out, as most configs do (0.05)")
     parser.add_argument("--workdir", help="where the rows and caches go (default: a temporary folder)")
     parser.add_argument("--keep", action="store_true", help="keep the workdir")
     parser.add_argument("--json", help="write the results here too")
@@ -133,7 +134,8 @@ def main() -> None:
     config.write_text(yaml.safe_dump({
         "base_model": str(ensure_embedded_model()), "datasets": [{"path": str(data), "type": "alpaca"}],
         "dataset_prepared_path": str(workdir / "prepared"), "output_dir": str(workdir / "out"),
-        "sequence_len": args.sequence_len, "sample_packing": True, "micro_batch_size": 1}))
+        "sequence_len": args.sequence_len, "sample_packing": True, "micro_batch_size": 1,
+        "val_set_size": args.val_set_size}))
 
     results = {count: [] for count in counts}
     for round_index in range(args.rounds):
@@ -146,7 +148,8 @@ def main() -> None:
     plan_seconds = time_plan(config)
     summary = {"rows": args.rows, "data_mb": round(data.stat().st_size / 1e6, 1), "plan_seconds": plan_seconds,
                "by_processes": {}}
-    print(f"\n{args.rows:,} rows, sequence_len {args.sequence_len}, packing; medians of {args.rounds} rounds")
+    print(f"\n{args.rows:,} rows, sequence_len {args.sequence_len}, packing, val_set_size {args.val_set_size:g}; "
+          f"medians of {args.rounds} rounds")
     print("| processes | wall | rows/s | peak RSS (summed) | peak PSS |")
     print("|---|---|---|---|---|")
     for count, runs in results.items():

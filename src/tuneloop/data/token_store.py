@@ -114,10 +114,16 @@ class TokenRows:
         return self.columns[name][self.offsets[index]:self.offsets[index + 1]]
 
     def read_chunk(self, start: int, stop: int) -> TokenChunk:
-        """Rows start..stop as a chunk, read into memory (for passes over the whole store in blocks)."""
+        """Rows start..stop as a chunk, read into memory with plain reads (for passes over the whole store in
+        blocks: pages of a memory map would stay counted in this process's resident memory)."""
         first, last = int(self.offsets[start]), int(self.offsets[stop])
-        return TokenChunk(*(np.array(self.columns[name][first:last]) for name in TOKEN_COLUMNS),
-                          *(np.array(self.columns[name][start:stop]) for name in ROW_COLUMNS))
+        return TokenChunk(*(self._read(name, first, last - first) for name in TOKEN_COLUMNS),
+                          *(self._read(name, start, stop - start) for name in ROW_COLUMNS))
+
+    def _read(self, name: str, start: int, count: int) -> np.ndarray:
+        dtype = np.dtype(FILE_TYPES[name])
+        with open(column_file(self.folder, name), "rb") as handle:
+            return np.fromfile(handle, dtype=dtype, count=count, offset=start * dtype.itemsize)
 
     def __getitem__(self, key):
         if isinstance(key, str):
