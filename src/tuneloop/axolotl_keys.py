@@ -18,8 +18,8 @@ from __future__ import annotations
 
 # feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
 FEATURES = {
-    "preference": ("preference/RL training", "preference, RL and reward-model training (rl: dpo, kto, orpo, grpo, "
-                   "ebft; reward and process-reward models)"),
+    "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO and ORPO (rl: kto, "
+                   "simpo, grpo, ebft; their options such as rpo_alpha; reward and process-reward models)"),
     "fsdp_deepspeed": ("FSDP/DeepSpeed", "FSDP and DeepSpeed (the next issue)"),
     "parallelism": ("tensor/context/expert parallelism", "tensor, context, sequence, expert and N-D parallelism, "
                     "and Ray"),
@@ -106,10 +106,9 @@ LAUNCHER = _keys("local_rank world_size ddp device axolotl_config_path is_prepro
 
 _REFUSED_BY_FEATURE = {
     "preference": """
-        rl trl vllm ebft reward_model process_reward_model center_rewards_coefficient num_labels dpo_use_weighting
-        dpo_label_smoothing precompute_ref_log_probs dpo_use_liger_kernel dpo_padding_free dpo_loss_type
-        dpo_loss_weights dpo_beta dpo_generate_during_eval dpo_norm_loss dpo_use_logits_to_keep rpo_alpha
-        orpo_alpha simpo_gamma cpo_alpha kto_desirable_weight kto_undesirable_weight rl_beta max_prompt_len
+        trl vllm ebft reward_model process_reward_model center_rewards_coefficient num_labels dpo_use_weighting
+        dpo_use_liger_kernel dpo_padding_free dpo_generate_during_eval dpo_norm_loss dpo_use_logits_to_keep rpo_alpha
+        simpo_gamma cpo_alpha kto_desirable_weight kto_undesirable_weight max_prompt_len
         nemo_gym_enabled nemo_gym_dir nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port
         nemo_gym_server_timeout nemo_gym_verify_timeout nemo_gym_run_timeout nemo_gym_datasets nemo_gym_auto_start
         nemo_gym_model_name nemo_gym_multi_turn nemo_gym_max_turns""",
@@ -173,7 +172,7 @@ DATASET_REFUSED = {key: feature for feature, text in {
         input_transform shards shards_idx preprocess_shards conversation input_format field_human field_model
         field_tools split_thinking message_field_training message_field_training_detail skip length
         sequence_length min_input_id max_input_id seed train_on_split trust_remote_code""",
-    "preference": """field_chosen field_rejected step_separator max_completion_length train_on_last_step_only""",
+    "preference": """step_separator max_completion_length train_on_last_step_only""",
     "training_methods": """logprobs_field temperature""",
     "pretraining": """text_column""",
 }.items() for key in _keys(text)}

@@ -20,9 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tuneloop import axolotl_keys
 from tuneloop.data.chat_templates import check_template_name
 from tuneloop.data.formats import FORMATS, TURN_END_OPTIONS
+from tuneloop.data.preference import PREFERENCE_FORMATS, PREFERENCE_CHAT_TYPES
 from tuneloop.data.load import parse_split
 from tuneloop.errors import UserError
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS
+from tuneloop.rl_methods import RL_METHODS, check_rl
 
 
 class _Strict(BaseModel):
@@ -42,6 +44,19 @@ class CustomFormat(_Strict):
     no_input_format: str = "{instruction} "
 
 
+class PreferenceFormat(_Strict):
+    """axolotl's user-defined preference format (`type:` given as a mapping under `rl:`): the prompt, chosen and
+    rejected replies from these fields, each put into its format string."""
+
+    field_prompt: str = "prompt"
+    field_system: str = "system"
+    field_chosen: str = "chosen"
+    field_rejected: str = "rejected"
+    prompt_format: str = "{prompt}"
+    chosen_format: str = "{chosen}"
+    rejected_format: str = "{rejected}"
+
+
 # dataset keys that only a chat dataset reads (set on another type, they would be ignored: refused instead)
 CHAT_ONLY_KEYS = ("field_messages", "message_field_role", "message_field_content", "message_property_mappings",
                   "roles", "roles_to_train", "train_on_eos", "train_on_eot", "drop_system_message", "field_thinking",
@@ -59,7 +74,8 @@ def _jinja_means_jinja(holder) -> None:
 
 class DatasetConfig(_Strict):
     path: str
-    type: Optional[Union[str, CustomFormat]] = None  # unset: rows already tokenized (input_ids, labels), as in axolotl
+    # unset: rows already tokenized (input_ids, labels), as in axolotl; a mapping: a user-defined format
+    type: Optional[Union[str, CustomFormat, PreferenceFormat]] = None
     data_files: Optional[Union[str, list[str]]] = None
     ds_type: Optional[Literal["json", "jsonl", "parquet", "csv", "arrow", "text"]] = None
     split: str = "train"  # a split, or a slice of it: train[:1%], train[10%:], train[:500]
@@ -81,6 +97,9 @@ class DatasetConfig(_Strict):
     template_thinking_key: Optional[str] = None  # the template's name for it (reasoning_content)
     chat_template: Optional[str] = None  # this dataset's own template, instead of the run's
     chat_template_jinja: Optional[str] = None
+    # preference data (rl:)
+    field_chosen: Optional[str] = None  # the row's key for the chosen reply (default `chosen`)
+    field_rejected: Optional[str] = None  # and for the rejected one (default `rejected`)
 
     @field_validator("split")
     @classmethod
@@ -91,7 +110,7 @@ class DatasetConfig(_Strict):
     @field_validator("type")
     @classmethod
     def _known_type(cls, value):
-        if isinstance(value, str) and value not in FORMATS:
+        if isinstance(value, str) and value not in FORMATS and value not in PREFERENCE_FORMATS:
             feature = axolotl_keys.FEATURES[axolotl_keys.dataset_type_feature(value)][0]
             raise ValueError(f"unknown dataset type {value!r} ({feature}); tuneloop supports {FORMATS.choices()}, "
                              "or a mapping with field_instruction/field_input/field_output/format")
@@ -122,12 +141,16 @@ class DatasetConfig(_Strict):
             raise ValueError(f"`train_on_eos: {self.train_on_eos}` and `train_on_eot: {self.train_on_eot}` disagree; "
                              "tuneloop trains one end-of-turn marker per turn: keep one of them")
         _jinja_means_jinja(self)
-        chat = self.type in ("chat_template", "chat_template.default", "sharegpt")
+        chat = self.type in ("chat_template", "chat_template.default", "sharegpt", *PREFERENCE_CHAT_TYPES)
         set_keys = [key for key in CHAT_ONLY_KEYS if key in self.model_fields_set]
         if set_keys and not chat:
             raise ValueError(f"`{set_keys[0]}` applies to chat datasets (type chat_template or sharegpt), and this "
                              f"one is `type: {self.type if isinstance(self.type, str) else 'a custom format'}`; "
                              "remove it")
+        paired = [key for key in ("field_chosen", "field_rejected") if key in self.model_fields_set]
+        if paired and self.type not in ("chat_template", "chat_template.default", *PREFERENCE_CHAT_TYPES):
+            raise ValueError(f"`{paired[0]}` names a reply of preference data (`rl:` with type chat_template or "
+                             "chat_template.argilla); remove it")
         if "field" in self.model_fields_set and self.type != "completion":
             raise ValueError("`field` names the text of a `type: completion` dataset; remove it")
         return self
@@ -212,6 +235,15 @@ class TuneloopConfig(_Strict):
     gradient_checkpointing: Union[bool, Literal["offload"]] = False  # "offload": checkpoints kept in CPU memory
     gradient_checkpointing_kwargs: Optional[dict[str, Any]] = None
     chunked_cross_entropy: Optional[bool] = None  # unset/true: the loss meets lm_head in chunks; false: whole logits
+    # preference training (rl_methods.py; the losses in train/preference.py)
+    rl: Optional[str] = None  # dpo, ipo or orpo; unset: supervised fine-tuning
+    rl_beta: Optional[float] = None  # DPO/IPO's beta (default 0.1); axolotl's older `dpo_beta` too
+    dpo_beta: Optional[float] = None
+    dpo_loss_type: Optional[Union[str, list[str]]] = None  # sigmoid (default), ipo, hinge; a list is a weighted sum
+    dpo_loss_weights: Optional[list[float]] = None  # one per dpo_loss_type (default: 1 each)
+    dpo_label_smoothing: float = 0.0  # conservative DPO: the chance a pair's label is flipped
+    orpo_alpha: Optional[float] = None  # ORPO's weight of the odds-ratio term (default 0.1)
+    precompute_ref_log_probs: bool = False  # reference log-probs computed once, before training, and cached
     # speed: torch.compile of the model's body (train/compiling.py), and the peak MFU is measured against
     torch_compile: Union[bool, Literal["auto"]] = False  # "auto": true, as in axolotl (torch ≥ 2.5.1 here)
     torch_compile_mode: Optional[Literal["default", "reduce-overhead", "max-autotune"]] = None
@@ -252,6 +284,30 @@ class TuneloopConfig(_Strict):
     loss_watchdog_threshold: Optional[float] = None
     loss_watchdog_patience: Optional[int] = None
     early_stopping_patience: Optional[int] = None
+
+    @field_validator("rl")
+    @classmethod
+    def _known_rl(cls, value):
+        return value if value is None else check_rl(value)
+
+    @field_validator("dpo_loss_type")
+    @classmethod
+    def _loss_types(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("dpo_label_smoothing")
+    @classmethod
+    def _smoothing(cls, value):
+        if not 0 <= value < 0.5:
+            raise ValueError("must be at least 0 and below 0.5 (the chance that a pair's label is wrong)")
+        return value
+
+    @field_validator("rl_beta", "dpo_beta", "orpo_alpha")
+    @classmethod
+    def _positive_weight(cls, value):
+        if value is not None and value <= 0:
+            raise ValueError("must be above 0")
+        return value
 
     @field_validator("optimizer")
     @classmethod
@@ -475,7 +531,59 @@ class TuneloopConfig(_Strict):
             raise ValueError(f"`eval_strategy: {self.eval_strategy}` and `eval_steps` disagree: keep one of them")
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("`chat_template: jinja` needs the template text in `chat_template_jinja`")
+        self._check_preference()
         return self
+
+    def _check_preference(self) -> None:
+        """`rl:` and its keys agree, and every dataset is preference data exactly when `rl` is set."""
+        for index, entry in enumerate(self.datasets + self.test_datasets):
+            paired = isinstance(entry.type, PreferenceFormat) or (
+                isinstance(entry.type, str) and entry.type in PREFERENCE_FORMATS
+                and not (entry.type in FORMATS and not self.rl))
+            if self.rl and not paired:
+                name = entry.type if isinstance(entry.type, str) else "a mapping of instruction fields"
+                raise ValueError(f"`rl: {self.rl}` trains on preference pairs, and dataset {index} is "
+                                 f"`type: {name}`: use a preference type ({PREFERENCE_FORMATS.choices()}) or a mapping "
+                                 "with field_prompt/field_chosen/field_rejected")
+            if paired and not self.rl:
+                raise ValueError(f"dataset {index} is preference data (chosen/rejected pairs): set `rl: dpo` (or ipo, "
+                                 "orpo) to train on it")
+        preference_keys = ("rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
+                           "orpo_alpha", "precompute_ref_log_probs")
+        if not self.rl:
+            stray = [key for key in preference_keys if key in self.model_fields_set and getattr(self, key)]
+            if stray:
+                raise ValueError(f"`{stray[0]}` sets preference training, which `rl:` turns on: set `rl: dpo` (or "
+                                 "ipo, orpo) or remove it")
+            return
+        method = RL_METHODS[self.rl]
+        if self.rl_beta is not None and self.dpo_beta is not None and self.rl_beta != self.dpo_beta:
+            raise ValueError(f"`rl_beta: {self.rl_beta}` and `dpo_beta: {self.dpo_beta}` are the same setting: "
+                             "keep one")
+        if self.dpo_loss_type:
+            unknown = [name for name in self.dpo_loss_type if name not in method.loss_types]
+            if unknown:
+                offered = ", ".join(method.loss_types) or "none: it has a loss of its own"
+                raise ValueError(f"`dpo_loss_type: {unknown[0]}` is not a loss of `rl: {self.rl}` ({offered})")
+        if self.dpo_loss_weights is not None and len(self.dpo_loss_weights) != len(self.dpo_loss_type or ["sigmoid"]):
+            raise ValueError(f"`dpo_loss_weights` has {len(self.dpo_loss_weights)} weights for "
+                             f"{len(self.dpo_loss_type or ['sigmoid'])} losses in `dpo_loss_type`: give one each")
+        if not method.uses_reference:
+            used = [key for key in ("rl_beta", "dpo_beta", "dpo_label_smoothing", "precompute_ref_log_probs")
+                    if getattr(self, key)]
+            if used:
+                raise ValueError(f"`{used[0]}` shapes a loss against a reference model, and `rl: {self.rl}` has none "
+                                 "(its weight is `orpo_alpha`): remove it")
+        elif self.orpo_alpha is not None:
+            raise ValueError(f"`orpo_alpha` weighs ORPO's odds ratio, and this run is `rl: {self.rl}`: remove it")
+        if self.train_on_inputs:
+            raise ValueError(f"`train_on_inputs: true` with `rl: {self.rl}`: a preference loss compares the replies, "
+                             "and the prompt is never part of it; remove it")
+
+    @property
+    def beta(self) -> float:
+        """DPO/IPO's beta: rl_beta (or dpo_beta), 0.1 by default as in TRL."""
+        return self.rl_beta if self.rl_beta is not None else self.dpo_beta if self.dpo_beta is not None else 0.1
 
     # ---- derived values -------------------------------------------------------------------
     @property
@@ -540,7 +648,7 @@ def changed_settings(before: dict, now: dict, ignore: set[str] = frozenset()) ->
 
 TOP_LEVEL_KEYS = set(TuneloopConfig.model_fields)
 DATASET_KEYS = set(DatasetConfig.model_fields)
-CUSTOM_FORMAT_KEYS = set(CustomFormat.model_fields)
+CUSTOM_FORMAT_KEYS = set(CustomFormat.model_fields) | set(PreferenceFormat.model_fields)
 # axolotl's other names for keys tuneloop implements (its remapped and deprecated spellings)
 ALIASES = {"type_of_model": "model_type", "model_revision": "revision_of_model",
            "dataset_num_proc": "dataset_processes", "model_config": "overrides_of_model_config",

@@ -57,10 +57,14 @@ class TrainingPlan:
     packing_efficiency: float | None
     padding_fraction: float | None
     max_micro_batch_tokens: int
+    objective: str = "language_model"  # or the preference method (`rl:`)
+    unit: str = "tokens"  # what a step's loss is averaged over: target tokens, or pairs (rows are then pairs)
+    reference: str | None = None  # preference methods: where the reference log-probs come from
     learning_rate: float = 0.0
     lr_scheduler: str = ""
     optimizer: str = ""
     dropped_no_trained_tokens: int = 0
+    dropped_identical_pairs: int = 0  # preference pairs whose chosen and rejected replies tokenize the same
     precision: str | None = None  # set from the machine: "fp32", "bf16 (mixed)", "fp16 (mixed)"
     attention: str | None = None  # the attention implementation the model loads with
     torch_compile: str | None = None  # what torch.compile compiles, when the config asks for it
@@ -120,7 +124,10 @@ def _scheduled(total: int, steps_per_epoch: int, every: int | float | None, per_
 
 
 def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.ndarray, eval_rows: int,
-              dropped_too_long: int, world_size: int, dropped_no_trained_tokens: int = 0) -> TrainingPlan:
+              dropped_too_long: int, world_size: int, dropped_no_trained_tokens: int = 0,
+              sequence_lengths: np.ndarray | None = None, group: int = 1) -> TrainingPlan:
+    """`train_lengths`/`train_targets`: per unit (a row, or a preference pair of `group` sequences whose own
+    lengths are `sequence_lengths`: unpacked, each gets a row of the micro-batch)."""
     cfg.check_batch_size(world_size)
     spec = train_spec(cfg, world_size)
     accum = cfg.gradient_accumulation_steps
@@ -152,10 +159,15 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
                     for row in micro:
                         total_targets += int(train_targets[row].sum())
                         total_real += int(train_lengths[row].sum())
-                    width = max(int(train_lengths[row].sum()) for row in micro)
+                    if group > 1 and spec.mode != "packed":  # a row per sequence
+                        width = max(int(sequence_lengths[unit * group:(unit + 1) * group].max())
+                                    for row in micro for unit in row)
+                        rows = len(micro) * group
+                    else:
+                        width, rows = max(int(train_lengths[row].sum()) for row in micro), len(micro)
                     padded = padding.width(width)
-                    computed += len(micro) * padded
-                    largest = max(largest, len(micro) * padded)
+                    computed += rows * padded
+                    largest = max(largest, rows * padded)
 
     used_rows = sum(len(micro) for batches in first_epoch for micro in batches)
     if spec.mode == "packed":
@@ -194,6 +206,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         total_real_tokens=total_real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
         max_micro_batch_tokens=largest, learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler,
         optimizer=cfg.optimizer, dropped_no_trained_tokens=dropped_no_trained_tokens, train_batching=spec,
+        objective=cfg.rl or "language_model", unit="pairs" if cfg.rl else "tokens",
         eval_batching=eval_spec(cfg, world_size),
         padding=padding, first_epoch_batches=first_epoch,
     )
@@ -278,16 +291,17 @@ def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
 
 def describe(plan: TrainingPlan) -> str:
     """The human-readable plan: a short report, numbers first."""
+    rows = "pairs" if plan.unit == "pairs" else "rows"
     density = (f"packing efficiency {plan.packing_efficiency:.1%}" if plan.packing_efficiency is not None
                else f"padding {plan.padding_fraction:.1%} of computed tokens")
     lines = [
         "tuneloop plan",
         f"  world size           {plan.world_size}",
-        f"  batch                {plan.micro_batch_size} rows/micro-batch × {plan.gradient_accumulation_steps} "
-        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} rows per optimizer step",
+        f"  batch                {plan.micro_batch_size} {rows}/micro-batch × {plan.gradient_accumulation_steps} "
+        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} {rows} per optimizer step",
         f"  batching             {plan.batching} (sequence_len {plan.sequence_len}; {density})",
-        f"  data                 {plan.train_rows} train rows, {plan.train_tokens} tokens, "
-        f"{plan.trainable_tokens} trained tokens per epoch; {plan.eval_rows} eval rows",
+        f"  data                 {plan.train_rows} train {rows}, {plan.train_tokens} tokens, "
+        f"{plan.trainable_tokens} trained tokens per epoch; {plan.eval_rows} eval {rows}",
         f"  steps                {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches "
         f"per rank), {plan.total_steps} in total = {plural(plan.epochs_covered, 'epoch')}",
         f"  tokens               {plan.tokens_per_step:.0f} trained tokens per step, "
@@ -295,6 +309,9 @@ def describe(plan: TrainingPlan) -> str:
         f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
+    if plan.unit == "pairs":
+        lines.append(f"  objective            {plan.objective}: loss averaged over the pairs of each step (chosen "
+                     f"and rejected in one micro-batch); reference {plan.reference or 'none'}")
     if plan.precision is not None:
         lines.append(f"  precision            {plan.precision}; attention {plan.attention}")
     if plan.torch_compile is not None:
@@ -310,6 +327,8 @@ def describe(plan: TrainingPlan) -> str:
     dropped = [f"{plan.dropped_too_long} longer than sequence_len"] if plan.dropped_too_long else []
     if plan.dropped_no_trained_tokens:
         dropped.append(f"{plan.dropped_no_trained_tokens} with no trained token")
+    if plan.dropped_identical_pairs:
+        dropped.append(f"{plan.dropped_identical_pairs} pairs whose chosen and rejected replies are the same")
     if dropped:
         lines.append(f"  dropped rows         {'; '.join(dropped)}")
     for warning in plan.warnings:
@@ -330,7 +349,8 @@ def _memory_line(plan: TrainingPlan) -> str:
     m = plan.memory
     device = f" of {m['device_gb']:.0f} GB on {m['device']}" if m["device_gb"] else ""
     return (f"~{m['total_gb']:.2f} GB{device} (weights {m['weights_gb']:.2f}, gradients {m['gradients_gb']:.2f}, "
-            f"optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}; "
+            f"optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}"
+            + (f", reference copy {m['reference_gb']:.2f}" if m.get("reference_gb") else "") + "; "
             f"{m['trainable_parameters']:,} of "
             f"{m['parameters']:,} parameters trained)")
 

@@ -1,4 +1,5 @@
-"""The run's report: `report.md` (the numbers) and `report.png` (loss, eval loss and learning rate).
+"""The run's report: `report.md` (the numbers) and `report.png` (loss, eval loss, a preference run's rewards,
+and the learning rate).
 
 Written at the end of `tuneloop train` from the files the run leaves (plan.json, metrics.jsonl,
 summary.json), so `tuneloop report OUTPUT_DIR` can redraw it for any finished or stopped run.
@@ -58,7 +59,14 @@ def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: d
     if evals:
         lines.append(f"| eval loss first → last | {evals[0]['eval_loss']:.4f} (step {evals[0]['step']}) → "
                      f"{evals[-1]['eval_loss']:.4f} (step {evals[-1]['step']}) |")
-        lines.append(f"| eval token accuracy last | {evals[-1]['eval_token_accuracy']:.4f} |")
+        last = evals[-1]
+        if "eval_token_accuracy" in last:
+            lines.append(f"| eval token accuracy last | {last['eval_token_accuracy']:.4f} |")
+        if "eval_reward_accuracy" in last:  # a preference run (rl:)
+            lines.append(f"| eval reward accuracy first → last | {evals[0]['eval_reward_accuracy']:.4f} → "
+                         f"{last['eval_reward_accuracy']:.4f} (pairs ranked right) |")
+            lines.append(f"| eval reward margin last | {last['eval_reward_margin']:.4f} (chosen "
+                         f"{last['eval_reward_chosen']:.4f}, rejected {last['eval_reward_rejected']:.4f}) |")
     if plan.get("warnings"):
         lines += ["", "Plan warnings:", *[f"- {w}" for w in plan["warnings"]]]
     lines += ["", f"![loss curves]({run_files.REPORT_PNG})", ""]
@@ -78,10 +86,26 @@ def write_plot(output_dir: Path, plan: dict, metrics: list[dict]) -> Path | None
         return None  # the report extra is not installed; report.md still has the numbers
     train = [m for m in metrics if "loss" in m]
     evals = [m for m in metrics if "eval_loss" in m]
-    figure, (loss_axis, lr_axis) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
-                                                gridspec_kw={"height_ratios": [3, 1]})
+    rewarded = [m for m in train if "reward_accuracy" in m]  # a preference run: its rewards get a panel
+    panels = 3 if rewarded else 2
+    figure, axes = plt.subplots(panels, 1, figsize=(8, 6 + 2 * (panels - 2)), sharex=True,
+                                gridspec_kw={"height_ratios": [3, 2, 1][:panels] if rewarded else [3, 1]})
+    loss_axis, lr_axis = axes[0], axes[-1]
+    if rewarded:
+        reward_axis = axes[1]
+        steps = [m["step"] for m in rewarded]
+        reward_axis.plot(steps, [m["reward_accuracy"] for m in rewarded], label="reward accuracy (train)")
+        reward_axis.plot(steps, [m["reward_margin"] for m in rewarded], label="reward margin (train)")
+        eval_rewards = [m for m in evals if "eval_reward_accuracy" in m]
+        if eval_rewards:
+            reward_axis.plot([m["step"] for m in eval_rewards], [m["eval_reward_accuracy"] for m in eval_rewards],
+                             "o-", label="reward accuracy (eval)")
+        reward_axis.set_ylabel("rewards")
+        reward_axis.legend()
+        reward_axis.grid(alpha=0.3)
     finite = [m for m in train if math.isfinite(m["loss"])]
-    loss_axis.plot([m["step"] for m in finite], [m["loss"] for m in finite], label="train loss (per token)")
+    per = "pair" if plan.get("unit") == "pairs" else "token"
+    loss_axis.plot([m["step"] for m in finite], [m["loss"] for m in finite], label=f"train loss (per {per})")
     if evals:
         loss_axis.plot([m["step"] for m in evals], [m["eval_loss"] for m in evals], "o-", label="eval loss")
     loss_axis.set_ylabel("loss")

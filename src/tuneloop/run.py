@@ -59,7 +59,7 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
 
     from tuneloop.flops import count_flops, run_peak
     from tuneloop.hardware import attention_implementation, precision
-    from tuneloop.memory import estimate_memory
+    from tuneloop.memory import estimate_memory, reference_source
     from tuneloop.train.compiling import compiles
     from tuneloop.model import check_sequence_len, model_facts
     from tuneloop.plan import attach_memory_estimate, make_plan
@@ -68,14 +68,18 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
     facts = model_facts(cfg, tokenizer)
     too_long = check_sequence_len(cfg, facts)
     stats = prepared.stats
-    lengths = np.asarray(prepared.train["length"])
-    plan = make_plan(cfg, lengths, np.asarray(prepared.train["n_targets"]),
-                     stats.eval_rows, stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens)
+    train = prepared.train
+    lengths = np.asarray(train.unit_column("length"))  # per unit: a row, or a preference pair
+    plan = make_plan(cfg, lengths, np.asarray(train.unit_column("n_targets")), stats.eval_rows,
+                     stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens,
+                     np.asarray(train["length"]), train.group)
+    plan.dropped_identical_pairs = stats.dropped_identical_pairs
+    plan.reference = reference_source(cfg)
     plan.precision = f"{PRECISION_NAMES[mixed]} ({why})"
     plan.attention, attention_note = attention_implementation(cfg)
     plan.warnings += [note for note in (too_long, attention_note) if note]
     attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, mixed))
-    count = count_flops(facts.config, *facts.matmul_weights, lengths)
+    count = count_flops(facts.config, *facts.matmul_weights, np.asarray(train["length"]))  # per sequence
     plan.flops_per_token, plan.attention_context = count.per_token, count.attention_context
     if count.per_token is None:
         plan.peak_source = count.why_not
@@ -183,12 +187,14 @@ class TrainingSession:
         resume = self._decided_on_main(lambda: self._start_output_dir(plan, identity, overwrite, force_resume))
         clock = time.perf_counter()
         model = load_model(cfg, tokenizer, checkpoint=resume)
+        reference_model, reference = self._reference(model, tokenizer, prepared, resume)
         self.seconds["model_load"] = time.perf_counter() - clock
         hooks = self.hooks if self.trackers is None else TogetherHooks(self.hooks, self.trackers)
         try:
             with StopRequests() as stop:
-                loop = TrainingLoop(cfg, plan, prepared, tokenizer, model, accelerator, objective_of(cfg), identity,
-                                    stop, hooks, resume_from=resume)
+                loop = TrainingLoop(cfg, plan, prepared, tokenizer, model, accelerator,
+                                    objective_of(cfg, reference_model), identity, stop, hooks, resume_from=resume,
+                                    reference=reference)
                 outcome = loop.run()
         except (TrainingDiverged, CheckpointFailed) as error:  # raised on every rank at the same collective
             return RunResult(output_dir, plan, resumed_from=resume, error=error)
@@ -200,6 +206,28 @@ class TrainingSession:
             except UserError as error:  # the other ranks are already on their way out
                 result.error = error
         return result
+
+    def _reference(self, model, tokenizer, prepared, resume: Path | None):
+        """A preference run's reference: (frozen model or None, precomputed log-probs or None). See
+        train/reference.py; a supervised run has neither."""
+        from tuneloop.model import load_model
+        from tuneloop.train.reference import live_reference_model, precomputed_reference
+
+        cfg = self.cfg
+        if not cfg.rl:
+            return None, None
+        if not cfg.precompute_ref_log_probs:
+            return live_reference_model(cfg, model, tokenizer, resume is not None, self.accelerator.device), None
+
+        def starting_model():  # a resumed full fine-tuning run holds trained weights: the reference is the base
+            return model if resume is None or cfg.adapter else load_model(cfg, tokenizer)
+
+        def compute():
+            return precomputed_reference(cfg, starting_model, prepared, tokenizer, self.accelerator,
+                                         prepared.cache_dir.name)
+
+        with self.hooks.phase("reference log-probs"):
+            return None, self._on_main_first(compute)
 
     def _start_output_dir(self, plan, identity: dict, overwrite: bool, force_resume: bool) -> Path | None:
         """Main process: a fresh output_dir, or the checkpoint to resume from (checked against this run)."""

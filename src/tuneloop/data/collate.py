@@ -7,11 +7,16 @@ last token of one packed sequence to predict the first token of the next.
 Packed rows carry `position_ids` that restart at 0 for each sequence and no attention mask:
 transformers then builds a block-diagonal causal mask from the position ids (this needs
 `use_cache=False`, which model.py sets). Unpacked rows carry an attention mask instead.
+
+The sampler deals out units: rows of the store, or groups of them (a preference pair is its chosen and
+rejected sequence). Unpacked, each sequence of a unit gets a row of its own; packed, a unit's sequences
+share a packed row, each isolated by its positions. With groups, `extra["sequence_index"]` numbers every
+sequence of the micro-batch (-1 on padding), chosen at even numbers, so a loss can sum per sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -61,24 +66,42 @@ class MicroBatch:
     targets: torch.Tensor  # (rows, width), -100 where no loss
     n_targets: int  # known on the host: no device sync to normalise the loss
     n_real_tokens: int
+    extra: dict = field(default_factory=dict)  # for the objective: sequence_index, n_sequences, reference
 
     def to(self, device) -> "MicroBatch":
-        inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in self.inputs.items()}
-        return MicroBatch(inputs, self.targets.to(device, non_blocking=True), self.n_targets, self.n_real_tokens)
+        def moved(value):
+            return value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value
+
+        inputs = {name: moved(tensor) for name, tensor in self.inputs.items()}
+        return MicroBatch(inputs, moved(self.targets), self.n_targets, self.n_real_tokens,
+                          {name: moved(value) for name, value in self.extra.items()})
 
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def store_rows(units: list[list[int]], store, packed: bool) -> list[list[int]]:
+    """A micro-batch of units as rows of store indices: one row per sequence unpacked, the packed row's units'
+    sequences together packed."""
+    if store.group == 1:
+        return units
+    if packed:
+        return [[index for unit in row for index in store.unit_rows(unit)] for row in units]
+    return [[index] for row in units for unit in row for index in store.unit_rows(unit)]
+
+
 class Collator:
-    def __init__(self, rows, pad_token_id: int, packed: bool, padding: Padding | None = None):
+    def __init__(self, rows, pad_token_id: int, packed: bool, padding: Padding | None = None,
+                 reference: np.ndarray | None = None):
         self.rows = rows  # a TokenRows: each sequence's tokens are numpy views of the memory-mapped store
         self.pad_token_id = pad_token_id
         self.packed = packed
         self.padding = padding or Padding(multiple=pad_multiple())
+        self.reference = reference  # precomputed reference log-probs, one per store row (preference data)
 
-    def __call__(self, rows: list[list[int]]) -> MicroBatch:
+    def __call__(self, units: list[list[int]]) -> MicroBatch:
+        rows = store_rows(units, self.rows, self.packed)
         row_ids, row_targets, row_positions = [], [], []
         for row in rows:
             ids = [self.rows.tokens("input_ids", index) for index in row]
@@ -99,10 +122,28 @@ class Collator:
             attention[i, :len(ids)] = 1
         n_real = sum(len(ids) for ids in row_ids)
         n_targets = int((targets != IGNORE_INDEX).sum())
+        extra = self.sequence_numbers(rows, width) if self.rows.group > 1 else {}
         if self.packed:
             # padding after the last sequence is its own "sequence" (positions restart at 0),
             # so no real token can attend to it
             for i, ids in enumerate(row_ids):
                 positions[i, len(ids):] = torch.arange(width - len(ids))
-            return MicroBatch({"input_ids": input_ids, "position_ids": positions}, targets, n_targets, n_real)
-        return MicroBatch({"input_ids": input_ids, "attention_mask": attention}, targets, n_targets, n_real)
+            return MicroBatch({"input_ids": input_ids, "position_ids": positions}, targets, n_targets, n_real, extra)
+        return MicroBatch({"input_ids": input_ids, "attention_mask": attention}, targets, n_targets, n_real, extra)
+
+    def sequence_numbers(self, rows: list[list[int]], width: int) -> dict:
+        """Each position's sequence in the micro-batch (in the order the units' sequences come: chosen, rejected,
+        chosen, ...), and the precomputed reference log-probs of those sequences when there are some."""
+        index = torch.full((len(rows), width), -1, dtype=torch.long)
+        number = 0
+        for i, row in enumerate(rows):
+            start = 0
+            for store_index in row:
+                length = int(self.rows.offsets[store_index + 1] - self.rows.offsets[store_index])
+                index[i, start:start + length] = number
+                start += length
+                number += 1
+        extra = {"sequence_index": index, "n_sequences": number}
+        if self.reference is not None:
+            extra["reference"] = torch.from_numpy(self.reference[[s for row in rows for s in row]].astype(np.float32))
+        return extra

@@ -119,6 +119,11 @@ def _messages(row: SourceRow, entry) -> list[dict]:
     raw = row.values.get(name)
     if not isinstance(raw, list) or not raw:
         raise UserError(f"data: {row.where}: field `{name}` must be a non-empty list of messages")
+    return convert_messages(raw, row, entry, sharegpt)
+
+
+def convert_messages(raw: list, row: SourceRow, entry, sharegpt: bool = False) -> list[dict]:
+    """Messages as the row writes them -> template messages (the mapping rules of `_messages`)."""
     mapping = {"role": entry.message_field_role, "content": entry.message_field_content,
                **(entry.message_property_mappings or {})}
     if sharegpt or (not entry.message_property_mappings and isinstance(raw[0], dict)

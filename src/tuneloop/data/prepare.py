@@ -36,11 +36,12 @@ from tuneloop.data.chat_templates import resolve_template
 from tuneloop.data.formats import RenderContext, render_row
 from tuneloop.data.labels import IGNORE_INDEX, count_targets
 from tuneloop.data.load import RawRow, ReadProgress, data_files_of, is_hub_dataset, parse_row, stream_rows
+from tuneloop.data.preference import render_preference
 from tuneloop.data.token_store import TokenChunk, TokenRows, TokenStoreWriter
 from tuneloop.errors import UserError
 from tuneloop.run_files import make_readable
 
-PREPARE_VERSION = 2  # bump when the tokenization or masking rules, or the store's layout, change
+PREPARE_VERSION = 3  # bump when the tokenization or masking rules, or the store's layout, change
 CHUNK_ROWS = 2000  # rows read, tokenized and written at a time (a worker's unit of work)
 SPLIT_BLOCK_ROWS = 50_000  # rows per read when the eval rows are split off
 
@@ -50,7 +51,8 @@ class PrepareStats:
     rows_read: int = 0
     dropped_too_long: int = 0
     dropped_no_trained_tokens: int = 0
-    train_rows: int = 0
+    dropped_identical_pairs: int = 0  # preference pairs whose chosen and rejected tokens are the same
+    train_rows: int = 0  # units: rows, or preference pairs
     eval_rows: int = 0
 
     def add(self, other: "PrepareStats") -> None:
@@ -100,12 +102,26 @@ class ChunkResult:
     pid: int  # the process that tokenized it
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a kept row must satisfy, and how rows group."""
+
+    sequence_len: int
+    train_on_inputs: bool
+    paired: bool = False  # preference data: each source row becomes (chosen, rejected), kept or dropped together
+    pair_in_one_row: bool = False  # packed preference data: a pair must fit one sequence_len row together
+
+
+def limits_of(cfg) -> Limits:
+    return Limits(cfg.sequence_len, cfg.train_on_inputs, bool(cfg.rl), bool(cfg.rl) and cfg.sample_packing)
+
+
 class ChunkTokenizer:
     """Renders, tokenizes and masks a chunk of rows, and drops the rows the run cannot use."""
 
-    def __init__(self, tokenizer, entries: list[EntryRules], sequence_len: int, train_on_inputs: bool):
-        self.tokenizer, self.entries = tokenizer, entries
-        self.sequence_len, self.train_on_inputs = sequence_len, train_on_inputs
+    def __init__(self, tokenizer, entries: list[EntryRules], limits: Limits):
+        self.tokenizer, self.entries, self.limits = tokenizer, entries, limits
+        self.sequence_len, self.train_on_inputs = limits.sequence_len, limits.train_on_inputs
         self.contexts = [RenderContext(tokenizer, rules.template, rules.eot_tokens) for rules in entries]
         self.encoder = plain_encoder(tokenizer)
         self.vocabulary = len(tokenizer)
@@ -115,6 +131,10 @@ class ChunkTokenizer:
         rows = [parse_row(raw) for raw in job.rows]
         if entry.type is None:
             sequences = [pretokenized(row, self.vocabulary) for row in rows]
+        elif self.limits.paired:
+            context = self.contexts[job.entry_index]
+            rendered = [half for row in rows for half in render_preference(row, entry, context)]
+            sequences = tokenize_rendered(rendered, self.tokenizer, self.encoder, False)
         else:
             context = self.contexts[job.entry_index]
             sequences = tokenize_rendered([render_row(row, entry, context) for row in rows], self.tokenizer,
@@ -127,14 +147,24 @@ class ChunkTokenizer:
                                 count=len(sequences))
         too_long = lengths > self.sequence_len
         untrained = ~too_long & (n_targets == 0)
-        keep = ~too_long & ~untrained
-        kept = [pair for pair, wanted in zip(sequences, keep) if wanted]
+        identical = np.zeros(len(sequences), dtype=bool)
+        if self.limits.paired:  # a pair is kept or dropped whole (and counted once)
+            too_long = too_long.reshape(-1, 2).any(axis=1)
+            if self.limits.pair_in_one_row:
+                too_long |= lengths.reshape(-1, 2).sum(axis=1) > self.sequence_len
+            untrained = ~too_long & (n_targets.reshape(-1, 2) == 0).any(axis=1)
+            identical = ~too_long & ~untrained & np.array(
+                [np.array_equal(sequences[i][0], sequences[i + 1][0]) for i in range(0, len(sequences), 2)], dtype=bool)
+        keep = ~too_long & ~untrained & ~identical
+        per_sequence = np.repeat(keep, 2) if self.limits.paired else keep
+        kept = [pair for pair, wanted in zip(sequences, per_sequence) if wanted]
         tokens = TokenChunk(
             np.concatenate([ids for ids, _ in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
             np.concatenate([labels for _, labels in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
-            lengths[keep].astype(np.int32), n_targets[keep].astype(np.int32))
+            lengths[per_sequence].astype(np.int32), n_targets[per_sequence].astype(np.int32))
         return ChunkResult(tokens, PrepareStats(rows_read=rows_read, dropped_too_long=int(too_long.sum()),
-                                                dropped_no_trained_tokens=int(untrained.sum())), os.getpid())
+                                                dropped_no_trained_tokens=int(untrained.sum()),
+                                                dropped_identical_pairs=int(identical.sum())), os.getpid())
 
 
 def plain_encoder(tokenizer):
@@ -221,6 +251,7 @@ def cache_key(cfg, tokenizer) -> str:
         "test_datasets": [entry.model_dump() for entry in cfg.test_datasets],
         "sequence_len": cfg.sequence_len,
         "train_on_inputs": cfg.train_on_inputs,
+        "preference": [limits_of(cfg).paired, limits_of(cfg).pair_in_one_row],
         "val_set_size": cfg.val_set_size,
         "shard": [cfg.dataset_shard_num, cfg.dataset_shard_idx],
         "seed": cfg.seed,
@@ -300,8 +331,8 @@ def _start_worker(state_file: str) -> None:
     state comes in a file: a large argument would block the parent's write to a worker that died starting."""
     global _WORKER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    tokenizer, entries, sequence_len, train_on_inputs = pickle.loads(Path(state_file).read_bytes())
-    _WORKER = ChunkTokenizer(tokenizer, entries, sequence_len, train_on_inputs)
+    tokenizer, entries, limits = pickle.loads(Path(state_file).read_bytes())
+    _WORKER = ChunkTokenizer(tokenizer, entries, limits)
 
 
 def _work(job: ChunkJob) -> ChunkResult:
@@ -374,15 +405,15 @@ def _tokenize_into(store: TokenStoreWriter, entries: list, cfg, tokenizer, stats
                    progress: ReadProgress, notice, shard: tuple[int, int] | None = None) -> set[int]:
     """Every row of `entries` into `store`; returns the ids of the processes that tokenized them."""
     rules = entry_rules(cfg, entries, tokenizer)
-    settings = (cfg.sequence_len, cfg.train_on_inputs)
+    limits = limits_of(cfg)
 
     def write_worker_state() -> Path:
         state = store.folder.parent / "worker-state.pkl"  # in the cache's temporary folder: removed with it
-        state.write_bytes(pickle.dumps((tokenizer, rules, *settings)))
+        state.write_bytes(pickle.dumps((tokenizer, rules, limits)))
         return state
 
     results = tokenized_chunks(read_jobs(entries, progress, shard),
-                               lambda: ChunkTokenizer(tokenizer, rules, *settings), write_worker_state,
+                               lambda: ChunkTokenizer(tokenizer, rules, limits), write_worker_state,
                                processes_for(cfg), notice)
     pids = set()
     for result in results:
@@ -409,14 +440,18 @@ def eval_row_mask(total: int, val_set_size: float, seed: int) -> np.ndarray:
 
 
 def split_store(source: Path, train_dir: Path, eval_dir: Path, held_out: np.ndarray) -> tuple[int, int]:
-    """One pass over `source` in blocks, each row to the train or the eval store (in their order)."""
+    """One pass over `source` in blocks, each unit (row or pair) to the train or the eval store (in their order);
+    `held_out` has one value per unit."""
     rows = TokenRows(source)
-    train, evaluation = TokenStoreWriter(train_dir), TokenStoreWriter(eval_dir)
-    for start in range(0, len(rows), SPLIT_BLOCK_ROWS):
-        stop = min(start + SPLIT_BLOCK_ROWS, len(rows))
+    group = rows.group
+    train, evaluation = TokenStoreWriter(train_dir, group), TokenStoreWriter(eval_dir, group)
+    per_row = np.repeat(held_out, group)
+    block_rows = SPLIT_BLOCK_ROWS * group  # whole units per block
+    for start in range(0, len(rows), block_rows):
+        stop = min(start + block_rows, len(rows))
         block = rows.read_chunk(start, stop)
-        evaluation.write(block.rows(held_out[start:stop]))
-        train.write(block.rows(~held_out[start:stop]))
+        evaluation.write(block.rows(per_row[start:stop]))
+        train.write(block.rows(~per_row[start:stop]))
     del rows
     return train.close(), evaluation.close()
 
@@ -428,11 +463,12 @@ def _build(cfg, tokenizer, target: Path, report=None, notice=None) -> int:
     try:
         progress = ReadProgress(_bytes_to_read(cfg.datasets + cfg.test_datasets), report)
         shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
-        usable = TokenStoreWriter(temp / "usable")
+        group = 2 if cfg.rl else 1
+        usable = TokenStoreWriter(temp / "usable", group)
         pids = _tokenize_into(usable, cfg.datasets, cfg, tokenizer, stats, progress, notice, shard)
         total = usable.close()
         if cfg.test_datasets:
-            evaluation = TokenStoreWriter(temp / "eval")
+            evaluation = TokenStoreWriter(temp / "eval", group)
             pids |= _tokenize_into(evaluation, cfg.test_datasets, cfg, tokenizer, stats, progress, notice)
             stats.eval_rows = evaluation.close()
             (temp / "usable").rename(temp / "train")

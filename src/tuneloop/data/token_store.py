@@ -5,7 +5,11 @@ A store is a folder of flat binary arrays (little-endian, no header):
     input_ids.i32, labels.i32   every row's tokens, one row after the other
     offsets.i64                 where each row starts in them (rows + 1 values, the first 0)
     length.i32, n_targets.i32   one value per row
-    rows.json                   the row and token counts (written last: a store without it is incomplete)
+    rows.json                   the row and token counts, and the group size (written last: a store without
+                                it is incomplete)
+
+Rows may come in groups: a preference pair is two rows (chosen, rejected), one after the other, and the
+sampler deals out whole groups (units). `unit_column` gives a per-row column summed per unit.
 
 This is the layout Arrow uses for a list column, without Arrow's record-batch chunks: any row is two slices
 of one memory map, so the sampler and packer read `length` and `n_targets` as numpy arrays (8 bytes a row,
@@ -59,9 +63,10 @@ class TokenChunk:
 class TokenStoreWriter:
     """Appends chunks to a new store in `folder`; `close()` writes rows.json and returns the row count."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, group: int = 1):
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
+        self.group = group  # rows per unit (2: a preference pair); chunks hold whole groups
         self.files = {name: open(column_file(folder, name), "wb") for name in FILE_TYPES}
         self.rows = 0
         self.tokens = 0
@@ -78,10 +83,12 @@ class TokenStoreWriter:
         self.tokens = int(ends[-1])
 
     def close(self) -> int:
+        """Finishes the store; returns its units (rows, or pairs of rows)."""
         for handle in self.files.values():
             handle.close()
-        (self.folder / ROWS_FILE).write_text(json.dumps({"rows": self.rows, "tokens": self.tokens}))
-        return self.rows
+        counts = {"rows": self.rows, "tokens": self.tokens, **({"group": self.group} if self.group > 1 else {})}
+        (self.folder / ROWS_FILE).write_text(json.dumps(counts))
+        return self.rows // self.group
 
 
 def _mapped(path: Path, dtype, count: int) -> np.ndarray:
@@ -99,6 +106,7 @@ class TokenRows:
         self.folder = Path(folder)
         counts = json.loads((self.folder / ROWS_FILE).read_text())
         self.count, token_count = counts["rows"], counts["tokens"]
+        self.group = counts.get("group", 1)  # rows per unit: 2 for preference pairs
         self.offsets = _mapped(column_file(self.folder, "offsets"), np.int64, self.count + 1)
         if self.count == 0:
             self.offsets = np.zeros(1, dtype=np.int64)
@@ -109,6 +117,19 @@ class TokenRows:
 
     def __len__(self) -> int:
         return self.count
+
+    @property
+    def units(self) -> int:
+        """What the sampler deals out: rows, or groups of rows (preference pairs)."""
+        return self.count // self.group
+
+    def unit_column(self, name: str) -> np.ndarray:
+        """A one-value column (length, n_targets) summed over each unit's rows."""
+        column = self.columns[name]
+        return column if self.group == 1 else np.asarray(column).reshape(-1, self.group).sum(axis=1)
+
+    def unit_rows(self, unit: int) -> range:
+        return range(unit * self.group, (unit + 1) * self.group)
 
     def tokens(self, name: str, index: int) -> np.ndarray:
         return self.columns[name][self.offsets[index]:self.offsets[index + 1]]

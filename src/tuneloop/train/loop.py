@@ -4,8 +4,9 @@ Token-weighted accumulation: the loss of an optimizer step is the sum of per-tok
 over all its micro-batches on all ranks, divided by the number of target tokens in the whole
 step. That count is known on the host before the step starts (the sampler is deterministic
 and every rank can count every rank's rows), so normalising costs no device sync and no
-collective. Each micro-batch's summed loss is scaled by world_size / step_tokens because
-DDP averages gradients over ranks.
+collective. Each micro-batch's summed loss is scaled by world_size / step_units because
+DDP averages gradients over ranks. A preference objective sums over pairs instead of tokens
+(its unit), and the step's pairs are counted the same way.
 
 We use `accelerator.no_sync` for the non-final micro-batches of a step rather than
 `accelerator.accumulate`: the latter divides the loss by the accumulation count (a mean of
@@ -63,22 +64,28 @@ class TrainingLoop:
     """One run's loop on this rank. Built once (optimizer, scheduler, collators, restored state), run once."""
 
     def __init__(self, cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, objective: Objective,
-                 identity: dict, stop: StopRequests, hooks: RunHooks, resume_from: Path | None = None):
+                 identity: dict, stop: StopRequests, hooks: RunHooks, resume_from: Path | None = None,
+                 reference: dict | None = None):
         self.cfg, self.plan, self.tokenizer, self.accelerator = cfg, plan, tokenizer, accelerator
         self.objective, self.identity, self.stop, self.hooks = objective, identity, stop, hooks
         self.output_dir = Path(cfg.output_dir)
         self.rank, self.world_size = accelerator.process_index, plan.world_size
-        self.lengths = np.asarray(prepared.train["length"])
-        self.targets_per_row = np.asarray(prepared.train["n_targets"])
+        # per unit (a row, or a preference pair): what the sampler deals out
+        self.lengths = np.asarray(prepared.train.unit_column("length"))
+        self.targets_per_row = np.asarray(prepared.train.unit_column("n_targets"))
+        # what a step's loss is averaged over, per unit: its target tokens, or 1 (a pair)
+        self.units_per_row = (self.targets_per_row if objective.unit == "tokens"
+                              else np.ones(len(self.lengths), dtype=np.int64))
+        reference = reference or {}  # precomputed reference log-probs per store row: {"train": ..., "eval": ...}
         self.collate = Collator(prepared.train, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
-                                padding=plan.padding)
+                                padding=plan.padding, reference=reference.get("train"))
         self.eval_batches, self.eval_collate = [], None
         if prepared.eval is not None:
             spec = plan.eval_batching
-            self.eval_batches = epoch_micro_batches(np.asarray(prepared.eval["length"]), spec, 0, shuffle=False,
-                                                    even=False)[self.rank]
+            self.eval_batches = epoch_micro_batches(np.asarray(prepared.eval.unit_column("length")), spec, 0,
+                                                    shuffle=False, even=False)[self.rank]
             self.eval_collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
-                                         padding=plan.padding.unfixed())
+                                         padding=plan.padding.unfixed(), reference=reference.get("eval"))
 
         if compiles(cfg):  # before DDP wraps the model; in place, so names and checkpoints stay the eager ones
             compile_for_training(cfg, model)
@@ -95,7 +102,7 @@ class TrainingLoop:
         self.metrics = MetricsLog(self.output_dir / run_files.METRICS, accelerator.is_main_process)
         self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device,
                                      streaks=self.state.bad_steps_in_a_row)
-        self.loss_window = LossWindow(accelerator.device)
+        self.loss_window = LossWindow(accelerator.device, objective.stat_names)
         self.real_tokens = 0  # this session's, on this rank: for throughput, not part of the run state
         self.seconds = {"eval": 0.0, "save": 0.0}  # this session's wall time in evals and saves
 
@@ -125,9 +132,10 @@ class TrainingLoop:
             for start in range(first, plan.micro_batches_per_epoch, accum):
                 if state.step == plan.total_steps or stopped_by:
                     break
-                step_tokens = sum(int(self.targets_per_row[row].sum()) for batches in per_rank
-                                  for micro in batches[start:start + accum] for row in micro)
-                lr, grad_norm = self.train_step(per_rank[self.rank][start:start + accum], step_tokens)
+                step_rows = [row for batches in per_rank for micro in batches[start:start + accum] for row in micro]
+                step_tokens = sum(int(self.targets_per_row[row].sum()) for row in step_rows)
+                step_units = sum(int(self.units_per_row[row].sum()) for row in step_rows)
+                lr, grad_norm = self.train_step(per_rank[self.rank][start:start + accum], step_tokens, step_units)
                 step = state.step
                 if self.accelerator.is_main_process:
                     self.hooks.stepped(step)
@@ -187,11 +195,13 @@ class TrainingLoop:
             self.loss_window.restart_clock()
         return seconds, self.real_tokens
 
-    def train_step(self, window: list, step_tokens: int) -> tuple[float, torch.Tensor]:
-        """One optimizer step over this rank's micro-batches `window`; returns the rate it used and the grad norm."""
+    def train_step(self, window: list, step_tokens: int, step_units: int) -> tuple[float, torch.Tensor]:
+        """One optimizer step over this rank's micro-batches `window`; returns the rate it used and the grad norm.
+        `step_units`: what the step's loss is a mean over (its target tokens, or its pairs), on every rank."""
         accelerator, hooks, model = self.accelerator, self.hooks, self.model
-        scale = self.world_size / step_tokens  # DDP averages over ranks; the step's loss is a mean per token
+        scale = self.world_size / step_units  # DDP averages over ranks; the step's loss is a mean per unit
         step_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
+        step_stats = None  # the objective's per-unit sums (rewards, ...), when it has some
         for index, rows in enumerate(window):
             with hooks.phase("collate"):
                 batch = self.collate(rows)
@@ -201,10 +211,12 @@ class TrainingLoop:
             last = index == len(window) - 1
             with contextlib.nullcontext() if last else accelerator.no_sync(model):
                 with hooks.phase("forward and loss"), accelerator.autocast():
-                    loss_sum = model(batch.inputs, batch.targets)
+                    loss_sum, stats = model(batch.inputs, batch.targets, batch.extra)
                 with hooks.phase("backward"):
                     accelerator.backward(loss_sum * scale)
             step_loss += loss_sum.detach().double()
+            if stats is not None:
+                step_stats = stats if step_stats is None else step_stats + stats
             self.loss_window.real_tokens += batch.n_real_tokens
             self.real_tokens += batch.n_real_tokens
             self.state.targets_collated += batch.n_targets
@@ -220,15 +232,15 @@ class TrainingLoop:
             self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += step_tokens
-        self.loss_window.add_step(step_loss, step_tokens)
-        self.watchdog.observe(self.state.step, step_loss * self.world_size / step_tokens, grad_norm)
+        self.loss_window.add_step(step_loss, step_units, step_tokens, step_stats)
+        self.watchdog.observe(self.state.step, step_loss * self.world_size / step_units, grad_norm)
         return lr, grad_norm
 
     # ---- what happens at some steps ------------------------------------------------------------
     def log_train_line(self, step: int, lr: float, grad_norm: torch.Tensor) -> None:
         with self.hooks.phase("logging"):
             closed = self.loss_window.close(self.accelerator)
-            line = {"step": step, "epoch": self.epoch_at(step), "loss": closed["loss"], "lr": lr,
+            line = {"step": step, "epoch": self.epoch_at(step), "loss": closed["loss"], **closed["stats"], "lr": lr,
                     "grad_norm": float(grad_norm), "tokens": self.state.tokens_seen,
                     "tokens_per_second": closed["tokens_per_second"],
                     "real_tokens_per_second": closed["real_tokens_per_second"]}

@@ -3,8 +3,8 @@
 An objective runs the model on a micro-batch and returns a *summed* loss, and says what that sum is over
 (its unit): the language-model loss sums cross-entropy over target tokens, so a step's loss is that sum
 divided by the target tokens of the whole step (all micro-batches, all ranks), which the host knows before
-the step. Preference objectives (DPO and friends) will sum over pairs or rows and normalise by the pairs or
-rows of the step, in the same loop.
+the step. Preference objectives (DPO, IPO, ORPO: train/preference.py) sum over pairs and normalise by the
+pairs of the step, in the same loop.
 
 The model and its objective are one module for the loop (`ObjectiveModule`), so DDP, and the FSDP to come,
 wrap the loss computation too: the language-model loss meets the output projection in chunks
@@ -13,6 +13,7 @@ wrap the loss computation too: the language-model loss meets the output projecti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable
@@ -76,29 +77,70 @@ def language_model_eval(model, inputs: dict, targets: torch.Tensor,
     return chunked_loss_and_correct(decoder(**inputs).last_hidden_state, weight, targets)
 
 
+def _language_model_eval_sums(model, inputs: dict, targets: torch.Tensor, extra: dict, chunked: bool) -> torch.Tensor:
+    """[summed loss, correct predictions, target tokens]."""
+    loss, correct = language_model_eval(model, inputs, targets, chunked=chunked)
+    count = (targets != IGNORE_INDEX).sum()
+    return torch.stack([loss.double(), correct.double(), count.double()])
+
+
+def language_model_eval_metrics(totals: list[float]) -> dict:
+    loss_sum, correct, n_targets = totals
+    n_targets = int(n_targets)
+    loss = loss_sum / max(n_targets, 1)
+    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0)),
+            "eval_token_accuracy": correct / max(n_targets, 1), "eval_tokens": n_targets}
+
+
 @dataclass(frozen=True)
 class Objective:
-    summed_loss: Callable  # (model, inputs, targets) -> a scalar tensor: the loss summed over the unit
-    eval_sums: Callable  # (model, inputs, targets) -> (summed loss, correct predictions), no gradients
-    unit: str  # what the sum runs over, and what a step's loss is averaged over: "tokens", "pairs" or "rows"
+    # (model, inputs, targets, extra) -> (the loss summed over the unit: a scalar tensor, stats or None); `extra`
+    # holds what the collator adds besides inputs and targets (a pair's sequence numbers, reference log-probs)
+    summed_loss: Callable
+    eval_sums: Callable  # (model, inputs, targets, extra) -> a 1-D tensor of sums, no gradients
+    eval_metrics: Callable  # (the eval sums over every batch and rank, as floats) -> the eval line
+    unit: str  # what the sum runs over, and what a step's loss is averaged over: "tokens" or "pairs"
+    eval_width: int  # how many sums eval_sums returns
+    stat_names: tuple[str, ...] = ()  # what `stats` sums (per unit), for the train lines
+    name: str = "language_model"
+
+
+def _without_stats(loss_function):
+    def summed_loss(model, inputs, targets, extra):
+        return loss_function(model, inputs, targets), None
+    return summed_loss
 
 
 def _language_model(cfg) -> Objective:
     """Chunked unless the config says `chunked_cross_entropy: false` (axolotl's key): the same loss from whole
     logits, for comparison or a model whose head the chunked path does not know."""
     chunked = cfg is None or cfg.chunked_cross_entropy is not False
-    return Objective(partial(language_model_loss, chunked=chunked), partial(language_model_eval, chunked=chunked),
-                     unit="tokens")
+    return Objective(_without_stats(partial(language_model_loss, chunked=chunked)),
+                     partial(_language_model_eval_sums, chunked=chunked), language_model_eval_metrics, unit="tokens",
+                     eval_width=3)
 
 
-# `rl:` name -> (cfg -> Objective)
+def _preference(cfg, reference_model=None) -> Objective:
+    """DPO, IPO or ORPO (train/preference.py), per pair."""
+    from tuneloop.train.preference import PAIR_STATS, PairLosses, PreferenceLoss, preference_eval_metrics
+
+    loss = PreferenceLoss(PairLosses.from_config(cfg), reference_model)
+    return Objective(loss, loss.eval_sums, preference_eval_metrics, unit="pairs", eval_width=5,
+                     stat_names=PAIR_STATS,
+                     name=cfg.rl)
+
+
+# `rl:` name -> (cfg, reference model or None) -> Objective; supervised fine-tuning is "language_model"
 OBJECTIVES: Registry[Callable] = Registry("training objective", "rl")
-OBJECTIVES.add("language_model", _language_model)
+OBJECTIVES.add("language_model", lambda cfg, reference_model=None: _language_model(cfg))
+for _method in ("dpo", "ipo", "orpo"):  # rl_methods.RL_METHODS: what the config accepts and the plan reads
+    OBJECTIVES.add(_method, _preference)
 
 
-def objective_of(cfg) -> Objective:
-    """Supervised fine-tuning trains the language-model loss (preference objectives will be chosen by `rl`)."""
-    return OBJECTIVES["language_model"](cfg)
+def objective_of(cfg, reference_model=None) -> Objective:
+    """Supervised fine-tuning trains the language-model loss; `rl:` names a preference objective, which compares
+    the policy with `reference_model` (None: LoRA's adapter switched off, or log-probs that came precomputed)."""
+    return OBJECTIVES[cfg.rl if cfg is not None and cfg.rl else "language_model"](cfg, reference_model)
 
 
 def uses_chunked_loss(cfg, model) -> bool:
@@ -113,5 +155,5 @@ class ObjectiveModule(torch.nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
-        return self.objective.summed_loss(self.model, inputs, targets)
+    def forward(self, inputs: dict, targets: torch.Tensor, extra: dict):
+        return self.objective.summed_loss(self.model, inputs, targets, extra)

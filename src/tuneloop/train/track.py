@@ -29,12 +29,15 @@ class MetricsLog:
 
 
 class LossWindow:
-    """The optimizer steps since the last train line. The summed loss stays on the device, so a step
-    that is not logged costs no host sync; tokens and real tokens are counted on the host."""
+    """The optimizer steps since the last train line. The summed loss (and an objective's other sums: a
+    preference loss's rewards) stay on the device, so a step that is not logged costs no host sync; units
+    and real tokens are counted on the host."""
 
-    def __init__(self, device):
+    def __init__(self, device, stat_names: tuple[str, ...] = ()):
         self.loss = torch.zeros((), device=device, dtype=torch.float64)
-        self.tokens = 0  # target tokens of the window's steps: the loss's denominator
+        self.stat_names = stat_names
+        self.stats = torch.zeros(len(stat_names), device=device, dtype=torch.float64)
+        self.units = 0  # units (target tokens, or pairs) of the window's steps: the loss's denominator
         self.clock_tokens = 0  # the same, since the clock started: the throughput's numerator
         self.real_tokens = 0
         self.start = time.perf_counter()
@@ -43,9 +46,11 @@ class LossWindow:
         """The clock starts now (the first window does not count model loading or the step-0 eval)."""
         self.start = time.perf_counter()
 
-    def add_step(self, summed_loss: torch.Tensor, tokens: int) -> None:
+    def add_step(self, summed_loss: torch.Tensor, units: int, tokens: int, stats: torch.Tensor | None = None) -> None:
         self.loss += summed_loss
-        self.tokens += tokens
+        if stats is not None:
+            self.stats += stats
+        self.units += units
         self.clock_tokens += tokens
 
     def restart_clock(self) -> None:
@@ -56,12 +61,19 @@ class LossWindow:
     def close(self, accelerator) -> dict:
         """Loss per token and throughput over the window, summed over ranks (collectives: every rank
         calls it at the same step); the next window starts now."""
-        loss = float(accelerator.reduce(self.loss, reduction="sum")) / self.tokens
+        loss = float(accelerator.reduce(self.loss, reduction="sum")) / self.units
+        stats = {}
+        if self.stat_names:  # a preference objective's sums per pair: rewards and the fraction ranked right
+            totals = accelerator.reduce(self.stats, reduction="sum").tolist()
+            stats = {name: value / self.units for name, value in zip(self.stat_names, totals)}
+            stats["reward_margin"] = stats["reward_chosen"] - stats["reward_rejected"]
+            self.stats.zero_()
         real = int(accelerator.reduce(torch.tensor(self.real_tokens, device=self.loss.device), reduction="sum"))
         elapsed = time.perf_counter() - self.start
         clocked = self.clock_tokens > 0  # nothing since the clock restarted: no throughput to tell
-        closed = {"loss": loss, "tokens_per_second": round(self.clock_tokens / elapsed, 1) if clocked else None,
+        closed = {"loss": loss, "stats": stats,
+                  "tokens_per_second": round(self.clock_tokens / elapsed, 1) if clocked else None,
                   "real_tokens_per_second": round(real / elapsed, 1) if clocked else None}
         self.loss.zero_()
-        self.tokens, self.clock_tokens, self.real_tokens, self.start = 0, 0, 0, time.perf_counter()
+        self.units, self.clock_tokens, self.real_tokens, self.start = 0, 0, 0, time.perf_counter()
         return closed

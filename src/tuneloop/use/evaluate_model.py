@@ -30,7 +30,8 @@ def eval_folder(cfg, model: str | None) -> ModelFolder:
 
 
 def evaluate_model(cfg, model: str | None = None) -> dict:
-    """{"model", "eval_loss", "eval_perplexity", "eval_token_accuracy", "eval_tokens"} of the config's eval set."""
+    """{"model", "eval_loss", "eval_perplexity", "eval_token_accuracy", "eval_tokens"} of the config's eval set (a
+    preference config's: eval_loss, the rewards and the reward accuracy, against its reference)."""
     check_has_eval_set(cfg)
     folder = eval_folder(cfg, model)
 
@@ -54,13 +55,27 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
     try:
         loaded = load_for_eval(cfg, folder, len(tokenizer)).to(accelerator.device)
         spec = plan.eval_batching  # as TrainingLoop builds them: the run's own eval batches
-        batches = epoch_micro_batches(np.asarray(prepared.eval["length"]), spec, 0, shuffle=False, even=False)[0]
+        batches = epoch_micro_batches(np.asarray(prepared.eval.unit_column("length")), spec, 0, shuffle=False,
+                                      even=False)[0]
         collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
                            padding=plan.padding.unfixed())
-        result = evaluate(loaded, batches, collate, objective_of(cfg), accelerator)
+        reference = reference_for_eval(cfg, folder, len(tokenizer), accelerator.device)
+        result = evaluate(loaded, batches, collate, objective_of(cfg, reference), accelerator)
     finally:
         _forget_accelerate_state()  # the next command in this process may ask for another precision
     return {"model": str(folder.path), **result}
+
+
+def reference_for_eval(cfg, folder: ModelFolder, vocabulary: int, device):
+    """A DPO/IPO config's reference: the config's base_model, frozen (an adapter's is its base with the adapter
+    switched off: None here). The rewards and the loss are then those the run logged."""
+    from tuneloop.rl_methods import RL_METHODS
+
+    if not cfg.rl or not RL_METHODS[cfg.rl].uses_reference or folder.is_adapter:
+        return None
+    base = load_for_eval(cfg, find_model_folder(cfg.base_model, "eval: base_model"), vocabulary)
+    base.requires_grad_(False)
+    return base.eval().to(device)
 
 
 def load_for_eval(cfg, folder: ModelFolder, vocabulary: int):

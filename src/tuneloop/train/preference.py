@@ -1,0 +1,184 @@
+"""Preference losses (DPO with its sigmoid, IPO and hinge losses; ORPO) on pairs of sequences.
+
+A micro-batch holds whole pairs: sequence 2j is pair j's prompt + chosen reply, sequence 2j+1 its prompt +
+rejected reply, padded side by side or packed (data/collate.py numbers every sequence in `sequence_index`).
+The policy's log-probability of each reply is a sum over its target tokens, which the output projection
+meets only at target positions, a chunk at a time: the [tokens, vocabulary] logits are never whole.
+
+Each loss is summed over the micro-batch's pairs; the loop divides by the pairs of the whole step (all
+micro-batches, all ranks), so accumulation and ranks change nothing (unit "pairs").
+
+The reference model (DPO, IPO) is the policy's starting point, frozen: with a LoRA adapter, the same
+model with its adapter switched off (no second copy); in full fine-tuning, a frozen copy made before the
+first step; or neither, when `precompute_ref_log_probs` computed its log-probs once before training (the
+batch then carries them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tuneloop.data.labels import IGNORE_INDEX
+from tuneloop.train.chunked_loss import chunk_tokens
+
+# the per-pair numbers a micro-batch reports besides its loss (sums over its pairs), in this order
+PAIR_STATS = ("reward_chosen", "reward_rejected", "reward_accuracy")
+
+
+def _target_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight).float()
+    return torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+
+
+def token_log_probs(model, inputs: dict, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each target token, the flat positions they sit at). Where the logits are decoder
+    states @ weight, only target positions meet the projection, a chunk at a time under checkpointing (a
+    chunk's logits are made again in the backward instead of kept)."""
+    from tuneloop.train.objectives import output_head
+
+    flat_targets = targets.reshape(-1)
+    positions = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
+    wanted = flat_targets[positions]
+    head = output_head(model)
+    if head is None:
+        logits = model(**inputs).logits
+        log_probs = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[positions].float(), dim=-1)
+        return log_probs.gather(1, wanted.unsqueeze(1)).squeeze(1), positions
+    decoder, weight = head
+    hidden = decoder(**inputs).last_hidden_state
+    hidden = hidden.reshape(-1, hidden.shape[-1])[positions]
+    rows = chunk_tokens(weight.shape[0])
+    parts = []
+    for start in range(0, hidden.shape[0], rows):
+        chunk, chunk_targets = hidden[start:start + rows], wanted[start:start + rows]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_target_log_probs, chunk, weight, chunk_targets, use_reentrant=False))
+        else:
+            parts.append(_target_log_probs(chunk, weight, chunk_targets))
+    return (torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)), positions
+
+
+def sequence_log_probs(model, inputs: dict, targets: torch.Tensor, sequence_index: torch.Tensor,
+                       n_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each sequence's targets, its number of targets), both [n_sequences]."""
+    values, positions = token_log_probs(model, inputs, targets)
+    owner = sequence_index.reshape(-1)[positions]
+    sums = torch.zeros(n_sequences, dtype=torch.float32, device=values.device).index_add(0, owner, values)
+    counts = torch.bincount(owner, minlength=n_sequences).to(torch.float32)
+    return sums, counts
+
+
+@contextlib.contextmanager
+def reference_mode(model):
+    """The LoRA model as its base (the adapter switched off), or nothing to change."""
+    with model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext():
+        yield
+
+
+@dataclass
+class PairLosses:
+    """Which losses, how they are weighed, and their settings (cfg's rl keys resolved)."""
+
+    method: str  # dpo, ipo, orpo
+    loss_types: list[str]
+    weights: list[float]
+    beta: float
+    label_smoothing: float
+    orpo_alpha: float
+
+    @classmethod
+    def from_config(cls, cfg) -> "PairLosses":
+        if cfg.rl == "orpo":
+            return cls("orpo", [], [], 0.0, 0.0, cfg.orpo_alpha if cfg.orpo_alpha is not None else 0.1)
+        types = cfg.dpo_loss_type or (["ipo"] if cfg.rl == "ipo" else ["sigmoid"])
+        return cls(cfg.rl, types, cfg.dpo_loss_weights or [1.0] * len(types), cfg.beta, cfg.dpo_label_smoothing, 0.0)
+
+
+def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor,
+               settings: PairLosses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses and (chosen, rejected) rewards. `policy`, `reference`, `counts`: [2 × pairs], chosen at
+    even positions. IPO compares log-probs averaged over each reply's tokens (as in its paper and TRL); sigmoid
+    and hinge compare sums."""
+    beta = settings.beta
+    chosen_ratio = policy[0::2] - reference[0::2]
+    rejected_ratio = policy[1::2] - reference[1::2]
+    margin = chosen_ratio - rejected_ratio
+    total = torch.zeros_like(margin)
+    for name, weight in zip(settings.loss_types, settings.weights):
+        if name == "sigmoid":
+            smoothing = settings.label_smoothing
+            loss = -(1 - smoothing) * F.logsigmoid(beta * margin) - smoothing * F.logsigmoid(-beta * margin)
+        elif name == "hinge":
+            loss = torch.relu(1 - beta * margin)
+        elif name == "ipo":
+            averaged = chosen_ratio / counts[0::2] - rejected_ratio / counts[1::2]
+            loss = (averaged - 1 / (2 * beta)) ** 2
+        else:  # the config accepts only the names above
+            raise ValueError(f"unknown DPO loss {name!r}")
+        total = total + weight * loss
+    return total, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def orpo_losses(policy: torch.Tensor, counts: torch.Tensor,
+                settings: PairLosses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO per pair: the chosen reply's mean token NLL minus alpha × log σ(log odds ratio), the odds taken on
+    log-probs averaged per token; rewards are alpha × those averages (as TRL reports them)."""
+    chosen, rejected = policy[0::2] / counts[0::2], policy[1::2] / counts[1::2]
+
+    def log_one_minus_exp(x):  # log(1 - e^x) for x < 0, stable near 0
+        return torch.log(-torch.expm1(x.clamp(max=-1e-7)))
+
+    log_odds = (chosen - rejected) - (log_one_minus_exp(chosen) - log_one_minus_exp(rejected))
+    alpha = settings.orpo_alpha
+    loss = -chosen - alpha * F.logsigmoid(log_odds)
+    return loss, alpha * chosen.detach(), alpha * rejected.detach()
+
+
+class PreferenceLoss:
+    """The objective's loss function: (model, inputs, targets, extra) -> (loss summed over pairs, stats)."""
+
+    def __init__(self, settings: PairLosses, reference_model=None):
+        self.settings = settings
+        self.reference_model = reference_model  # full fine-tuning's frozen copy; None: LoRA's base, or precomputed
+
+    def reference_log_probs(self, model, inputs, targets, extra) -> torch.Tensor:
+        if "reference" in extra:
+            return extra["reference"].float()
+        with torch.no_grad():
+            if self.reference_model is not None:
+                return sequence_log_probs(self.reference_model, inputs, targets, extra["sequence_index"],
+                                          extra["n_sequences"])[0]
+            with reference_mode(model):
+                return sequence_log_probs(model, inputs, targets, extra["sequence_index"], extra["n_sequences"])[0]
+
+    def pair_losses(self, model, inputs: dict, targets: torch.Tensor, extra: dict):
+        policy, counts = sequence_log_probs(model, inputs, targets, extra["sequence_index"], extra["n_sequences"])
+        if self.settings.method == "orpo":
+            return orpo_losses(policy, counts, self.settings)
+        reference = self.reference_log_probs(model, inputs, targets, extra)
+        return dpo_losses(policy, reference, counts, self.settings)
+
+    def __call__(self, model, inputs: dict, targets: torch.Tensor, extra: dict):
+        losses, chosen, rejected = self.pair_losses(model, inputs, targets, extra)
+        stats = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).sum().float()]).double()
+        return losses.sum(), stats
+
+    @torch.no_grad()
+    def eval_sums(self, model, inputs: dict, targets: torch.Tensor, extra: dict) -> torch.Tensor:
+        """[loss, pairs, reward_chosen, reward_rejected, reward_accuracy], summed over the micro-batch's pairs."""
+        loss, stats = self(model, inputs, targets, extra)
+        pairs = torch.tensor([extra["n_sequences"] // 2], dtype=torch.float64, device=stats.device)
+        return torch.cat([loss.double().reshape(1), pairs, stats])
+
+
+def preference_eval_metrics(totals: list[float]) -> dict:
+    loss, pairs, chosen, rejected, correct = totals
+    pairs = max(pairs, 1)
+    return {"eval_loss": loss / pairs, "eval_reward_chosen": chosen / pairs, "eval_reward_rejected": rejected / pairs,
+            "eval_reward_margin": (chosen - rejected) / pairs, "eval_reward_accuracy": correct / pairs,
+            "eval_pairs": int(pairs)}

@@ -1,0 +1,379 @@
+"""Preference training (rl: dpo / ipo / orpo): the losses against a hand computation, pairs kept whole,
+the reference model, and the run's equivalences (accumulation, ranks, precomputed references, plan == run)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import (CORPUS, assert_user_error, base_config, read_metrics, run_in_process, run_two_ranks,
+                      write_config, write_jsonl)
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tuneloop.config import config_from_dict
+from tuneloop.data.collate import Collator
+from tuneloop.data.labels import IGNORE_INDEX
+from tuneloop.data.prepare import prepare
+from tuneloop.train.preference import PairLosses, PreferenceLoss, sequence_log_probs
+
+WORDS = " ".join(CORPUS).split()
+ONE_SGD_STEP = {"optimizer": "sgd", "learning_rate": 1.0, "max_grad_norm": 0, "max_steps": 1,
+                "lr_scheduler": "constant"}
+
+
+def pair_rows(count: int, seed: int = 0, easy: bool = False) -> list[dict]:
+    """Chat-template preference rows. `easy`: the chosen reply always names colours, the rejected one counts."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        prompt = " ".join(rng.choices(WORDS, k=rng.randint(3, 10)))
+        if easy:
+            chosen, rejected = "red, green and blue.", "one two three four five six seven."
+        else:
+            chosen, rejected = (" ".join(rng.choices(WORDS, k=rng.randint(2, 14))) for _ in range(2))
+        rows.append({"messages": [{"role": "user", "content": prompt}], "chosen": chosen, "rejected": rejected})
+    return rows
+
+
+def preference_config(tmp_path, model_dir, data, **keys) -> dict:
+    keys = {"rl": "dpo", "datasets": [{"path": str(data), "type": "chat_template"}], **keys}
+    return base_config(tmp_path, model_dir, data, **keys)
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", pair_rows(32, seed=5))
+
+
+@pytest.fixture(scope="module")
+def prepared_pairs(tmp_path_factory, tiny_model_dir, pairs_file):
+    tmp = tmp_path_factory.mktemp("prepared_pairs")
+    cfg = config_from_dict(preference_config(tmp, tiny_model_dir, pairs_file))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    return tokenizer, prepare(cfg, tokenizer)
+
+
+# ---- the maths, against a hand computation --------------------------------------------------------------
+def hand_log_probs(model, store, rows) -> list[torch.Tensor]:
+    """Each sequence alone through the model: the summed log-probability of its trained tokens (with gradients)."""
+    values = []
+    for row in rows:
+        ids = torch.from_numpy(store.tokens("input_ids", row).astype(np.int64))
+        labels = torch.from_numpy(store.tokens("labels", row).astype(np.int64))
+        log_probs = torch.log_softmax(model(input_ids=ids[None]).logits[0].float(), dim=-1)
+        trained = (labels[1:] != IGNORE_INDEX).nonzero().squeeze(1)
+        values.append(log_probs[trained, labels[1:][trained]].sum())
+    return values
+
+
+def hand_targets(store, rows) -> list[int]:
+    return [int((store.tokens("labels", row)[1:] != IGNORE_INDEX).sum()) for row in rows]
+
+
+def hand_loss(policy, reference, counts, settings: dict):
+    """The per-pair losses written from the papers' formulas, one pair at a time (chosen first in each pair)."""
+    total = 0
+    for j in range(len(policy) // 2):
+        pc, pr, rc, rr = policy[2 * j], policy[2 * j + 1], reference[2 * j], reference[2 * j + 1]
+        nc, nr = counts[2 * j], counts[2 * j + 1]
+        if settings["rl"] == "orpo":
+            ac, ar = pc / nc, pr / nr
+            log_odds = (ac - ar) - (torch.log(1 - torch.exp(ac)) - torch.log(1 - torch.exp(ar)))
+            total = total + (-ac - settings["orpo_alpha"] * torch.log(torch.sigmoid(log_odds)))
+            continue
+        beta, z = settings["beta"], (pc - rc) - (pr - rr)
+        for kind, weight in zip(settings["types"], settings["weights"]):
+            if kind == "sigmoid":
+                smoothing = settings.get("smoothing", 0.0)
+                loss = (-(1 - smoothing) * torch.log(torch.sigmoid(beta * z))
+                        - smoothing * torch.log(torch.sigmoid(-beta * z)))
+            elif kind == "hinge":
+                loss = torch.clamp(1 - beta * z, min=0)
+            else:  # ipo, on log-ratios averaged per token
+                loss = (((pc - rc) / nc - (pr - rr) / nr) - 1 / (2 * beta)) ** 2
+            total = total + weight * loss
+    return total
+
+
+CASES = {
+    "dpo sigmoid": ({"rl": "dpo", "rl_beta": 0.5}, {"rl": "dpo", "beta": 0.5, "types": ["sigmoid"], "weights": [1]}),
+    "cDPO label smoothing": ({"rl": "dpo", "rl_beta": 0.5, "dpo_label_smoothing": 0.2},
+                             {"rl": "dpo", "beta": 0.5, "types": ["sigmoid"], "weights": [1], "smoothing": 0.2}),
+    "ipo": ({"rl": "ipo", "rl_beta": 0.3}, {"rl": "ipo", "beta": 0.3, "types": ["ipo"], "weights": [1]}),
+    "hinge": ({"rl": "dpo", "rl_beta": 2.0, "dpo_loss_type": "hinge"},
+              {"rl": "dpo", "beta": 2.0, "types": ["hinge"], "weights": [1]}),
+    "weighted sigmoid + ipo": ({"rl": "dpo", "dpo_loss_type": ["sigmoid", "ipo"], "dpo_loss_weights": [1.0, 0.5]},
+                               {"rl": "dpo", "beta": 0.1, "types": ["sigmoid", "ipo"], "weights": [1.0, 0.5]}),
+    "orpo": ({"rl": "orpo", "orpo_alpha": 0.2}, {"rl": "orpo", "orpo_alpha": 0.2}),
+}
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_loss_and_its_gradient_equal_a_hand_computation(tmp_path, tiny_model_dir, pairs_file, prepared_pairs,
+                                                            case, packed):
+    keys, settings = CASES[case]
+    tokenizer, prepared = prepared_pairs
+    store = prepared.train
+    torch.manual_seed(0)
+    policy_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy_model.config.use_cache = False  # as model.py loads it: packed rows need it (STACK-NOTES trap 1)
+    reference_model = copy.deepcopy(policy_model)  # moved away from the policy, so the log-ratios are not zero
+    with torch.no_grad():
+        for parameter in reference_model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    units = [0, 1, 2]
+    rows = [row for unit in units for row in store.unit_rows(unit)]
+
+    hand_policy = hand_log_probs(policy_model, store, rows)
+    with torch.no_grad():
+        hand_reference = hand_log_probs(reference_model, store, rows)
+    expected = hand_loss(hand_policy, hand_reference, hand_targets(store, rows), settings)
+    expected.backward()
+    expected_grads = {name: p.grad.clone() for name, p in policy_model.named_parameters()}
+    policy_model.zero_grad()
+
+    cfg = config_from_dict(preference_config(tmp_path, tiny_model_dir, pairs_file, **keys))
+    loss_function = PreferenceLoss(PairLosses.from_config(cfg), reference_model)
+    collate = Collator(store, tokenizer.pad_token_id, packed=packed)
+    batch = collate([units] if packed else [[unit] for unit in units])
+    assert batch.extra["n_sequences"] == 6 and len(batch.inputs["input_ids"]) == (1 if packed else 6)
+    loss, stats = loss_function(policy_model, batch.inputs, batch.targets, batch.extra)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
+    for name, parameter in policy_model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected_grads[name], rtol=1e-4, atol=1e-6)
+    assert float(stats[2]) == sum(  # reward accuracy: pairs whose chosen reward beats the rejected one
+        float(hand_policy[2 * j] - hand_reference[2 * j]) > float(hand_policy[2 * j + 1] - hand_reference[2 * j + 1])
+        if settings["rl"] != "orpo" else
+        float(hand_policy[2 * j]) / hand_targets(store, rows)[2 * j]
+        > float(hand_policy[2 * j + 1]) / hand_targets(store, rows)[2 * j + 1] for j in range(3))
+
+
+def test_a_lora_runs_reference_is_its_base_with_the_adapter_off(tmp_path, tiny_model_dir, pairs_file,
+                                                                  prepared_pairs):
+    from tuneloop.model import load_model
+    from tuneloop.run import TrainingSession
+    from tuneloop.train.reference import live_reference_model
+
+    tokenizer, prepared = prepared_pairs
+    cfg = config_from_dict(preference_config(tmp_path, tiny_model_dir, pairs_file, adapter="lora",
+                                             lora_target_linear=True, lora_r=4))
+    model = load_model(cfg, tokenizer)
+    with torch.no_grad():  # a trained adapter: its B matrices are no longer zero
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.add_(0.1)
+    assert live_reference_model(cfg, model, tokenizer, resumed=False, device="cpu") is None  # no second copy
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    batch = Collator(prepared.train, tokenizer.pad_token_id, packed=False)([[0], [1]])
+    loss_function = PreferenceLoss(PairLosses.from_config(cfg))
+    reference = loss_function.reference_log_probs(model, batch.inputs, batch.targets, batch.extra)
+    with torch.no_grad():
+        base_values = sequence_log_probs(base, batch.inputs, batch.targets, batch.extra["sequence_index"], 4)[0]
+        adapted = sequence_log_probs(model, batch.inputs, batch.targets, batch.extra["sequence_index"], 4)[0]
+    torch.testing.assert_close(reference, base_values, rtol=1e-5, atol=1e-5)
+    assert float((adapted - base_values).abs().max()) > 1e-3  # the adapter does change them: the test can fail
+    assert TrainingSession  # the session builds its reference through live_reference_model (run.py)
+
+
+# ---- whole runs -------------------------------------------------------------------------------------------
+def one_step_update(tmp_path, model_dir, data, name, launcher=False, **keys) -> dict:
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    config = write_config(run_dir / "run.yml", **preference_config(run_dir, model_dir, data, **ONE_SGD_STEP,
+                                                                   rl_beta=0.5, **keys))
+    result = run_two_ranks("train", str(config)) if launcher else run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    after = load_file(run_dir / "out" / "model.safetensors")
+    before = load_file(model_dir / "model.safetensors")
+    return {key: after[key] - before[key] for key in before}
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    return (sum(float((a[k] - b[k]).pow(2).sum()) for k in a) / sum(float(a[k].pow(2).sum()) for k in a)) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def accumulated_dpo_update(tmp_path_factory, tiny_model_dir, pairs_file):
+    return one_step_update(tmp_path_factory.mktemp("dpo_accum"), tiny_model_dir, pairs_file, "accum",
+                           micro_batch_size=2, gradient_accumulation_steps=4)
+
+
+def test_dpo_accumulating_4_micro_batches_of_2_pairs_equals_one_batch_of_8(tmp_path, tiny_model_dir, pairs_file,
+                                                                          accumulated_dpo_update):
+    one_batch = one_step_update(tmp_path, tiny_model_dir, pairs_file, "batch", micro_batch_size=8,
+                                gradient_accumulation_steps=1)
+    assert sum(float(v.abs().sum()) for v in one_batch.values()) > 0
+    assert relative_difference(accumulated_dpo_update, one_batch) < 1e-5
+
+
+@pytest.mark.slow
+def test_dpo_on_two_ranks_equals_one_process(tmp_path, tiny_model_dir, pairs_file, accumulated_dpo_update):
+    two_ranks = one_step_update(tmp_path, tiny_model_dir, pairs_file, "ddp", launcher=True, micro_batch_size=2,
+                                gradient_accumulation_steps=2)
+    plan = json.loads((tmp_path / "ddp" / "out" / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["global_batch_size"] == 8 and plan["unit"] == "pairs"
+    assert relative_difference(two_ranks, accumulated_dpo_update) < 1e-5
+
+
+def test_packed_pairs_train_as_padded_ones(tmp_path, tiny_model_dir, pairs_file):
+    """Packing (each pair's two sequences in one row, isolated by their positions) changes nothing but speed: a
+    step over all 32 pairs, padded or packed, gives the same update."""
+    padded = one_step_update(tmp_path, tiny_model_dir, pairs_file, "padded", micro_batch_size=32)
+    packed = one_step_update(tmp_path, tiny_model_dir, pairs_file, "packed", micro_batch_size=8,
+                             sample_packing=True, sequence_len=512)
+    for name, batching in (("padded", "random"), ("packed", "packed")):
+        plan = json.loads((tmp_path / name / "out" / "plan.json").read_text())
+        assert (plan["batching"], plan["steps_per_epoch"], plan["rows_cut_per_epoch"]) == (batching, 1, 0)
+    assert relative_difference(packed, padded) < 1e-4
+
+
+def test_reward_accuracy_rises_on_easy_pairs_and_the_plan_is_what_runs(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "easy.jsonl", pair_rows(48, seed=2, easy=True))
+    config = write_config(tmp_path / "run.yml", **preference_config(
+        tmp_path, tiny_model_dir, data, rl_beta=0.5, learning_rate=3e-3, micro_batch_size=4,
+        gradient_accumulation_steps=2, num_epochs=3, val_set_size=8, evals_per_epoch=1, eval_on_start=True,
+        lr_scheduler="constant", optimizer="adamw_torch"))
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == plan["total_steps"] == 3 * 5  # 40 train pairs / 8 per step, 3 epochs
+    assert summary["tokens"] == plan["total_trainable_tokens"]
+    evals = [m for m in read_metrics(tmp_path / "out") if "eval_reward_accuracy" in m]
+    assert [m["step"] for m in evals] == [0, 5, 10, 15] and evals[0]["eval_pairs"] == 8
+    assert evals[0]["eval_reward_accuracy"] == 0.0  # policy == reference: no pair is ranked yet
+    assert evals[-1]["eval_reward_accuracy"] == 1.0 and evals[-1]["eval_reward_margin"] > 1.0
+    assert evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"]
+    train = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
+    assert train[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # -log σ(0) at the first step
+    assert "eval reward accuracy first → last | 0.0000 → 1.0000" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_precomputed_reference_log_probs_give_the_live_references_first_steps(tmp_path, tiny_model_dir, pairs_file):
+    """Two steps (the second one's policy differs from the reference): the same losses and weights whether the
+    reference log-probs were precomputed and cached or computed live, and a second run reads the cache."""
+    runs = {}
+    for name, precompute in (("live", False), ("precomputed", True), ("cached", True)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        keys = preference_config(run_dir, tiny_model_dir, pairs_file, rl_beta=0.5, max_steps=2, micro_batch_size=4,
+                                 precompute_ref_log_probs=precompute, learning_rate=1e-2,
+                                 dataset_prepared_path=str(tmp_path / "prepared"))
+        result = run_in_process("train", str(write_config(run_dir / "run.yml", **keys)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = ([m["loss"] for m in read_metrics(run_dir / "out") if "loss" in m],
+                      load_file(run_dir / "out" / "model.safetensors"))
+    caches = list((tmp_path / "prepared").glob("*/reference-*/train.f32"))
+    assert len(caches) == 1  # written once, read by the third run
+    for name in ("precomputed", "cached"):
+        assert runs[name][0] == pytest.approx(runs["live"][0], rel=1e-5)
+        assert runs["live"][0][1] != pytest.approx(math.log(2), rel=1e-3)  # step 2 compares a moved policy
+        for key, value in runs["live"][1].items():
+            torch.testing.assert_close(runs[name][1][key], value, rtol=1e-5, atol=1e-6)
+    plan = json.loads((tmp_path / "cached" / "out" / "plan.json").read_text())
+    assert plan["reference"].startswith("log-probs computed once") and plan["memory"]["reference_gb"] == 0
+
+
+# ---- data ---------------------------------------------------------------------------------------------------
+def prepared_texts(tmp_path, model_dir, rows, **keys) -> tuple[list[tuple[str, str]], object]:
+    """Each kept pair as (chosen text, rejected text) with only the trained tokens decoded, and the stats."""
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    keys.setdefault("datasets", [{"path": str(data), "type": "chat_template"}])
+    cfg = config_from_dict(preference_config(tmp_path, model_dir, data, **keys))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prepared = prepare(cfg, tokenizer)
+    store = prepared.train
+
+    def trained(row):
+        labels = store.tokens("labels", row)
+        return tokenizer.decode([int(t) for t in labels if t != IGNORE_INDEX])
+
+    def whole(row):
+        return tokenizer.decode([int(t) for t in store.tokens("input_ids", row)])
+
+    return [(whole(2 * u), trained(2 * u), whole(2 * u + 1), trained(2 * u + 1)) for u in range(store.units)], \
+        prepared.stats
+
+
+def test_axolotls_chat_template_default_with_its_field_names_trains_only_the_replies(tmp_path, tiny_model_dir):
+    rows = [{"conversation": [{"from": "human", "value": "Name three colours"}],
+             "better": "red, green and blue", "worse": "one two three"}]
+    entry = {"path": str(tmp_path / "rows.jsonl"), "type": "chat_template.default", "field_messages": "conversation",
+             "field_chosen": "better", "field_rejected": "worse",
+             "message_property_mappings": {"role": "from", "content": "value"}, "roles": {"user": ["human"]}}
+    [(chosen, chosen_trained, rejected, rejected_trained)], stats = prepared_texts(tmp_path, tiny_model_dir, rows,
+                                                                                  datasets=[entry])
+    prompt = "<|im_start|>user\nName three colours<|im_end|>\n<|im_start|>assistant\n"
+    assert chosen == prompt + "red, green and blue<|im_end|>" and rejected == prompt + "one two three<|im_end|>"
+    assert chosen_trained == "red, green and blue<|im_end|>" and rejected_trained == "one two three<|im_end|>"
+
+
+def test_argilla_chatml_ultra_and_user_defined_pairs(tmp_path, tiny_model_dir):
+    argilla = [{"chosen": [{"role": "user", "content": "Add two numbers"}, {"role": "assistant", "content": "four"}],
+                "rejected": [{"role": "user", "content": "Add two numbers"}, {"role": "assistant", "content": "red"}]}]
+    (tmp_path / "a").mkdir()
+    [(chosen, trained, _, rejected_trained)], _ = prepared_texts(
+        tmp_path / "a", tiny_model_dir, argilla, rl="orpo",
+        datasets=[{"path": str(tmp_path / "a" / "rows.jsonl"), "type": "chat_template.argilla"}])
+    assert chosen.startswith("<|im_start|>user\nAdd two numbers<|im_end|>\n<|im_start|>assistant\nfour")
+    assert (trained, rejected_trained) == ("four<|im_end|>", "red<|im_end|>")
+
+    (tmp_path / "u").mkdir()
+    ultra = [{"prompt": "Count", "system": "Be brief", "chosen": [{"content": "Count"}, {"content": "one two"}],
+              "rejected": [{"content": "Count"}, {"content": "blue"}]}]
+    [(chosen, trained, _, _)], _ = prepared_texts(tmp_path / "u", tiny_model_dir, ultra, datasets=[
+        {"path": str(tmp_path / "u" / "rows.jsonl"), "type": "chatml.ultra"}])
+    assert chosen == ("<|im_start|>system\nBe brief<|im_end|>\n<|im_start|>user\nCount<|im_end|>\n"
+                      "<|im_start|>assistant\none two<|im_end|>")
+    assert trained == "one two<|im_end|>"
+
+    (tmp_path / "d").mkdir()
+    defined = [{"q": "Name a colour", "good": "red", "bad": "seven"}]
+    mapping = {"field_prompt": "q", "field_chosen": "good", "field_rejected": "bad", "prompt_format": "Q: {prompt}\nA:",
+               "chosen_format": " {chosen}", "rejected_format": " {rejected}"}
+    [(chosen, trained, rejected, rejected_trained)], _ = prepared_texts(
+        tmp_path / "d", tiny_model_dir, defined, datasets=[{"path": str(tmp_path / "d" / "rows.jsonl"),
+                                                            "type": mapping}])
+    assert chosen == "Q: Name a colour\nA: red<|endoftext|>" and trained == " red<|endoftext|>"
+    assert rejected_trained == " seven<|endoftext|>"
+
+
+def test_identical_pairs_are_dropped_and_counted_in_the_plan(tmp_path, tiny_model_dir):
+    rows = pair_rows(12, seed=1)
+    rows[3]["rejected"] = rows[3]["chosen"]
+    rows[7]["rejected"] = rows[7]["chosen"]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    config = write_config(tmp_path / "run.yml", **preference_config(tmp_path, tiny_model_dir, data))
+    result = run_in_process("plan", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "10 train pairs" in result.stdout
+    assert "2 pairs whose chosen and rejected replies are the same" in result.stdout
+
+
+def test_bad_preference_rows_and_keys_are_clear_errors(tmp_path, tiny_model_dir):
+    rows = pair_rows(4)
+    del rows[2]["rejected"]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    config = write_config(tmp_path / "run.yml", **preference_config(tmp_path, tiny_model_dir, data))
+    assert_user_error(run_in_process("plan", str(config)), "rows.jsonl:3", "missing field `rejected`")
+
+    for keys, message in ((dict(rl="kto_pair"), "its successor is `rl: kto`"),
+                          (dict(rl="orpo", rl_beta=0.2), "`rl: orpo` has none"),
+                          (dict(rl="dpo", dpo_loss_type=["sigmoid", "ipo"], dpo_loss_weights=[1.0]),
+                           "2 losses in `dpo_loss_type`"),
+                          (dict(rl=None, datasets=[{"path": str(data), "type": "chat_template.argilla"}]),
+                           "is preference data (chosen/rejected pairs): set `rl: dpo`"),
+                          (dict(train_on_inputs=True), "the prompt is never part of it")):
+        keys = {**preference_config(tmp_path, tiny_model_dir, data), **keys}
+        assert_user_error(run_in_process("plan", str(write_config(tmp_path / "bad.yml", **keys))), message)
+    sft = base_config(tmp_path, tiny_model_dir, data, rl="dpo")  # an alpaca dataset under rl
+    assert_user_error(run_in_process("plan", str(write_config(tmp_path / "bad.yml", **sft))),
+                      "`rl: dpo` trains on preference pairs, and dataset 0 is `type: alpaca`")
