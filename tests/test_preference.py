@@ -7,6 +7,8 @@ import copy
 import json
 import math
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from tuneloop.config import config_from_dict
 from tuneloop.data.collate import Collator
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.data.prepare import prepare
+from tuneloop.run import _forget_accelerate_state
 from tuneloop.train.preference import PairLosses, PreferenceLoss, sequence_log_probs
 
 WORDS = " ".join(CORPUS).split()
@@ -255,6 +258,12 @@ def test_reward_accuracy_rises_on_easy_pairs_and_the_plan_is_what_runs(tmp_path,
     train = [m for m in read_metrics(tmp_path / "out") if "loss" in m]
     assert train[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)  # -log σ(0) at the first step
     assert "eval reward accuracy first → last | 0.0000 → 1.0000" in (tmp_path / "out" / "report.md").read_text()
+    # `tuneloop eval` measures the trained model against the base as the run did
+    measured = run_in_process("eval", str(config))
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    result = json.loads(measured.stdout.strip().splitlines()[-1])
+    assert result["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
+    assert result["eval_reward_accuracy"] == evals[-1]["eval_reward_accuracy"]
 
 
 def test_precomputed_reference_log_probs_give_the_live_references_first_steps(tmp_path, tiny_model_dir, pairs_file):
@@ -370,10 +379,197 @@ def test_bad_preference_rows_and_keys_are_clear_errors(tmp_path, tiny_model_dir)
                           (dict(rl="dpo", dpo_loss_type=["sigmoid", "ipo"], dpo_loss_weights=[1.0]),
                            "2 losses in `dpo_loss_type`"),
                           (dict(rl=None, datasets=[{"path": str(data), "type": "chat_template.argilla"}]),
-                           "is preference data (chosen/rejected pairs): set `rl: dpo`"),
+                           "is preference data (chosen/rejected pairs, or labelled rows): set `rl: dpo`"),
                           (dict(train_on_inputs=True), "the prompt is never part of it")):
         keys = {**preference_config(tmp_path, tiny_model_dir, data), **keys}
         assert_user_error(run_in_process("plan", str(write_config(tmp_path / "bad.yml", **keys))), message)
     sft = base_config(tmp_path, tiny_model_dir, data, rl="dpo")  # an alpaca dataset under rl
     assert_user_error(run_in_process("plan", str(write_config(tmp_path / "bad.yml", **sft))),
                       "`rl: dpo` trains on preference pairs, and dataset 0 is `type: alpaca`")
+
+
+# ---- KTO: unpaired rows with a label ------------------------------------------------------------------------
+def kto_rows(count: int, seed: int = 0, easy: bool = False) -> list[dict]:
+    """`easy`: desirable replies name colours, undesirable ones count."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(count):
+        desirable = index % 3 != 0
+        if easy:
+            completion = "red, green and blue." if desirable else "one two three four five six seven."
+        else:
+            completion = " ".join(rng.choices(WORDS, k=rng.randint(2, 14)))
+        rows.append({"prompt": [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(3, 10)))}],
+                     "completion": completion, "label": desirable})
+    return rows
+
+
+def kto_config(tmp_path, model_dir, data, **keys) -> dict:
+    return preference_config(tmp_path, model_dir, data, **{"rl": "kto", **keys})
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_the_kto_loss_and_its_gradient_equal_a_hand_computation(tmp_path, tiny_model_dir, packed):
+    data = write_jsonl(tmp_path / "kto.jsonl", kto_rows(8, seed=4))
+    cfg = config_from_dict(kto_config(tmp_path, tiny_model_dir, data, rl_beta=0.7, kto_desirable_weight=1.5,
+                                      kto_undesirable_weight=0.5))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = prepare(cfg, tokenizer).train
+    torch.manual_seed(1)
+    policy_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy_model.config.use_cache = False
+    reference_model = copy.deepcopy(policy_model)
+    with torch.no_grad():
+        for parameter in reference_model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    units = [0, 1, 2, 3]  # rows 0 and 3 are undesirable
+    rows = [row for unit in units for row in store.unit_rows(unit)]
+    labels = [bool(store["label"][2 * unit]) for unit in units]
+    assert labels == [False, True, True, False]
+
+    policy = hand_log_probs(policy_model, store, rows)
+    with torch.no_grad():
+        reference = hand_log_probs(reference_model, store, rows)
+    kl = max(0.0, sum(float(policy[2 * j + 1] - reference[2 * j + 1]) for j in range(4)) / 4)
+    expected = 0
+    for j, desirable in enumerate(labels):
+        ratio = policy[2 * j] - reference[2 * j]
+        expected = expected + (1.5 * (1 - torch.sigmoid(0.7 * (ratio - kl))) if desirable
+                               else 0.5 * (1 - torch.sigmoid(0.7 * (kl - ratio))))
+    expected.backward()
+    expected_grads = {name: p.grad.clone() for name, p in policy_model.named_parameters()}
+    policy_model.zero_grad()
+
+    loss_function = PreferenceLoss(PairLosses.from_config(cfg), reference_model)
+    batch = Collator(store, tokenizer.pad_token_id, packed=packed)([units] if packed else [[u] for u in units])
+    loss, stats = loss_function(policy_model, batch.inputs, batch.targets, batch.extra)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert float(stats[4]) == pytest.approx(kl, rel=1e-4, abs=1e-7)
+    for name, parameter in policy_model.named_parameters():
+        torch.testing.assert_close(parameter.grad, expected_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_kto_rows_pair_each_reply_with_a_mismatched_one(tmp_path, tiny_model_dir):
+    rows = [{"prompt": "Name a colour", "completion": "red", "label": True},
+            {"prompt": "Count", "completion": "one two", "label": False},
+            {"prompt": "Greet", "system": "Be brief", "completion": "Hello", "label": 1}]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    cfg = config_from_dict(kto_config(tmp_path, tiny_model_dir, data,
+                                      datasets=[{"path": str(data), "type": "chatml.prompt_pairs"}]))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = prepare(cfg, tokenizer).train
+    texts = [tokenizer.decode([int(t) for t in store.tokens("input_ids", row)]) for row in range(len(store))]
+    prompt = "<|im_start|>user\nCount<|im_end|>\n<|im_start|>assistant\n"
+    assert texts[2:4] == [prompt + "one two<|im_end|>", prompt + "Hello<|im_end|>"]  # its reply, the next row's
+    assert texts[5].endswith("<|im_start|>assistant\nred<|im_end|>") and texts[4].startswith("<|im_start|>system")
+    assert [int(store["label"][2 * unit]) for unit in range(3)] == [1, 0, 1]
+
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{**rows[0], "label": "yes"}])
+    config = write_config(tmp_path / "bad.yml", **kto_config(tmp_path, tiny_model_dir, bad, datasets=[
+        {"path": str(bad), "type": {"field_prompt": "prompt", "field_completion": "completion"}}]))
+    assert_user_error(run_in_process("plan", str(config)), "bad.jsonl:1", "`label` must be true or false")
+    dpo_mapping = kto_config(tmp_path, tiny_model_dir, bad, datasets=[{"path": str(bad), "type": {
+        "field_prompt": "prompt", "field_chosen": "completion"}}])
+    assert_user_error(run_in_process("plan", str(write_config(tmp_path / "bad.yml", **dpo_mapping))),
+                      "`type.field_chosen` is not read by `rl: kto`")
+
+
+def test_kto_separates_desirable_from_undesirable_rewards_and_the_plan_is_what_runs(tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "easy.jsonl", kto_rows(48, seed=3, easy=True))
+    config = write_config(tmp_path / "run.yml", **kto_config(
+        tmp_path, tiny_model_dir, data, rl_beta=0.5, learning_rate=3e-3, micro_batch_size=4,
+        gradient_accumulation_steps=2, num_epochs=3, val_set_size=8, evals_per_epoch=1, eval_on_start=True,
+        lr_scheduler="constant", optimizer="adamw_torch", sample_packing=True))
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "loss averaged over the rows of each step" in result.stdout
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == plan["total_steps"] and plan["unit"] == "rows" and plan["batching"] == "packed"
+    evals = [m for m in read_metrics(tmp_path / "out") if "eval_rows" in m]
+    assert evals[0]["eval_rows"] == 8 and evals[0]["eval_reward_margin"] == pytest.approx(0.0, abs=1e-6)
+    assert evals[-1]["eval_reward_margin"] > 1.0 and evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"]
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_the_dpo_loss_equals_trls_on_the_same_tokens(tmp_path, tiny_model_dir, loss_type):
+    """TRL's DPOTrainer (installed by the test extra; not built upon) computes its loss on a batch it tokenized;
+    tuneloop's loss on the same token ids, with the same policy, reference and beta, is the same number."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy.config.use_cache = False
+    reference = copy.deepcopy(policy)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.add_(0.02 * torch.randn_like(parameter))
+    rows = [{"prompt": "Name three colours:", "chosen": " red, green and blue.", "rejected": " one two"},
+            {"prompt": "Count:", "chosen": " one two three four five", "rejected": " blue"},
+            {"prompt": "How are you today?", "chosen": " I am fine, thank you.", "rejected": " The lazy dog."}]
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.5, per_device_train_batch_size=3, report_to=[],
+                     use_cpu=True, bf16=False, loss_type=[loss_type])
+    try:
+        trainer = DPOTrainer(model=policy, ref_model=reference, args=args, train_dataset=Dataset.from_list(rows),
+                             processing_class=tokenizer)
+        batch = next(iter(trainer.get_train_dataloader()))
+        trl_loss = float(trainer.compute_loss(trainer.model, batch))
+    finally:  # the Trainer's Accelerator state would refuse the next run's precision in this process
+        _forget_accelerate_state()
+
+    # TRL's rows are [chosen..., rejected...], right-padded; tuneloop's are chosen, rejected, chosen, ...
+    pairs = len(rows)
+    order = [index for j in range(pairs) for index in (j, pairs + j)]
+    ids, attention, completion = (batch[name][order] for name in ("input_ids", "attention_mask", "completion_mask"))
+    targets = torch.full_like(ids, IGNORE_INDEX)
+    targets[:, :-1] = torch.where(completion[:, 1:] == 1, ids[:, 1:], IGNORE_INDEX)
+    sequence_index = torch.arange(2 * pairs).unsqueeze(1).expand_as(ids).masked_fill(attention == 0, -1)
+    cfg = config_from_dict(preference_config(tmp_path, tiny_model_dir, tmp_path / "unused.jsonl", rl_beta=0.5,
+                                             dpo_loss_type=loss_type))
+    ours, _ = PreferenceLoss(PairLosses.from_config(cfg), reference)(
+        policy, {"input_ids": ids, "attention_mask": attention}, targets,
+        {"sequence_index": sequence_index, "n_sequences": 2 * pairs})
+    assert 0.01 < trl_loss and float(ours) / pairs == pytest.approx(trl_loss, rel=1e-5)
+
+
+def test_a_stopped_dpo_run_resumes_to_the_uninterrupted_weights(tmp_path, tiny_model_dir, pairs_file, monkeypatch):
+    """Full fine-tuning with a live reference: the resumed run's reference is the base model again (not the
+    checkpoint it resumes from), so its steps after the resume are the uninterrupted run's."""
+    from tuneloop.train.guards import SIGNAL_AT_STEP_ENV
+
+    def run(name: str, **extra) -> subprocess.CompletedProcess:
+        run_dir = tmp_path / name
+        run_dir.mkdir(exist_ok=True)
+        keys = preference_config(run_dir, tiny_model_dir, pairs_file, rl_beta=0.5, max_steps=4, micro_batch_size=4,
+                                 learning_rate=1e-2, optimizer="adamw_torch", lr_scheduler="constant",
+                                 auto_resume_from_checkpoints=True, save_strategy=None, save_steps=100,
+                                 dataset_prepared_path=str(tmp_path / "prepared"), **extra)
+        return run_in_process("train", str(write_config(run_dir / "run.yml", **keys)))
+
+    assert run("straight").returncode == 0
+    monkeypatch.setenv(SIGNAL_AT_STEP_ENV, "0:2")
+    stopped = run("stopped")
+    assert stopped.returncode == 75 and (tmp_path / "stopped" / "out" / "checkpoint-2").is_dir(), stopped.stdout
+    monkeypatch.delenv(SIGNAL_AT_STEP_ENV)
+    resumed = run("stopped")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = load_file(tmp_path / "straight" / "out" / "model.safetensors")
+    after = load_file(tmp_path / "stopped" / "out" / "model.safetensors")
+    for key, value in straight.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0)
+    losses = [m["loss"] for m in read_metrics(tmp_path / "stopped" / "out") if "loss" in m]
+    assert losses == [m["loss"] for m in read_metrics(tmp_path / "straight" / "out") if "loss" in m]
+
+
+def test_check_describes_a_preference_config_without_importing_torch(tmp_path, pairs_file):
+    config = write_config(tmp_path / "run.yml", base_model="m", rl="kto", rl_beta=0.2, adapter="lora",
+                          lora_target_linear=True, datasets=[{"path": str(pairs_file), "type": "llama3.ultra"}])
+    result = subprocess.run([sys.executable, "-c", "import sys; from tuneloop.cli import main; code = main(['check', "
+                             "sys.argv[1]]); assert 'torch' not in sys.modules; sys.exit(code)", str(config)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "rows/micro-batch" in result.stdout
+    assert "rl: kto, loss averaged over rows; reference: the base model: the LoRA adapter switched off" in result.stdout

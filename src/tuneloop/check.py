@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tuneloop.config import TuneloopConfig
 from tuneloop.hardware import hardware_needs, requested_attention
+from tuneloop.rl_methods import RL_METHODS, reference_source
 
 
 def describe_config(cfg: TuneloopConfig) -> list[str]:
@@ -24,11 +25,19 @@ def describe_config(cfg: TuneloopConfig) -> list[str]:
     datasets = ", ".join(f"{_dataset_kind(entry)} ({entry.path})" for entry in cfg.datasets)
     batching = "packed" if cfg.sample_packing else "grouped by length" if cfg.group_by_length else "padded"
     length = f"max_steps {cfg.max_steps}" if cfg.max_steps else f"{cfg.num_epochs} epoch(s)"
+    units = "rows"
+    objective = []
+    if cfg.rl:
+        method = RL_METHODS[cfg.rl]
+        units = method.unit
+        objective = [f"  objective            rl: {cfg.rl}, loss averaged over {units}"
+                     + (f"; reference: {reference_source(cfg)}" if method.uses_reference else "")]
     return [
         f"  model                {cfg.base_model} ({cfg.model_type or 'AutoModelForCausalLM'}); {trained}",
         f"  data                 {datasets}" + (f"; chat template {cfg.chat_template}" if cfg.chat_template else ""),
-        f"  batch                {cfg.micro_batch_size} rows/micro-batch × {cfg.gradient_accumulation_steps} "
+        f"  batch                {cfg.micro_batch_size} {units}/micro-batch × {cfg.gradient_accumulation_steps} "
         f"accumulation, {batching}, sequence_len {cfg.sequence_len}, {length}",
+        *objective,
         f"  optimizer            {cfg.optimizer}, learning rate {cfg.learning_rate:g}, {cfg.lr_scheduler} schedule",
         f"  precision            bf16: {cfg.bf16}{', fp16' if cfg.fp16 else ''}; attention "
         f"{requested_attention(cfg)} (SDPA where the machine cannot run it)",

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from tuneloop import axolotl_keys
 from tuneloop.data.chat_templates import check_template_name
 from tuneloop.data.formats import FORMATS, TURN_END_OPTIONS
-from tuneloop.data.preference import PREFERENCE_FORMATS, PREFERENCE_CHAT_TYPES
+from tuneloop.data.preference import PREFERENCE_CHAT_TYPES, PREFERENCE_FORMATS, UNPAIRED_FORMATS
 from tuneloop.data.load import parse_split
 from tuneloop.errors import UserError
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS
@@ -46,7 +46,7 @@ class CustomFormat(_Strict):
 
 class PreferenceFormat(_Strict):
     """axolotl's user-defined preference format (`type:` given as a mapping under `rl:`): the prompt, chosen and
-    rejected replies from these fields, each put into its format string."""
+    rejected replies (KTO: the completion and its label) from these fields, each put into its format string."""
 
     field_prompt: str = "prompt"
     field_system: str = "system"
@@ -55,6 +55,13 @@ class PreferenceFormat(_Strict):
     prompt_format: str = "{prompt}"
     chosen_format: str = "{chosen}"
     rejected_format: str = "{rejected}"
+    field_completion: str = "completion"  # rl: kto
+    field_label: str = "label"
+    completion_format: str = "{completion}"
+
+
+PAIRED_ONLY_KEYS = ("field_chosen", "field_rejected", "chosen_format", "rejected_format")
+UNPAIRED_ONLY_KEYS = ("field_completion", "field_label", "completion_format")
 
 
 # dataset keys that only a chat dataset reads (set on another type, they would be ignored: refused instead)
@@ -110,7 +117,8 @@ class DatasetConfig(_Strict):
     @field_validator("type")
     @classmethod
     def _known_type(cls, value):
-        if isinstance(value, str) and value not in FORMATS and value not in PREFERENCE_FORMATS:
+        if isinstance(value, str) and not any(value in known for known in (FORMATS, PREFERENCE_FORMATS,
+                                                                            UNPAIRED_FORMATS)):
             feature = axolotl_keys.FEATURES[axolotl_keys.dataset_type_feature(value)][0]
             raise ValueError(f"unknown dataset type {value!r} ({feature}); tuneloop supports {FORMATS.choices()}, "
                              "or a mapping with field_instruction/field_input/field_output/format")
@@ -243,6 +251,8 @@ class TuneloopConfig(_Strict):
     dpo_loss_weights: Optional[list[float]] = None  # one per dpo_loss_type (default: 1 each)
     dpo_label_smoothing: float = 0.0  # conservative DPO: the chance a pair's label is flipped
     orpo_alpha: Optional[float] = None  # ORPO's weight of the odds-ratio term (default 0.1)
+    kto_desirable_weight: float = 1.0  # KTO's weights of desirable and undesirable rows' losses
+    kto_undesirable_weight: float = 1.0
     precompute_ref_log_probs: bool = False  # reference log-probs computed once, before training, and cached
     # speed: torch.compile of the model's body (train/compiling.py), and the peak MFU is measured against
     torch_compile: Union[bool, Literal["auto"]] = False  # "auto": true, as in axolotl (torch ≥ 2.5.1 here)
@@ -302,7 +312,7 @@ class TuneloopConfig(_Strict):
             raise ValueError("must be at least 0 and below 0.5 (the chance that a pair's label is wrong)")
         return value
 
-    @field_validator("rl_beta", "dpo_beta", "orpo_alpha")
+    @field_validator("rl_beta", "dpo_beta", "orpo_alpha", "kto_desirable_weight", "kto_undesirable_weight")
     @classmethod
     def _positive_weight(cls, value):
         if value is not None and value <= 0:
@@ -535,28 +545,40 @@ class TuneloopConfig(_Strict):
         return self
 
     def _check_preference(self) -> None:
-        """`rl:` and its keys agree, and every dataset is preference data exactly when `rl` is set."""
+        """`rl:` and its keys agree, and every dataset is preference data (of the method's kind: pairs, or KTO's
+        labelled rows) exactly when `rl` is set."""
+        method = RL_METHODS[self.rl] if self.rl else None
+        formats = (PREFERENCE_FORMATS if method.paired else UNPAIRED_FORMATS) if method else None
         for index, entry in enumerate(self.datasets + self.test_datasets):
-            paired = isinstance(entry.type, PreferenceFormat) or (
-                isinstance(entry.type, str) and entry.type in PREFERENCE_FORMATS
-                and not (entry.type in FORMATS and not self.rl))
-            if self.rl and not paired:
-                name = entry.type if isinstance(entry.type, str) else "a mapping of instruction fields"
-                raise ValueError(f"`rl: {self.rl}` trains on preference pairs, and dataset {index} is "
-                                 f"`type: {name}`: use a preference type ({PREFERENCE_FORMATS.choices()}) or a mapping "
-                                 "with field_prompt/field_chosen/field_rejected")
-            if paired and not self.rl:
-                raise ValueError(f"dataset {index} is preference data (chosen/rejected pairs): set `rl: dpo` (or ipo, "
-                                 "orpo) to train on it")
+            mapping = isinstance(entry.type, PreferenceFormat)
+            if method:
+                fits = (entry.type in formats) if isinstance(entry.type, str) else mapping
+                if not fits:
+                    name = entry.type if isinstance(entry.type, str) else "a mapping of instruction fields"
+                    data = "preference pairs" if method.paired else "rows with a desirable/undesirable label"
+                    raise ValueError(f"`rl: {self.rl}` trains on {data}, and dataset {index} is `type: {name}`: use "
+                                     f"one of {formats.choices()}, or a mapping with field_prompt and "
+                                     + ("field_chosen/field_rejected" if method.paired else
+                                        "field_completion/field_label"))
+                wrong = [key for key in (UNPAIRED_ONLY_KEYS if method.paired else PAIRED_ONLY_KEYS)
+                         if mapping and key in entry.type.model_fields_set]
+                if wrong:
+                    raise ValueError(f"dataset {index}: `type.{wrong[0]}` is not read by `rl: {self.rl}`; remove it")
+            elif mapping or (isinstance(entry.type, str) and entry.type not in FORMATS):
+                raise ValueError(f"dataset {index} is preference data (chosen/rejected pairs, or labelled rows): set "
+                                 "`rl: dpo` (or ipo, orpo, kto) to train on it")
         preference_keys = ("rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
-                           "orpo_alpha", "precompute_ref_log_probs")
+                           "orpo_alpha", "precompute_ref_log_probs", "kto_desirable_weight", "kto_undesirable_weight")
         if not self.rl:
-            stray = [key for key in preference_keys if key in self.model_fields_set and getattr(self, key)]
+            stray = [key for key in preference_keys
+                     if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default]
             if stray:
                 raise ValueError(f"`{stray[0]}` sets preference training, which `rl:` turns on: set `rl: dpo` (or "
-                                 "ipo, orpo) or remove it")
+                                 "ipo, orpo, kto) or remove it")
             return
-        method = RL_METHODS[self.rl]
+        kto_keys = [key for key in ("kto_desirable_weight", "kto_undesirable_weight") if key in self.model_fields_set]
+        if kto_keys and self.rl != "kto":
+            raise ValueError(f"`{kto_keys[0]}` weighs KTO's rows, and this run is `rl: {self.rl}`: remove it")
         if self.rl_beta is not None and self.dpo_beta is not None and self.rl_beta != self.dpo_beta:
             raise ValueError(f"`rl_beta: {self.rl_beta}` and `dpo_beta: {self.dpo_beta}` are the same setting: "
                              "keep one")
@@ -574,6 +596,8 @@ class TuneloopConfig(_Strict):
             if used:
                 raise ValueError(f"`{used[0]}` shapes a loss against a reference model, and `rl: {self.rl}` has none "
                                  "(its weight is `orpo_alpha`): remove it")
+        elif self.rl == "kto" and self.dpo_label_smoothing:
+            raise ValueError("`dpo_label_smoothing` smooths DPO's pair labels, and `rl: kto` has no pairs: remove it")
         elif self.orpo_alpha is not None:
             raise ValueError(f"`orpo_alpha` weighs ORPO's odds ratio, and this run is `rl: {self.rl}`: remove it")
         if self.train_on_inputs:

@@ -75,29 +75,11 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     weights, grads = params * weight_bytes / gb, trainable * trained_bytes / gb
     optimizer = trainable * OPTIMIZERS[cfg.optimizer].state_bytes_per_param * trained_bytes / 4 / gb
     device, device_gb = device_memory_gb()
+    from tuneloop.rl_methods import keeps_reference_copy
+
     reference = weights if keeps_reference_copy(cfg) else 0.0
     total = weights + grads + optimizer + activations / gb + reference
     return MemoryEstimate(params, trainable, round(weights, 3), round(grads, 3), round(optimizer, 3),
                           round(activations / gb, 3), round(total, 3), device,
                           round(device_gb, 1) if device_gb else None, round(reference, 3))
 
-
-def keeps_reference_copy(cfg) -> bool:
-    """A preference run holds a second, frozen copy of the weights: full fine-tuning against a reference whose
-    log-probs are computed as it trains (a LoRA run's reference is its base, the adapter switched off)."""
-    from tuneloop.rl_methods import RL_METHODS
-
-    return bool(cfg.rl) and RL_METHODS[cfg.rl].uses_reference and not cfg.adapter and not cfg.precompute_ref_log_probs
-
-
-def reference_source(cfg) -> str | None:
-    """Where a preference run's reference log-probs come from, in words (None: the method has no reference)."""
-    from tuneloop.rl_methods import RL_METHODS
-
-    if not cfg.rl or not RL_METHODS[cfg.rl].uses_reference:
-        return None
-    if cfg.precompute_ref_log_probs:
-        return "log-probs computed once before training and cached with the data"
-    if cfg.adapter:
-        return "the base model: the LoRA adapter switched off (no second copy)"
-    return "a frozen copy of the starting model (one more set of weights in memory)"

@@ -23,6 +23,7 @@ from tuneloop.config import TuneloopConfig
 from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
 from tuneloop.data.collate import Padding, padding_for
 from tuneloop.errors import UserError
+from tuneloop.rl_methods import RL_METHODS
 
 FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
 
@@ -206,7 +207,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         total_real_tokens=total_real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
         max_micro_batch_tokens=largest, learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler,
         optimizer=cfg.optimizer, dropped_no_trained_tokens=dropped_no_trained_tokens, train_batching=spec,
-        objective=cfg.rl or "language_model", unit="pairs" if cfg.rl else "tokens",
+        objective=cfg.rl or "language_model", unit=RL_METHODS[cfg.rl].unit if cfg.rl else "tokens",
         eval_batching=eval_spec(cfg, world_size),
         padding=padding, first_epoch_batches=first_epoch,
     )
@@ -309,9 +310,11 @@ def describe(plan: TrainingPlan) -> str:
         f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
-    if plan.unit == "pairs":
-        lines.append(f"  objective            {plan.objective}: loss averaged over the pairs of each step (chosen "
-                     f"and rejected in one micro-batch); reference {plan.reference or 'none'}")
+    if plan.objective != "language_model":
+        together = ("chosen and rejected" if plan.unit == "pairs"
+                    else "each row's reply and its mismatched reply for the KL estimate")
+        lines.append(f"  objective            {plan.objective}: loss averaged over the {plan.unit} of each step "
+                     f"({together} in one micro-batch); reference {plan.reference or 'none'}")
     if plan.precision is not None:
         lines.append(f"  precision            {plan.precision}; attention {plan.attention}")
     if plan.torch_compile is not None:

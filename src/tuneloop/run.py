@@ -59,7 +59,8 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
 
     from tuneloop.flops import count_flops, run_peak
     from tuneloop.hardware import attention_implementation, precision
-    from tuneloop.memory import estimate_memory, reference_source
+    from tuneloop.memory import estimate_memory
+    from tuneloop.rl_methods import reference_source
     from tuneloop.train.compiling import compiles
     from tuneloop.model import check_sequence_len, model_facts
     from tuneloop.plan import attach_memory_estimate, make_plan

@@ -11,7 +11,8 @@ transformers then builds a block-diagonal causal mask from the position ids (thi
 The sampler deals out units: rows of the store, or groups of them (a preference pair is its chosen and
 rejected sequence). Unpacked, each sequence of a unit gets a row of its own; packed, a unit's sequences
 share a packed row, each isolated by its positions. With groups, `extra["sequence_index"]` numbers every
-sequence of the micro-batch (-1 on padding), chosen at even numbers, so a loss can sum per sequence.
+sequence of the micro-batch (-1 on padding), chosen at even numbers, so a loss can sum per sequence;
+KTO's labelled units add `extra["desirable"]`.
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ class Collator:
                 start += length
                 number += 1
         extra = {"sequence_index": index, "n_sequences": number}
+        sequences = [store_index for row in rows for store_index in row]
         if self.reference is not None:
-            extra["reference"] = torch.from_numpy(self.reference[[s for row in rows for s in row]].astype(np.float32))
+            extra["reference"] = torch.from_numpy(self.reference[sequences].astype(np.float32))
+        if self.rows.labelled:  # KTO: each unit's label, in the units' order (a unit's first sequence carries it)
+            extra["desirable"] = torch.from_numpy(np.asarray(self.rows["label"])[sequences[0::2]] == 1)
         return extra

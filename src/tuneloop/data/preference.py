@@ -173,6 +173,102 @@ def render_user_defined(row: SourceRow, fmt) -> PreferenceText:
     return PreferenceText(prompt, chosen, rejected, append_eos=True)
 
 
+# ---- unpaired rows (rl: kto) ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UnpairedText:
+    """A prompt, one reply, and whether the reply is desirable (KTO's label)."""
+
+    prompt: str
+    completion: str
+    desirable: bool
+    add_special_tokens: bool = True
+    append_eos: bool = False
+
+
+def _label(row: SourceRow, field: str) -> bool:
+    value = row.values.get(field)
+    if isinstance(value, bool) or value in (0, 1):
+        return bool(value)
+    raise UserError(f"data: {row.where}: field `{field}` must be true or false (is the reply desirable?); got "
+                    f"{value!r}")
+
+
+def render_chat_unpaired(row: SourceRow, entry, context: RenderContext) -> UnpairedText:
+    """`chat_template` under `rl: kto`: the prompt's messages (`field_messages`, else `prompt`, or its text),
+    the reply in `completion` (text, a message, or a conversation ending with it), and `label`."""
+    name = entry.field_messages or ("messages" if "messages" in row.values else "prompt")
+    raw = row.values.get(name)
+    if isinstance(raw, str):
+        raw = [{entry.message_field_role: "user", entry.message_field_content: raw}]
+    if not isinstance(raw, list) or not raw:
+        raise UserError(f"data: {row.where}: field `{name}` must be the prompt's messages (a non-empty list) or its "
+                        "text")
+    if row.values.get("completion") is None:
+        raise UserError(f"data: {row.where}: missing field `completion` (fields present: "
+                        f"{', '.join(sorted(row.values))})")
+    reply = _reply_message(row.values["completion"], row, entry, "completion")
+    pair = _template_pair(convert_messages(raw, row, entry), reply, reply, row, context)
+    return UnpairedText(pair.prompt, pair.chosen, _label(row, "label"), add_special_tokens=False)
+
+
+def fixed_unpaired(shape: tuple[str, str, str], prompt_field: str | None) -> Callable:
+    """axolotl's `chatml.*` / `llama3.*` KTO shapes: the prompt from `prompt_field` ("argilla_chat": the first
+    message of a [prompt, reply] `completion` conversation, whose second message is the reply), `completion`
+    and `label`."""
+    system_format, prompt_format, end = shape
+
+    def render(row: SourceRow, entry, context: RenderContext) -> UnpairedText:
+        if prompt_field == "argilla_chat":
+            completion = _reply_text(row.values.get("completion"), row, "completion", True)
+            prompt_text = str(row.values["completion"][0].get("content", ""))
+        else:
+            completion, prompt_text = _field(row, "completion"), _field(row, prompt_field)
+        system = row.values.get("system")
+        prompt = (system_format.format(system=system) if system else "") + prompt_format.format(prompt=prompt_text)
+        return UnpairedText(prompt, completion + end, _label(row, "label"))
+
+    return render
+
+
+def render_user_defined_unpaired(row: SourceRow, fmt) -> UnpairedText:
+    """`type: {field_prompt, field_system, field_completion, field_label, prompt_format, completion_format}`."""
+    system = row.values.get(fmt.field_system) or ""
+    try:
+        prompt = fmt.prompt_format.format(prompt=_field(row, fmt.field_prompt), system=system)
+        completion = fmt.completion_format.format(completion=_field(row, fmt.field_completion))
+    except (KeyError, IndexError) as error:
+        raise UserError(f"config: the KTO format uses the placeholder {error}, which is not one of {{prompt}} and "
+                        "{system} (prompt_format) and {completion} (completion_format)") from None
+    return UnpairedText(prompt, completion, _label(row, fmt.field_label), append_eos=True)
+
+
+# dataset `type:` under `rl: kto` -> its renderer, (row, dataset entry, RenderContext) -> UnpairedText
+UNPAIRED_FORMATS: Registry[Callable] = Registry("KTO dataset type", "type")
+UNPAIRED_FORMATS.add("chat_template", render_chat_unpaired, aliases=("chat_template.default",))
+for _family, _shape in (("chatml", CHATML), ("llama3", LLAMA3)):
+    UNPAIRED_FORMATS.add(f"{_family}.argilla", fixed_unpaired(_shape, "instruction"))
+    UNPAIRED_FORMATS.add(f"{_family}.argilla_chat", fixed_unpaired(_shape, "argilla_chat"))
+    UNPAIRED_FORMATS.add(f"{_family}.intel", fixed_unpaired(_shape, "question"))
+    UNPAIRED_FORMATS.add(f"{_family}.prompt_pairs", fixed_unpaired(_shape, "prompt"))
+    UNPAIRED_FORMATS.add(f"{_family}.ultra", fixed_unpaired(_shape, "prompt"))
+
+
+def render_unpaired(rows: list[SourceRow], entry, context: RenderContext) -> tuple[list[Rendered], list[bool]]:
+    """A chunk of KTO rows as (2 rendered sequences per row, each row's label). A row's second sequence is its
+    prompt with another row's reply (the next row's in the chunk): what KTO's KL estimate compares, as TRL builds
+    it from mismatched prompts and completions."""
+    texts = [render_user_defined_unpaired(row, entry.type) if not isinstance(entry.type, str)
+             else UNPAIRED_FORMATS[entry.type](row, entry, context) for row in rows]
+    rendered = []
+    for index, text in enumerate(texts):
+        other = texts[(index + 1) % len(texts)]
+        for reply in (text.completion, other.completion):
+            start = len(text.prompt)
+            rendered.append(Rendered(text.prompt + reply, [(start, start + len(reply))], text.add_special_tokens,
+                                     text.append_eos))
+    return rendered, [text.desirable for text in texts]
+
+
 # dataset `type:` under `rl:` -> its renderer, (row, dataset entry, RenderContext) -> PreferenceText
 PREFERENCE_FORMATS: Registry[Callable] = Registry("preference dataset type", "type")
 PREFERENCE_FORMATS.add("chat_template", render_chat_pair, aliases=("chat_template.default",))

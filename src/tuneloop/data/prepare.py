@@ -36,7 +36,7 @@ from tuneloop.data.chat_templates import resolve_template
 from tuneloop.data.formats import RenderContext, render_row
 from tuneloop.data.labels import IGNORE_INDEX, count_targets
 from tuneloop.data.load import RawRow, ReadProgress, data_files_of, is_hub_dataset, parse_row, stream_rows
-from tuneloop.data.preference import render_preference
+from tuneloop.data.preference import render_preference, render_unpaired
 from tuneloop.data.token_store import TokenChunk, TokenRows, TokenStoreWriter
 from tuneloop.errors import UserError
 from tuneloop.run_files import make_readable
@@ -108,12 +108,18 @@ class Limits:
 
     sequence_len: int
     train_on_inputs: bool
-    paired: bool = False  # preference data: each source row becomes (chosen, rejected), kept or dropped together
-    pair_in_one_row: bool = False  # packed preference data: a pair must fit one sequence_len row together
+    # preference data: each source row becomes two sequences, kept or dropped together: (chosen, rejected), or
+    # for KTO's labelled rows (`labelled`) (the row's reply, the row's prompt with another row's reply)
+    paired: bool = False
+    pair_in_one_row: bool = False  # packed preference data: both sequences must fit one sequence_len row together
+    labelled: bool = False
 
 
 def limits_of(cfg) -> Limits:
-    return Limits(cfg.sequence_len, cfg.train_on_inputs, bool(cfg.rl), bool(cfg.rl) and cfg.sample_packing)
+    from tuneloop.rl_methods import RL_METHODS
+
+    labelled = bool(cfg.rl) and not RL_METHODS[cfg.rl].paired
+    return Limits(cfg.sequence_len, cfg.train_on_inputs, bool(cfg.rl), bool(cfg.rl) and cfg.sample_packing, labelled)
 
 
 class ChunkTokenizer:
@@ -131,6 +137,10 @@ class ChunkTokenizer:
         rows = [parse_row(raw) for raw in job.rows]
         if entry.type is None:
             sequences = [pretokenized(row, self.vocabulary) for row in rows]
+        elif self.limits.labelled:
+            rendered, desirable = render_unpaired(rows, entry, self.contexts[job.entry_index])
+            return self.kept(tokenize_rendered(rendered, self.tokenizer, self.encoder, False), len(rows),
+                             np.asarray(desirable, dtype=np.int32))
         elif self.limits.paired:
             context = self.contexts[job.entry_index]
             rendered = [half for row in rows for half in render_preference(row, entry, context)]
@@ -141,7 +151,9 @@ class ChunkTokenizer:
                                           self.encoder, self.train_on_inputs)
         return self.kept(sequences, len(rows))
 
-    def kept(self, sequences: list[tuple[np.ndarray, np.ndarray]], rows_read: int) -> ChunkResult:
+    def kept(self, sequences: list[tuple[np.ndarray, np.ndarray]], rows_read: int,
+             desirable: np.ndarray | None = None) -> ChunkResult:
+        """The usable rows as a chunk; `desirable`: KTO's label of each source row (stored on both its sequences)."""
         lengths = np.fromiter((len(ids) for ids, _ in sequences), dtype=np.int64, count=len(sequences))
         n_targets = np.fromiter((count_targets(labels) for _, labels in sequences), dtype=np.int64,
                                 count=len(sequences))
@@ -153,15 +165,20 @@ class ChunkTokenizer:
             if self.limits.pair_in_one_row:
                 too_long |= lengths.reshape(-1, 2).sum(axis=1) > self.sequence_len
             untrained = ~too_long & (n_targets.reshape(-1, 2) == 0).any(axis=1)
-            identical = ~too_long & ~untrained & np.array(
-                [np.array_equal(sequences[i][0], sequences[i + 1][0]) for i in range(0, len(sequences), 2)], dtype=bool)
+            if not self.limits.labelled:  # (a KTO row's mismatched reply may happen to be its own)
+                identical = ~too_long & ~untrained & np.array(
+                    [np.array_equal(sequences[i][0], sequences[i + 1][0]) for i in range(0, len(sequences), 2)],
+                    dtype=bool)
+            else:
+                identical = np.zeros(len(sequences) // 2, dtype=bool)
         keep = ~too_long & ~untrained & ~identical
         per_sequence = np.repeat(keep, 2) if self.limits.paired else keep
         kept = [pair for pair, wanted in zip(sequences, per_sequence) if wanted]
         tokens = TokenChunk(
             np.concatenate([ids for ids, _ in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
             np.concatenate([labels for _, labels in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
-            lengths[per_sequence].astype(np.int32), n_targets[per_sequence].astype(np.int32))
+            lengths[per_sequence].astype(np.int32), n_targets[per_sequence].astype(np.int32),
+            np.repeat(desirable, 2)[per_sequence] if desirable is not None else None)
         return ChunkResult(tokens, PrepareStats(rows_read=rows_read, dropped_too_long=int(too_long.sum()),
                                                 dropped_no_trained_tokens=int(untrained.sum()),
                                                 dropped_identical_pairs=int(identical.sum())), os.getpid())
@@ -251,7 +268,7 @@ def cache_key(cfg, tokenizer) -> str:
         "test_datasets": [entry.model_dump() for entry in cfg.test_datasets],
         "sequence_len": cfg.sequence_len,
         "train_on_inputs": cfg.train_on_inputs,
-        "preference": [limits_of(cfg).paired, limits_of(cfg).pair_in_one_row],
+        "preference": [limits_of(cfg).paired, limits_of(cfg).pair_in_one_row, limits_of(cfg).labelled],
         "val_set_size": cfg.val_set_size,
         "shard": [cfg.dataset_shard_num, cfg.dataset_shard_idx],
         "seed": cfg.seed,
@@ -444,7 +461,8 @@ def split_store(source: Path, train_dir: Path, eval_dir: Path, held_out: np.ndar
     `held_out` has one value per unit."""
     rows = TokenRows(source)
     group = rows.group
-    train, evaluation = TokenStoreWriter(train_dir, group), TokenStoreWriter(eval_dir, group)
+    train = TokenStoreWriter(train_dir, group, rows.labelled)
+    evaluation = TokenStoreWriter(eval_dir, group, rows.labelled)
     per_row = np.repeat(held_out, group)
     block_rows = SPLIT_BLOCK_ROWS * group  # whole units per block
     for start in range(0, len(rows), block_rows):
@@ -463,12 +481,12 @@ def _build(cfg, tokenizer, target: Path, report=None, notice=None) -> int:
     try:
         progress = ReadProgress(_bytes_to_read(cfg.datasets + cfg.test_datasets), report)
         shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
-        group = 2 if cfg.rl else 1
-        usable = TokenStoreWriter(temp / "usable", group)
+        group, labelled = (2 if cfg.rl else 1), limits_of(cfg).labelled
+        usable = TokenStoreWriter(temp / "usable", group, labelled)
         pids = _tokenize_into(usable, cfg.datasets, cfg, tokenizer, stats, progress, notice, shard)
         total = usable.close()
         if cfg.test_datasets:
-            evaluation = TokenStoreWriter(temp / "eval", group)
+            evaluation = TokenStoreWriter(temp / "eval", group, labelled)
             pids |= _tokenize_into(evaluation, cfg.test_datasets, cfg, tokenizer, stats, progress, notice)
             stats.eval_rows = evaluation.close()
             (temp / "usable").rename(temp / "train")

@@ -5,6 +5,7 @@ A store is a folder of flat binary arrays (little-endian, no header):
     input_ids.i32, labels.i32   every row's tokens, one row after the other
     offsets.i64                 where each row starts in them (rows + 1 values, the first 0)
     length.i32, n_targets.i32   one value per row
+    label.i32                   one value per row, in stores of labelled rows only (KTO: 1 desirable, 0 not)
     rows.json                   the row and token counts, and the group size (written last: a store without
                                 it is incomplete)
 
@@ -27,8 +28,9 @@ import numpy as np
 
 TOKEN_COLUMNS = ("input_ids", "labels")
 ROW_COLUMNS = ("length", "n_targets")
+LABEL = "label"  # the optional row column of labelled rows
 FILE_TYPES = {"input_ids": np.int32, "labels": np.int32, "length": np.int32, "n_targets": np.int32,
-              "offsets": np.int64}
+              "offsets": np.int64, LABEL: np.int32}
 SUFFIX = {np.int32: ".i32", np.int64: ".i64"}
 ROWS_FILE = "rows.json"
 
@@ -45,6 +47,7 @@ class TokenChunk:
     labels: np.ndarray  # int32, aligned with input_ids
     length: np.ndarray  # int32, one per row
     n_targets: np.ndarray  # int32, one per row
+    label: np.ndarray | None = None  # int32, one per row, in labelled stores only
 
     @classmethod
     def empty(cls) -> "TokenChunk":
@@ -57,17 +60,20 @@ class TokenChunk:
     def rows(self, keep: np.ndarray) -> "TokenChunk":
         """The rows where `keep` (a boolean per row) is true."""
         per_token = np.repeat(keep, self.length)
-        return TokenChunk(self.input_ids[per_token], self.labels[per_token], self.length[keep], self.n_targets[keep])
+        return TokenChunk(self.input_ids[per_token], self.labels[per_token], self.length[keep], self.n_targets[keep],
+                          None if self.label is None else self.label[keep])
 
 
 class TokenStoreWriter:
     """Appends chunks to a new store in `folder`; `close()` writes rows.json and returns the row count."""
 
-    def __init__(self, folder: Path, group: int = 1):
+    def __init__(self, folder: Path, group: int = 1, labelled: bool = False):
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.group = group  # rows per unit (2: a preference pair); chunks hold whole groups
-        self.files = {name: open(column_file(folder, name), "wb") for name in FILE_TYPES}
+        self.labelled = labelled
+        self.files = {name: open(column_file(folder, name), "wb") for name in FILE_TYPES
+                      if name != LABEL or labelled}
         self.rows = 0
         self.tokens = 0
         np.zeros(1, dtype=np.int64).tofile(self.files["offsets"])
@@ -75,7 +81,7 @@ class TokenStoreWriter:
     def write(self, chunk: TokenChunk) -> None:
         if not len(chunk):
             return
-        for name in (*TOKEN_COLUMNS, *ROW_COLUMNS):
+        for name in (*TOKEN_COLUMNS, *ROW_COLUMNS, *((LABEL,) if self.labelled else ())):
             np.ascontiguousarray(getattr(chunk, name), dtype=FILE_TYPES[name]).tofile(self.files[name])
         ends = self.tokens + np.cumsum(chunk.length, dtype=np.int64)
         ends.tofile(self.files["offsets"])
@@ -86,7 +92,8 @@ class TokenStoreWriter:
         """Finishes the store; returns its units (rows, or pairs of rows)."""
         for handle in self.files.values():
             handle.close()
-        counts = {"rows": self.rows, "tokens": self.tokens, **({"group": self.group} if self.group > 1 else {})}
+        counts = {"rows": self.rows, "tokens": self.tokens, **({"group": self.group} if self.group > 1 else {}),
+                  **({"labelled": True} if self.labelled else {})}
         (self.folder / ROWS_FILE).write_text(json.dumps(counts))
         return self.rows // self.group
 
@@ -107,13 +114,14 @@ class TokenRows:
         counts = json.loads((self.folder / ROWS_FILE).read_text())
         self.count, token_count = counts["rows"], counts["tokens"]
         self.group = counts.get("group", 1)  # rows per unit: 2 for preference pairs
+        self.labelled = counts.get("labelled", False)
         self.offsets = _mapped(column_file(self.folder, "offsets"), np.int64, self.count + 1)
         if self.count == 0:
             self.offsets = np.zeros(1, dtype=np.int64)
         self.columns = {name: _mapped(column_file(self.folder, name), np.int32, token_count)
                         for name in TOKEN_COLUMNS}
         self.columns.update({name: _mapped(column_file(self.folder, name), np.int32, self.count)
-                             for name in ROW_COLUMNS})
+                             for name in (*ROW_COLUMNS, *((LABEL,) if self.labelled else ()))})
 
     def __len__(self) -> int:
         return self.count
@@ -139,7 +147,8 @@ class TokenRows:
         blocks: pages of a memory map would stay counted in this process's resident memory)."""
         first, last = int(self.offsets[start]), int(self.offsets[stop])
         return TokenChunk(*(self._read(name, first, last - first) for name in TOKEN_COLUMNS),
-                          *(self._read(name, start, stop - start) for name in ROW_COLUMNS))
+                          *(self._read(name, start, stop - start) for name in ROW_COLUMNS),
+                          self._read(LABEL, start, stop - start) if self.labelled else None)
 
     def _read(self, name: str, start: int, count: int) -> np.ndarray:
         dtype = np.dtype(FILE_TYPES[name])
@@ -148,7 +157,7 @@ class TokenRows:
 
     def __getitem__(self, key):
         if isinstance(key, str):
-            if key in ROW_COLUMNS:
+            if key in ROW_COLUMNS or (key == LABEL and self.labelled):
                 return self.columns[key]
             return [self.tokens(key, index).tolist() for index in range(self.count)]
         index = int(key)
@@ -157,6 +166,8 @@ class TokenRows:
         index %= self.count
         row = {name: self.tokens(name, index).tolist() for name in TOKEN_COLUMNS}
         row.update({name: int(self.columns[name][index]) for name in ROW_COLUMNS})
+        if self.labelled:
+            row[LABEL] = int(self.columns[LABEL][index])
         return row
 
     def to_datasets(self):

@@ -102,7 +102,7 @@ class TrainingLoop:
         self.metrics = MetricsLog(self.output_dir / run_files.METRICS, accelerator.is_main_process)
         self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device,
                                      streaks=self.state.bad_steps_in_a_row)
-        self.loss_window = LossWindow(accelerator.device, objective.stat_names)
+        self.loss_window = LossWindow(accelerator.device, objective.stat_width, objective.summarise)
         self.real_tokens = 0  # this session's, on this rank: for throughput, not part of the run state
         self.seconds = {"eval": 0.0, "save": 0.0}  # this session's wall time in evals and saves
 

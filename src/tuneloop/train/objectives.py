@@ -3,8 +3,8 @@
 An objective runs the model on a micro-batch and returns a *summed* loss, and says what that sum is over
 (its unit): the language-model loss sums cross-entropy over target tokens, so a step's loss is that sum
 divided by the target tokens of the whole step (all micro-batches, all ranks), which the host knows before
-the step. Preference objectives (DPO, IPO, ORPO: train/preference.py) sum over pairs and normalise by the
-pairs of the step, in the same loop.
+the step. Preference objectives (DPO, IPO, ORPO, KTO: train/preference.py) sum over pairs (KTO: rows) and
+normalise by the pairs of the step, in the same loop.
 
 The model and its objective are one module for the loop (`ObjectiveModule`), so DDP, and the FSDP to come,
 wrap the loss computation too: the language-model loss meets the output projection in chunks
@@ -101,7 +101,8 @@ class Objective:
     eval_metrics: Callable  # (the eval sums over every batch and rank, as floats) -> the eval line
     unit: str  # what the sum runs over, and what a step's loss is averaged over: "tokens" or "pairs"
     eval_width: int  # how many sums eval_sums returns
-    stat_names: tuple[str, ...] = ()  # what `stats` sums (per unit), for the train lines
+    stat_width: int = 0  # how many sums `stats` holds
+    summarise: Callable | None = None  # (the stats summed over a window, its units) -> the train line's numbers
     name: str = "language_model"
 
 
@@ -121,19 +122,20 @@ def _language_model(cfg) -> Objective:
 
 
 def _preference(cfg, reference_model=None) -> Objective:
-    """DPO, IPO or ORPO (train/preference.py), per pair."""
-    from tuneloop.train.preference import PAIR_STATS, PairLosses, PreferenceLoss, preference_eval_metrics
+    """DPO, IPO, ORPO (per pair) or KTO (per row): train/preference.py."""
+    from tuneloop.rl_methods import RL_METHODS
+    from tuneloop.train.preference import PairLosses, PreferenceLoss
 
     loss = PreferenceLoss(PairLosses.from_config(cfg), reference_model)
-    return Objective(loss, loss.eval_sums, preference_eval_metrics, unit="pairs", eval_width=5,
-                     stat_names=PAIR_STATS,
+    return Objective(loss, loss.eval_sums, loss.eval_metrics, unit=RL_METHODS[cfg.rl].unit,
+                     eval_width=2 + loss.stat_width, stat_width=loss.stat_width, summarise=loss.summarise,
                      name=cfg.rl)
 
 
 # `rl:` name -> (cfg, reference model or None) -> Objective; supervised fine-tuning is "language_model"
 OBJECTIVES: Registry[Callable] = Registry("training objective", "rl")
 OBJECTIVES.add("language_model", lambda cfg, reference_model=None: _language_model(cfg))
-for _method in ("dpo", "ipo", "orpo"):  # rl_methods.RL_METHODS: what the config accepts and the plan reads
+for _method in ("dpo", "ipo", "orpo", "kto"):  # rl_methods.RL_METHODS: what the config accepts and the plan reads
     OBJECTIVES.add(_method, _preference)
 
 

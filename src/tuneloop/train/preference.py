@@ -1,12 +1,16 @@
-"""Preference losses (DPO with its sigmoid, IPO and hinge losses; ORPO) on pairs of sequences.
+"""Preference losses (DPO with its sigmoid, IPO and hinge losses; ORPO; KTO) on pairs of sequences.
 
 A micro-batch holds whole pairs: sequence 2j is pair j's prompt + chosen reply, sequence 2j+1 its prompt +
 rejected reply, padded side by side or packed (data/collate.py numbers every sequence in `sequence_index`).
+KTO's unit is a labelled row, also two sequences: its prompt + its reply, and its prompt + another row's reply,
+whose log-ratios estimate the KL term (as TRL does, from mismatched prompts and completions).
 The policy's log-probability of each reply is a sum over its target tokens, which the output projection
 meets only at target positions, a chunk at a time: the [tokens, vocabulary] logits are never whole.
 
-Each loss is summed over the micro-batch's pairs; the loop divides by the pairs of the whole step (all
-micro-batches, all ranks), so accumulation and ranks change nothing (unit "pairs").
+Each loss is summed over the micro-batch's pairs (KTO: rows); the loop divides by the pairs of the whole step
+(all micro-batches, all ranks), so accumulation and ranks change nothing (unit "pairs"). KTO's KL estimate is
+the mean over the micro-batch's rows on its rank (TRL also averages it over the ranks): with KTO, and only
+there, the micro-batch size is part of the loss.
 
 The reference model (DPO, IPO) is the policy's starting point, frozen: with a LoRA adapter, the same
 model with its adapter switched off (no second copy); in full fine-tuning, a frozen copy made before the
@@ -26,8 +30,6 @@ from torch.utils.checkpoint import checkpoint
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.train.chunked_loss import chunk_tokens
 
-# the per-pair numbers a micro-batch reports besides its loss (sums over its pairs), in this order
-PAIR_STATS = ("reward_chosen", "reward_rejected", "reward_accuracy")
 
 
 def _target_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -84,19 +86,24 @@ def reference_mode(model):
 class PairLosses:
     """Which losses, how they are weighed, and their settings (cfg's rl keys resolved)."""
 
-    method: str  # dpo, ipo, orpo
+    method: str  # dpo, ipo, orpo, kto
     loss_types: list[str]
     weights: list[float]
     beta: float
-    label_smoothing: float
-    orpo_alpha: float
+    label_smoothing: float = 0.0
+    orpo_alpha: float = 0.0
+    desirable_weight: float = 1.0  # KTO's weights of desirable and undesirable rows
+    undesirable_weight: float = 1.0
 
     @classmethod
     def from_config(cls, cfg) -> "PairLosses":
         if cfg.rl == "orpo":
-            return cls("orpo", [], [], 0.0, 0.0, cfg.orpo_alpha if cfg.orpo_alpha is not None else 0.1)
+            return cls("orpo", [], [], 0.0, orpo_alpha=cfg.orpo_alpha if cfg.orpo_alpha is not None else 0.1)
+        if cfg.rl == "kto":
+            return cls("kto", [], [], cfg.beta, desirable_weight=cfg.kto_desirable_weight,
+                       undesirable_weight=cfg.kto_undesirable_weight)
         types = cfg.dpo_loss_type or (["ipo"] if cfg.rl == "ipo" else ["sigmoid"])
-        return cls(cfg.rl, types, cfg.dpo_loss_weights or [1.0] * len(types), cfg.beta, cfg.dpo_label_smoothing, 0.0)
+        return cls(cfg.rl, types, cfg.dpo_loss_weights or [1.0] * len(types), cfg.beta, cfg.dpo_label_smoothing)
 
 
 def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor,
@@ -139,12 +146,51 @@ def orpo_losses(policy: torch.Tensor, counts: torch.Tensor,
     return loss, alpha * chosen.detach(), alpha * rejected.detach()
 
 
+def kto_losses(policy: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor,
+               settings: PairLosses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KTO per row (eq. 7 of its paper, as TRL computes it): w_d (1 - σ(β(r - z))) for a desirable reply,
+    w_u (1 - σ(β(z - r))) for an undesirable one, where r is the reply's log-ratio and z the KL estimate: the
+    mean log-ratio of the mismatched replies (odd sequences), at least 0, with no gradient. Returns (losses,
+    rewards β·r, z)."""
+    ratios = policy - reference
+    kl = ratios[1::2].detach().mean().clamp(min=0)
+    reply = ratios[0::2]
+    beta = settings.beta
+    losses = torch.where(desirable, settings.desirable_weight * (1 - torch.sigmoid(beta * (reply - kl))),
+                         settings.undesirable_weight * (1 - torch.sigmoid(beta * (kl - reply))))
+    return losses, beta * reply.detach(), kl
+
+
+# what a micro-batch reports besides its loss: sums, summarised per unit by `summarise_*` (train and eval lines)
+PAIR_STAT_WIDTH = 3  # reward of the chosen replies, of the rejected ones, pairs ranked right
+KTO_STAT_WIDTH = 6  # reward of desirable rows, their count, of undesirable rows, their count, KL estimate, batches
+
+
+def summarise_pairs(stats: list[float], pairs: int) -> dict:
+    chosen, rejected, correct = (value / max(pairs, 1) for value in stats)
+    return {"reward_chosen": chosen, "reward_rejected": rejected, "reward_margin": chosen - rejected,
+            "reward_accuracy": correct}
+
+
+def summarise_rows(stats: list[float], rows: int) -> dict:
+    """KTO: rewards averaged over the desirable and the undesirable rows apart, and the mean KL estimate."""
+    desirable_sum, desirable, undesirable_sum, undesirable, kl_sum, batches = stats
+    chosen = desirable_sum / desirable if desirable else 0.0
+    rejected = undesirable_sum / undesirable if undesirable else 0.0
+    return {"reward_chosen": chosen, "reward_rejected": rejected, "reward_margin": chosen - rejected,
+            "kl": kl_sum / max(batches, 1)}
+
+
 class PreferenceLoss:
-    """The objective's loss function: (model, inputs, targets, extra) -> (loss summed over pairs, stats)."""
+    """The objective's loss function: (model, inputs, targets, extra) -> (loss summed over units, stats)."""
 
     def __init__(self, settings: PairLosses, reference_model=None):
         self.settings = settings
         self.reference_model = reference_model  # full fine-tuning's frozen copy; None: LoRA's base, or precomputed
+        kto = settings.method == "kto"
+        self.stat_width = KTO_STAT_WIDTH if kto else PAIR_STAT_WIDTH
+        self.summarise = summarise_rows if kto else summarise_pairs
+        self.unit_name = "rows" if kto else "pairs"
 
     def reference_log_probs(self, model, inputs, targets, extra) -> torch.Tensor:
         if "reference" in extra:
@@ -164,21 +210,27 @@ class PreferenceLoss:
         return dpo_losses(policy, reference, counts, self.settings)
 
     def __call__(self, model, inputs: dict, targets: torch.Tensor, extra: dict):
+        if self.settings.method == "kto":
+            policy, _ = sequence_log_probs(model, inputs, targets, extra["sequence_index"], extra["n_sequences"])
+            reference = self.reference_log_probs(model, inputs, targets, extra)
+            desirable = extra["desirable"]
+            losses, rewards, kl = kto_losses(policy, reference, desirable, self.settings)
+            wanted = desirable.double()
+            stats = torch.stack([(rewards * wanted).sum(), wanted.sum(), (rewards * (1 - wanted)).sum(),
+                                 (1 - wanted).sum(), kl.double(), torch.ones_like(kl, dtype=torch.float64)])
+            return losses.sum(), stats.double()
         losses, chosen, rejected = self.pair_losses(model, inputs, targets, extra)
         stats = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).sum().float()]).double()
         return losses.sum(), stats
 
     @torch.no_grad()
     def eval_sums(self, model, inputs: dict, targets: torch.Tensor, extra: dict) -> torch.Tensor:
-        """[loss, pairs, reward_chosen, reward_rejected, reward_accuracy], summed over the micro-batch's pairs."""
+        """[loss, units, the stats], summed over the micro-batch's units."""
         loss, stats = self(model, inputs, targets, extra)
-        pairs = torch.tensor([extra["n_sequences"] // 2], dtype=torch.float64, device=stats.device)
-        return torch.cat([loss.double().reshape(1), pairs, stats])
+        units = torch.tensor([extra["n_sequences"] // 2], dtype=torch.float64, device=stats.device)
+        return torch.cat([loss.double().reshape(1), units, stats])
 
-
-def preference_eval_metrics(totals: list[float]) -> dict:
-    loss, pairs, chosen, rejected, correct = totals
-    pairs = max(pairs, 1)
-    return {"eval_loss": loss / pairs, "eval_reward_chosen": chosen / pairs, "eval_reward_rejected": rejected / pairs,
-            "eval_reward_margin": (chosen - rejected) / pairs, "eval_reward_accuracy": correct / pairs,
-            "eval_pairs": int(pairs)}
+    def eval_metrics(self, totals: list[float]) -> dict:
+        loss, units, stats = totals[0], int(totals[1]), totals[2:]
+        summary = {f"eval_{name}": value for name, value in self.summarise(stats, units).items()}
+        return {"eval_loss": loss / max(units, 1), **summary, f"eval_{self.unit_name}": units}

@@ -30,7 +30,7 @@ REFERENCE_BATCH_PAIRS = 8  # pairs per forward of the precomputing pass
 
 def live_reference_model(cfg, model, tokenizer, resumed: bool, device):
     """Full fine-tuning's frozen reference (None where the run needs none: LoRA, ORPO, precomputed)."""
-    from tuneloop.memory import keeps_reference_copy
+    from tuneloop.rl_methods import keeps_reference_copy
     from tuneloop.model import load_model
 
     if not keeps_reference_copy(cfg):

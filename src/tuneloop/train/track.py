@@ -33,10 +33,10 @@ class LossWindow:
     preference loss's rewards) stay on the device, so a step that is not logged costs no host sync; units
     and real tokens are counted on the host."""
 
-    def __init__(self, device, stat_names: tuple[str, ...] = ()):
+    def __init__(self, device, stat_width: int = 0, summarise=None):
         self.loss = torch.zeros((), device=device, dtype=torch.float64)
-        self.stat_names = stat_names
-        self.stats = torch.zeros(len(stat_names), device=device, dtype=torch.float64)
+        self.summarise = summarise  # (the window's stats, its units) -> numbers for the train line
+        self.stats = torch.zeros(stat_width, device=device, dtype=torch.float64)
         self.units = 0  # units (target tokens, or pairs) of the window's steps: the loss's denominator
         self.clock_tokens = 0  # the same, since the clock started: the throughput's numerator
         self.real_tokens = 0
@@ -63,10 +63,8 @@ class LossWindow:
         calls it at the same step); the next window starts now."""
         loss = float(accelerator.reduce(self.loss, reduction="sum")) / self.units
         stats = {}
-        if self.stat_names:  # a preference objective's sums per pair: rewards and the fraction ranked right
-            totals = accelerator.reduce(self.stats, reduction="sum").tolist()
-            stats = {name: value / self.units for name, value in zip(self.stat_names, totals)}
-            stats["reward_margin"] = stats["reward_chosen"] - stats["reward_rejected"]
+        if self.summarise is not None:  # a preference objective's rewards (and the fraction of pairs ranked right)
+            stats = self.summarise(accelerator.reduce(self.stats, reduction="sum").tolist(), self.units)
             self.stats.zero_()
         real = int(accelerator.reduce(torch.tensor(self.real_tokens, device=self.loss.device), reduction="sum"))
         elapsed = time.perf_counter() - self.start
