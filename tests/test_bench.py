@@ -66,3 +66,27 @@ def test_quick_benchmark_is_fair_and_complete(tmp_path):
     for name in UNPACKED_BF16:
         assert abs(losses[name] - losses["tuneloop"]) < 0.15, losses
     assert abs(losses["tuneloop_packed_defaults"] - losses["tuneloop_packed"]) < 0.15, losses
+
+
+@pytest.mark.slow
+def test_the_dpo_benchmark_against_trl_is_fair(tmp_path):
+    """benchmarks/preference.py --quick: tuneloop (padded, packed) and TRL's DPOTrainer train on the same pairs
+    at the same precision; every row has its numbers and its ratio to TRL. No timing assertions."""
+    out = tmp_path / "dpo.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "preference.py"), "--quick", "--pairs", "24",
+               "--workdir", str(tmp_path / "work"), "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["tuneloop", "tuneloop_packed", "trl"] and rows["trl"]["ratio_vs_trl"] == 1.0
+    assert {row["pairs"] for row in rows.values()} == {24} and {row["precision"] for row in rows.values()} == {"fp32"}
+    assert rows["tuneloop"]["steps"] == rows["trl"]["steps"] == 3  # 24 pairs, 8 per step
+    assert rows["tuneloop_packed"]["steps"] < rows["tuneloop"]["steps"]
+    assert rows["tuneloop_packed"]["real_tokens"] == rows["tuneloop"]["real_tokens"]
+    # the same conversations through the same chat template: TRL's token count is tuneloop's to within a few
+    # tokens a pair (where each puts the reply's end marker and EOS)
+    assert abs(rows["trl"]["real_tokens"] - rows["tuneloop"]["real_tokens"]) <= 4 * 24
+    for row in rows.values():
+        assert row["pairs_per_second"] > 0 and row["ratio_vs_trl"] > 0 and 0 < row["final_loss"] < 2
+    assert "| trl | fp32 | 24 | 3 |" in result.stdout

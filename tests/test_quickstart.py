@@ -31,3 +31,21 @@ def test_quickstart_trains_the_embedded_model_and_lowers_eval_loss(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.use_cache is True and tokenizer.chat_template
+
+
+@pytest.mark.slow
+def test_the_dpo_example_plans_its_pairs_and_trains_on_the_embedded_model(tmp_path):
+    """examples/dpo.yml on the embedded pairs: its plan (pairs, packed rows, the LoRA base as reference) and two
+    steps, whose first loss is -log σ(0) (the policy starts as its reference)."""
+    example = QUICKSTART.parent / "dpo.yml"
+    out = tmp_path / "out"
+    result = run_in_process("train", str(example), "--set", "max_steps=2", "--set", f"output_dir={out}",
+                            "--set", f"dataset_prepared_path={tmp_path / 'prepared'}", "--set", "eval_on_start=false",
+                            "--set", "evals_per_epoch=0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "packed rows/micro-batch" in result.stdout and "LoRA adapter switched off" in result.stdout
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["unit"] == "pairs" and plan["train_rows"] > 200 and plan["total_steps"] == 2
+    train = [m for m in read_metrics(out) if "loss" in m]
+    assert [m["step"] for m in train] == [1, 2] and abs(train[0]["loss"] - 0.6931) < 1e-3
+    assert (out / "adapter_model.safetensors").is_file()

@@ -293,13 +293,18 @@ def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
 def describe(plan: TrainingPlan) -> str:
     """The human-readable plan: a short report, numbers first."""
     rows = "pairs" if plan.unit == "pairs" else "rows"
+    batch_rows, per_step = rows, ""
+    if plan.batching == "packed" and plan.unit != "tokens":  # a packed row holds several pairs (KTO: rows)
+        batch_rows = "packed rows"
+        per_step = f" (~{(plan.train_rows - plan.rows_cut_per_epoch) / plan.steps_per_epoch:.1f} {rows} per step)"
     density = (f"packing efficiency {plan.packing_efficiency:.1%}" if plan.packing_efficiency is not None
                else f"padding {plan.padding_fraction:.1%} of computed tokens")
     lines = [
         "tuneloop plan",
         f"  world size           {plan.world_size}",
-        f"  batch                {plan.micro_batch_size} {rows}/micro-batch × {plan.gradient_accumulation_steps} "
-        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} {rows} per optimizer step",
+        f"  batch                {plan.micro_batch_size} {batch_rows}/micro-batch × {plan.gradient_accumulation_steps} "
+        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} {batch_rows} per optimizer step"
+        + per_step,
         f"  batching             {plan.batching} (sequence_len {plan.sequence_len}; {density})",
         f"  data                 {plan.train_rows} train {rows}, {plan.train_tokens} tokens, "
         f"{plan.trainable_tokens} trained tokens per epoch; {plan.eval_rows} eval {rows}",
