@@ -365,6 +365,10 @@ def test_identical_pairs_are_dropped_and_counted_in_the_plan(tmp_path, tiny_mode
     assert result.returncode == 0, result.stderr
     assert "10 train pairs" in result.stdout
     assert "2 pairs whose chosen and rejected replies are the same" in result.stdout
+    shown = run_in_process("preprocess", str(config), "--show", "1")
+    assert shown.returncode == 0 and "prepared 10 train and 0 eval pairs" in shown.stdout
+    assert "2 identical pairs dropped" in shown.stdout
+    assert "--- row 0, chosen (" in shown.stdout and "--- row 0, rejected (" in shown.stdout
 
 
 def test_bad_preference_rows_and_keys_are_clear_errors(tmp_path, tiny_model_dir):

@@ -61,15 +61,23 @@ def command_preprocess(args) -> int:
     tokenizer, prepared = prepare_data(cfg, force=args.force, hooks=hooks)
     hooks.prepared()
     stats = prepared.stats
-    print(f"prepared {stats.train_rows} train and {stats.eval_rows} eval rows from {stats.rows_read} read "
+    units = "pairs" if prepared.train.group > 1 and not prepared.train.labelled else "rows"
+    identical = f", {stats.dropped_identical_pairs} identical pairs dropped" if stats.dropped_identical_pairs else ""
+    print(f"prepared {stats.train_rows} train and {stats.eval_rows} eval {units} from {stats.rows_read} read "
           f"({stats.dropped_too_long} longer than sequence_len={cfg.sequence_len} dropped, "
-          f"{stats.dropped_no_trained_tokens} with no trained tokens dropped) into {prepared.cache_dir}"
+          f"{stats.dropped_no_trained_tokens} with no trained tokens dropped{identical}) into {prepared.cache_dir}"
           f"{f' with {prepared.worker_processes} worker processes' if prepared.worker_processes else ''}")
+    store = prepared.train
+    # a preference unit is two sequences: chosen and rejected, or (KTO) the row's reply and a mismatched one
+    names = ("chosen", "rejected") if units == "pairs" else ("reply", "mismatched reply, for the KL estimate")
     for index in range(min(args.show, stats.train_rows)):
-        row = prepared.train[index]
-        print(f"\n--- row {index} ({row['length']} tokens, {row['n_targets']} trained; trained text "
-              f"between {TRAINED_OPEN} {TRAINED_CLOSE}) ---")
-        print(marked_text(row["input_ids"], row["labels"], tokenizer))
+        for position, store_index in enumerate(store.unit_rows(index)):
+            row = store[store_index]
+            part = f", {names[position]}" if store.group > 1 else ""
+            label = f", {'desirable' if row['label'] else 'undesirable'}" if store.labelled and position == 0 else ""
+            print(f"\n--- row {index}{part}{label} ({row['length']} tokens, {row['n_targets']} trained; trained text "
+                  f"between {TRAINED_OPEN} {TRAINED_CLOSE}) ---")
+            print(marked_text(row["input_ids"], row["labels"], tokenizer))
     return 0
 
 
