@@ -83,21 +83,28 @@ def _template_pair(prompt_messages: list[dict], chosen: dict, rejected: dict, ro
 def render_chat_pair(row: SourceRow, entry, context: RenderContext) -> PreferenceText:
     """axolotl's `chat_template.default` under rl: the prompt conversation in `field_messages` (or one user
     message as text), the replies in `field_chosen` / `field_rejected`."""
-    name = entry.field_messages or "messages"
+    prompt = _prompt_messages(row, entry, entry.field_messages or "messages")
+    replies = [_reply_message(_required(row, field), row, entry, field)
+               for field in (entry.field_chosen or "chosen", entry.field_rejected or "rejected")]
+    return _template_pair(prompt, *replies, row, context)
+
+
+def _prompt_messages(row: SourceRow, entry, name: str) -> list[dict]:
+    """The prompt's messages from field `name`: a list of messages, or its text as one user message."""
     raw = row.values.get(name)
     if isinstance(raw, str):
         raw = [{entry.message_field_role: "user", entry.message_field_content: raw}]
     if not isinstance(raw, list) or not raw:
         raise UserError(f"data: {row.where}: field `{name}` must be the prompt's messages (a non-empty list) or "
                         "its text")
-    chosen_field, rejected_field = entry.field_chosen or "chosen", entry.field_rejected or "rejected"
-    replies = []
-    for field in (chosen_field, rejected_field):
-        if row.values.get(field) is None:
-            raise UserError(f"data: {row.where}: missing field `{field}` (fields present: "
-                            f"{', '.join(sorted(row.values))})")
-        replies.append(_reply_message(row.values[field], row, entry, field))
-    return _template_pair(convert_messages(raw, row, entry), *replies, row, context)
+    return convert_messages(raw, row, entry)
+
+
+def _required(row: SourceRow, field: str):
+    if row.values.get(field) is None:
+        raise UserError(f"data: {row.where}: missing field `{field}` (fields present: "
+                        f"{', '.join(sorted(row.values))})")
+    return row.values[field]
 
 
 def render_argilla_pair(row: SourceRow, entry, context: RenderContext) -> PreferenceText:
@@ -196,18 +203,10 @@ def _label(row: SourceRow, field: str) -> bool:
 def render_chat_unpaired(row: SourceRow, entry, context: RenderContext) -> UnpairedText:
     """`chat_template` under `rl: kto`: the prompt's messages (`field_messages`, else `prompt`, or its text),
     the reply in `completion` (text, a message, or a conversation ending with it), and `label`."""
-    name = entry.field_messages or ("messages" if "messages" in row.values else "prompt")
-    raw = row.values.get(name)
-    if isinstance(raw, str):
-        raw = [{entry.message_field_role: "user", entry.message_field_content: raw}]
-    if not isinstance(raw, list) or not raw:
-        raise UserError(f"data: {row.where}: field `{name}` must be the prompt's messages (a non-empty list) or its "
-                        "text")
-    if row.values.get("completion") is None:
-        raise UserError(f"data: {row.where}: missing field `completion` (fields present: "
-                        f"{', '.join(sorted(row.values))})")
-    reply = _reply_message(row.values["completion"], row, entry, "completion")
-    pair = _template_pair(convert_messages(raw, row, entry), reply, reply, row, context)
+    prompt = _prompt_messages(row, entry, entry.field_messages or ("messages" if "messages" in row.values
+                                                                   else "prompt"))
+    reply = _reply_message(_required(row, "completion"), row, entry, "completion")
+    pair = _template_pair(prompt, reply, reply, row, context)
     return UnpairedText(pair.prompt, pair.chosen, _label(row, "label"), add_special_tokens=False)
 
 
