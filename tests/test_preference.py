@@ -173,7 +173,7 @@ def test_a_lora_runs_reference_is_its_base_with_the_adapter_off(tmp_path, tiny_m
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.add_(0.1)
-    assert live_reference_model(cfg, model, tokenizer, resumed=False, device="cpu") is None  # no second copy
+    assert live_reference_model(cfg, model, None, resumed=False, device="cpu") is None  # no second copy
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     batch = Collator(prepared.train, tokenizer.pad_token_id, packed=False)([[0], [1]])
     loss_function = PreferenceLoss(PairLosses.from_config(cfg))

@@ -218,7 +218,8 @@ class TrainingSession:
         if not cfg.rl:
             return None, None
         if not cfg.precompute_ref_log_probs:
-            return live_reference_model(cfg, model, tokenizer, resume is not None, self.accelerator.device), None
+            return live_reference_model(cfg, model, lambda: load_model(cfg, tokenizer), resume is not None,
+                                        self.accelerator.device), None
 
         def starting_model():  # a resumed full fine-tuning run holds trained weights: the reference is the base
             return model if resume is None or cfg.adapter else load_model(cfg, tokenizer)

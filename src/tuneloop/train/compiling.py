@@ -29,7 +29,8 @@ def compiles(cfg) -> bool:
 
 def compile_for_training(cfg, model) -> str:
     """Compiles the step's part of `model` in place; returns what was compiled, in words."""
-    from tuneloop.train.objectives import output_head, uses_chunked_loss
+    from tuneloop.train.objectives import uses_chunked_loss
+    from tuneloop.train.output_head import output_head
 
     _set_inductor_options(cfg.torch_compile_options or {})
     options = {"backend": cfg.torch_compile_backend or "inductor"}

@@ -24,12 +24,7 @@ import torch.nn.functional as F
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.registry import Registry
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
-
-# config keys of models whose logits are more than hidden @ lm_head (soft-capping, scaling): they keep the
-# plain loss, computed from the model's own logits
-LOGIT_STEPS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "scale_width", "output_logits_scaling",
-               "mup_width_multiplier")
-
+from tuneloop.train.output_head import output_head
 
 def summed_token_loss(logits, targets):
     """Sum (not mean) of cross-entropy over target positions; the caller divides by the step's token count."""
@@ -40,20 +35,6 @@ def summed_token_loss(logits, targets):
 def correct_predictions(logits, targets):
     mask = targets != IGNORE_INDEX
     return (logits.argmax(dim=-1).eq(targets) & mask).sum()
-
-
-def output_head(model):
-    """(decoder, output projection weight) when the logits are exactly decoder states @ weight.T (a plain
-    Linear head without bias, no logit soft-capping or scaling, no adapter on the head), else None."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-    if type(head) is not torch.nn.Linear or head.bias is not None or decoder is None:
-        return None
-    config = base.config
-    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_STEPS):
-        return None
-    return decoder, head.weight
 
 
 def language_model_loss(model, inputs: dict, targets: torch.Tensor, chunked: bool = True) -> torch.Tensor:

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.train.chunked_loss import chunk_tokens
+from tuneloop.train.output_head import output_head
 
 
 
@@ -41,8 +42,6 @@ def token_log_probs(model, inputs: dict, targets: torch.Tensor) -> tuple[torch.T
     """(log-probability of each target token, the flat positions they sit at). Where the logits are decoder
     states @ weight, only target positions meet the projection, a chunk at a time under checkpointing (a
     chunk's logits are made again in the backward instead of kept)."""
-    from tuneloop.train.objectives import output_head
-
     flat_targets = targets.reshape(-1)
     positions = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
     wanted = flat_targets[positions]

@@ -28,16 +28,16 @@ from tuneloop.train.preference import reference_mode, sequence_log_probs
 REFERENCE_BATCH_PAIRS = 8  # pairs per forward of the precomputing pass
 
 
-def live_reference_model(cfg, model, tokenizer, resumed: bool, device):
-    """Full fine-tuning's frozen reference (None where the run needs none: LoRA, ORPO, precomputed)."""
+def live_reference_model(cfg, model, load_base, resumed: bool, device):
+    """Full fine-tuning's frozen reference (None where the run needs none: LoRA, ORPO, precomputed): a copy of
+    `model` before its first step, or `load_base()` when the run resumed (its model holds trained weights)."""
+    import copy
+
     from tuneloop.rl_methods import keeps_reference_copy
-    from tuneloop.model import load_model
 
     if not keeps_reference_copy(cfg):
         return None
-    import copy
-
-    reference = load_model(cfg, tokenizer) if resumed else copy.deepcopy(model)
+    reference = load_base() if resumed else copy.deepcopy(model)
     reference.requires_grad_(False)
     return reference.eval().to(device)
 

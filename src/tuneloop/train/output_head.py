@@ -1,0 +1,29 @@
+"""Where a model's logits come from: its decoder's states times the output projection, when that is all they are.
+
+The chunked losses (the language model's in chunked_loss.py, the preference losses' log-probs in preference.py)
+meet the projection a chunk of tokens at a time instead of asking the model for its whole logits; they can only
+do that when the logits are exactly decoder states @ weight.T.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# config keys of models whose logits are more than hidden @ lm_head (soft-capping, scaling): they keep the
+# plain loss, computed from the model's own logits
+LOGIT_STEPS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "scale_width", "output_logits_scaling",
+               "mup_width_multiplier")
+
+
+def output_head(model):
+    """(decoder, output projection weight) when the logits are exactly decoder states @ weight.T (a plain
+    Linear head without bias, no logit soft-capping or scaling, no adapter on the head), else None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None or decoder is None:
+        return None
+    config = base.config
+    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_STEPS):
+        return None
+    return decoder, head.weight
