@@ -85,6 +85,11 @@ def hand_loss(policy, reference, counts, settings: dict):
     for j in range(len(policy) // 2):
         pc, pr, rc, rr = policy[2 * j], policy[2 * j + 1], reference[2 * j], reference[2 * j + 1]
         nc, nr = counts[2 * j], counts[2 * j + 1]
+        if settings["rl"] == "simpo":
+            ac, ar = pc / nc, pr / nr
+            total = total + (-torch.log(torch.sigmoid(settings["beta"] * (ac - ar) - settings["gamma"]))
+                             - settings["alpha"] * ac)
+            continue
         if settings["rl"] == "orpo":
             ac, ar = pc / nc, pr / nr
             log_odds = (ac - ar) - (torch.log(1 - torch.exp(ac)) - torch.log(1 - torch.exp(ar)))
@@ -114,6 +119,10 @@ CASES = {
     "weighted sigmoid + ipo": ({"rl": "dpo", "dpo_loss_type": ["sigmoid", "ipo"], "dpo_loss_weights": [1.0, 0.5]},
                                {"rl": "dpo", "beta": 0.1, "types": ["sigmoid", "ipo"], "weights": [1.0, 0.5]}),
     "orpo": ({"rl": "orpo", "orpo_alpha": 0.2}, {"rl": "orpo", "orpo_alpha": 0.2}),
+    "simpo (TRL's defaults: cpo_alpha 1)": ({"rl": "simpo", "rl_beta": 2.0},
+                                            {"rl": "simpo", "beta": 2.0, "gamma": 0.5, "alpha": 1.0}),
+    "simpo alone": ({"rl": "simpo", "rl_beta": 2.0, "simpo_gamma": 1.0, "cpo_alpha": 0.0},
+                    {"rl": "simpo", "beta": 2.0, "gamma": 1.0, "alpha": 0.0}),
 }
 
 
@@ -154,7 +163,7 @@ def test_the_loss_and_its_gradient_equal_a_hand_computation(tmp_path, tiny_model
         torch.testing.assert_close(parameter.grad, expected_grads[name], rtol=1e-4, atol=1e-6)
     assert float(stats[2]) == sum(  # reward accuracy: pairs whose chosen reward beats the rejected one
         float(hand_policy[2 * j] - hand_reference[2 * j]) > float(hand_policy[2 * j + 1] - hand_reference[2 * j + 1])
-        if settings["rl"] != "orpo" else
+        if settings["rl"] not in ("orpo", "simpo") else
         float(hand_policy[2 * j]) / hand_targets(store, rows)[2 * j]
         > float(hand_policy[2 * j + 1]) / hand_targets(store, rows)[2 * j + 1] for j in range(3))
 
@@ -380,6 +389,7 @@ def test_bad_preference_rows_and_keys_are_clear_errors(tmp_path, tiny_model_dir)
 
     for keys, message in ((dict(rl="kto_pair"), "its successor is `rl: kto`"),
                           (dict(rl="orpo", rl_beta=0.2), "`rl: orpo` has none"),
+                          (dict(rl="dpo", simpo_gamma=0.5), "`simpo_gamma` shapes SimPO's loss"),
                           (dict(rl="dpo", dpo_loss_type=["sigmoid", "ipo"], dpo_loss_weights=[1.0]),
                            "2 losses in `dpo_loss_type`"),
                           (dict(rl=None, datasets=[{"path": str(data), "type": "chat_template.argilla"}]),

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 # feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
 FEATURES = {
-    "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO and KTO (rl: "
-                   "simpo, grpo, ebft; their options such as rpo_alpha; reward and process-reward models)"),
+    "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO, KTO and SimPO "
+                   "(rl: grpo, ebft; options such as rpo_alpha; reward and process-reward models)"),
     "fsdp_deepspeed": ("FSDP/DeepSpeed", "FSDP and DeepSpeed (the next issue)"),
     "parallelism": ("tensor/context/expert parallelism", "tensor, context, sequence, expert and N-D parallelism, "
                     "and Ray"),
@@ -108,7 +108,7 @@ _REFUSED_BY_FEATURE = {
     "preference": """
         trl vllm ebft reward_model process_reward_model center_rewards_coefficient num_labels dpo_use_weighting
         dpo_use_liger_kernel dpo_padding_free dpo_generate_during_eval dpo_norm_loss dpo_use_logits_to_keep rpo_alpha
-        simpo_gamma cpo_alpha max_prompt_len
+        max_prompt_len
         nemo_gym_enabled nemo_gym_dir nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port
         nemo_gym_server_timeout nemo_gym_verify_timeout nemo_gym_run_timeout nemo_gym_datasets nemo_gym_auto_start
         nemo_gym_model_name nemo_gym_multi_turn nemo_gym_max_turns""",

@@ -251,6 +251,8 @@ class TuneloopConfig(_Strict):
     dpo_loss_weights: Optional[list[float]] = None  # one per dpo_loss_type (default: 1 each)
     dpo_label_smoothing: float = 0.0  # conservative DPO: the chance a pair's label is flipped
     orpo_alpha: Optional[float] = None  # ORPO's weight of the odds-ratio term (default 0.1)
+    simpo_gamma: Optional[float] = None  # SimPO's target reward margin (default 0.5, as TRL's CPO trainer)
+    cpo_alpha: Optional[float] = None  # SimPO's weight of the chosen reply's NLL (default 1.0, as TRL; 0: pure SimPO)
     kto_desirable_weight: float = 1.0  # KTO's weights of desirable and undesirable rows' losses
     kto_undesirable_weight: float = 1.0
     precompute_ref_log_probs: bool = False  # reference log-probs computed once, before training, and cached
@@ -312,7 +314,8 @@ class TuneloopConfig(_Strict):
             raise ValueError("must be at least 0 and below 0.5 (the chance that a pair's label is wrong)")
         return value
 
-    @field_validator("rl_beta", "dpo_beta", "orpo_alpha", "kto_desirable_weight", "kto_undesirable_weight")
+    @field_validator("rl_beta", "dpo_beta", "orpo_alpha", "kto_desirable_weight", "kto_undesirable_weight",
+                     "simpo_gamma")
     @classmethod
     def _positive_weight(cls, value):
         if value is not None and value <= 0:
@@ -568,7 +571,8 @@ class TuneloopConfig(_Strict):
                 raise ValueError(f"dataset {index} is preference data (chosen/rejected pairs, or labelled rows): set "
                                  "`rl: dpo` (or ipo, orpo, kto) to train on it")
         preference_keys = ("rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
-                           "orpo_alpha", "precompute_ref_log_probs", "kto_desirable_weight", "kto_undesirable_weight")
+                           "orpo_alpha", "precompute_ref_log_probs", "kto_desirable_weight", "kto_undesirable_weight",
+                           "simpo_gamma", "cpo_alpha")
         if not self.rl:
             stray = [key for key in preference_keys
                      if key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default]
@@ -579,6 +583,9 @@ class TuneloopConfig(_Strict):
         kto_keys = [key for key in ("kto_desirable_weight", "kto_undesirable_weight") if key in self.model_fields_set]
         if kto_keys and self.rl != "kto":
             raise ValueError(f"`{kto_keys[0]}` weighs KTO's rows, and this run is `rl: {self.rl}`: remove it")
+        simpo_keys = [key for key in ("simpo_gamma", "cpo_alpha") if getattr(self, key) is not None]
+        if simpo_keys and self.rl != "simpo":
+            raise ValueError(f"`{simpo_keys[0]}` shapes SimPO's loss, and this run is `rl: {self.rl}`: remove it")
         if self.rl_beta is not None and self.dpo_beta is not None and self.rl_beta != self.dpo_beta:
             raise ValueError(f"`rl_beta: {self.rl_beta}` and `dpo_beta: {self.dpo_beta}` are the same setting: "
                              "keep one")
@@ -590,15 +597,18 @@ class TuneloopConfig(_Strict):
         if self.dpo_loss_weights is not None and len(self.dpo_loss_weights) != len(self.dpo_loss_type or ["sigmoid"]):
             raise ValueError(f"`dpo_loss_weights` has {len(self.dpo_loss_weights)} weights for "
                              f"{len(self.dpo_loss_type or ['sigmoid'])} losses in `dpo_loss_type`: give one each")
-        if not method.uses_reference:
+        if self.rl == "orpo":
             used = [key for key in ("rl_beta", "dpo_beta", "dpo_label_smoothing", "precompute_ref_log_probs")
                     if getattr(self, key)]
             if used:
                 raise ValueError(f"`{used[0]}` shapes a loss against a reference model, and `rl: {self.rl}` has none "
                                  "(its weight is `orpo_alpha`): remove it")
-        elif self.rl == "kto" and self.dpo_label_smoothing:
-            raise ValueError("`dpo_label_smoothing` smooths DPO's pair labels, and `rl: kto` has no pairs: remove it")
-        elif self.orpo_alpha is not None:
+        elif not method.uses_reference and self.precompute_ref_log_probs:
+            raise ValueError(f"`precompute_ref_log_probs` with `rl: {self.rl}`, which has no reference model: "
+                             "remove it")
+        if self.rl in ("kto", "simpo") and self.dpo_label_smoothing:
+            raise ValueError(f"`dpo_label_smoothing` smooths DPO's loss, and this run is `rl: {self.rl}`: remove it")
+        if self.orpo_alpha is not None and self.rl != "orpo":
             raise ValueError(f"`orpo_alpha` weighs ORPO's odds ratio, and this run is `rl: {self.rl}`: remove it")
         if self.train_on_inputs:
             raise ValueError(f"`train_on_inputs: true` with `rl: {self.rl}`: a preference loss compares the replies, "

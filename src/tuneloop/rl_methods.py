@@ -24,6 +24,7 @@ RL_METHODS.add("dpo", RLMethod(("sigmoid", "ipo", "hinge"), uses_reference=True)
 RL_METHODS.add("ipo", RLMethod(("ipo",), uses_reference=True))  # DPO with the IPO loss
 RL_METHODS.add("orpo", RLMethod((), uses_reference=False))  # odds ratio + NLL of the chosen reply
 RL_METHODS.add("kto", RLMethod((), uses_reference=True, unit="rows", paired=False))  # unpaired, labelled rows
+RL_METHODS.add("simpo", RLMethod((), uses_reference=False))  # length-normalised margin + cpo_alpha × NLL
 
 # names axolotl knows that tuneloop does not train, and what to say
 NOT_OFFERED = {

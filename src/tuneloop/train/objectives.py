@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.registry import Registry
+from tuneloop.rl_methods import RL_METHODS
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
 from tuneloop.train.output_head import output_head
 
@@ -104,7 +105,6 @@ def _language_model(cfg) -> Objective:
 
 def _preference(cfg, reference_model=None) -> Objective:
     """DPO, IPO, ORPO (per pair) or KTO (per row): train/preference.py."""
-    from tuneloop.rl_methods import RL_METHODS
     from tuneloop.train.preference import PairLosses, PreferenceLoss
 
     loss = PreferenceLoss(PairLosses.from_config(cfg), reference_model)
@@ -116,7 +116,7 @@ def _preference(cfg, reference_model=None) -> Objective:
 # `rl:` name -> (cfg, reference model or None) -> Objective; supervised fine-tuning is "language_model"
 OBJECTIVES: Registry[Callable] = Registry("training objective", "rl")
 OBJECTIVES.add("language_model", lambda cfg, reference_model=None: _language_model(cfg))
-for _method in ("dpo", "ipo", "orpo", "kto"):  # rl_methods.RL_METHODS: what the config accepts and the plan reads
+for _method in RL_METHODS.names():  # every preference method the config accepts (rl_methods.py) is one loss here
     OBJECTIVES.add(_method, _preference)
 
 

@@ -1,4 +1,4 @@
-"""Preference losses (DPO with its sigmoid, IPO and hinge losses; ORPO; KTO) on pairs of sequences.
+"""Preference losses (DPO with its sigmoid, IPO and hinge losses; ORPO; SimPO; KTO) on pairs of sequences.
 
 A micro-batch holds whole pairs: sequence 2j is pair j's prompt + chosen reply, sequence 2j+1 its prompt +
 rejected reply, padded side by side or packed (data/collate.py numbers every sequence in `sequence_index`).
@@ -93,11 +93,17 @@ class PairLosses:
     orpo_alpha: float = 0.0
     desirable_weight: float = 1.0  # KTO's weights of desirable and undesirable rows
     undesirable_weight: float = 1.0
+    simpo_gamma: float = 0.5  # SimPO's target margin, and the weight of its NLL term (TRL's CPO defaults)
+    cpo_alpha: float = 1.0
 
     @classmethod
     def from_config(cls, cfg) -> "PairLosses":
         if cfg.rl == "orpo":
             return cls("orpo", [], [], 0.0, orpo_alpha=cfg.orpo_alpha if cfg.orpo_alpha is not None else 0.1)
+        if cfg.rl == "simpo":
+            return cls("simpo", [], [], cfg.beta,
+                       simpo_gamma=cfg.simpo_gamma if cfg.simpo_gamma is not None else 0.5,
+                       cpo_alpha=cfg.cpo_alpha if cfg.cpo_alpha is not None else 1.0)
         if cfg.rl == "kto":
             return cls("kto", [], [], cfg.beta, desirable_weight=cfg.kto_desirable_weight,
                        undesirable_weight=cfg.kto_undesirable_weight)
@@ -143,6 +149,16 @@ def orpo_losses(policy: torch.Tensor, counts: torch.Tensor,
     alpha = settings.orpo_alpha
     loss = -chosen - alpha * F.logsigmoid(log_odds)
     return loss, alpha * chosen.detach(), alpha * rejected.detach()
+
+
+def simpo_losses(policy: torch.Tensor, counts: torch.Tensor,
+                 settings: PairLosses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO per pair, as axolotl runs it (TRL's CPO trainer, loss_type simpo): -log σ(β(ā_c − ā_r) − γ) on
+    log-probs averaged per reply token, plus cpo_alpha × the chosen reply's mean token NLL (0: SimPO alone);
+    rewards are β × the averages."""
+    chosen, rejected = policy[0::2] / counts[0::2], policy[1::2] / counts[1::2]
+    loss = -F.logsigmoid(settings.beta * (chosen - rejected) - settings.simpo_gamma) - settings.cpo_alpha * chosen
+    return loss, settings.beta * chosen.detach(), settings.beta * rejected.detach()
 
 
 def kto_losses(policy: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor,
@@ -205,6 +221,8 @@ class PreferenceLoss:
         policy, counts = sequence_log_probs(model, inputs, targets, extra["sequence_index"], extra["n_sequences"])
         if self.settings.method == "orpo":
             return orpo_losses(policy, counts, self.settings)
+        if self.settings.method == "simpo":
+            return simpo_losses(policy, counts, self.settings)
         reference = self.reference_log_probs(model, inputs, targets, extra)
         return dpo_losses(policy, reference, counts, self.settings)
 
