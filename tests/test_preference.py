@@ -126,7 +126,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("packed", [False, True, "two rows"], ids=["padded", "packed", "packed in two rows"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_loss_and_its_gradient_equal_a_hand_computation(tmp_path, tiny_model_dir, pairs_file, prepared_pairs,
                                                             case, packed):
@@ -153,9 +153,11 @@ def test_the_loss_and_its_gradient_equal_a_hand_computation(tmp_path, tiny_model
 
     cfg = config_from_dict(preference_config(tmp_path, tiny_model_dir, pairs_file, **keys))
     loss_function = PreferenceLoss(PairLosses.from_config(cfg), reference_model)
-    collate = Collator(store, tokenizer.pad_token_id, packed=packed)
-    batch = collate([units] if packed else [[unit] for unit in units])
-    assert batch.extra["n_sequences"] == 6 and len(batch.inputs["input_ids"]) == (1 if packed else 6)
+    collate = Collator(store, tokenizer.pad_token_id, packed=bool(packed))
+    micro_rows = {False: [[unit] for unit in units], True: [units], "two rows": [units[:2], units[2:]]}[packed]
+    batch = collate(micro_rows)
+    assert batch.extra["n_sequences"] == 6
+    assert len(batch.inputs["input_ids"]) == len(micro_rows) * (1 if packed else 2)
     loss, stats = loss_function(policy_model, batch.inputs, batch.targets, batch.extra)
     loss.backward()
     assert float(loss) == pytest.approx(float(expected), rel=1e-5, abs=1e-6)
@@ -171,7 +173,6 @@ def test_the_loss_and_its_gradient_equal_a_hand_computation(tmp_path, tiny_model
 def test_a_lora_runs_reference_is_its_base_with_the_adapter_off(tmp_path, tiny_model_dir, pairs_file,
                                                                   prepared_pairs):
     from tuneloop.model import load_model
-    from tuneloop.run import TrainingSession
     from tuneloop.train.reference import live_reference_model
 
     tokenizer, prepared = prepared_pairs
@@ -192,7 +193,6 @@ def test_a_lora_runs_reference_is_its_base_with_the_adapter_off(tmp_path, tiny_m
         adapted = sequence_log_probs(model, batch.inputs, batch.targets, batch.extra["sequence_index"], 4)[0]
     torch.testing.assert_close(reference, base_values, rtol=1e-5, atol=1e-5)
     assert float((adapted - base_values).abs().max()) > 1e-3  # the adapter does change them: the test can fail
-    assert TrainingSession  # the session builds its reference through live_reference_model (run.py)
 
 
 # ---- whole runs -------------------------------------------------------------------------------------------
@@ -283,16 +283,21 @@ def test_precomputed_reference_log_probs_give_the_live_references_first_steps(tm
         run_dir = tmp_path / name
         run_dir.mkdir()
         keys = preference_config(run_dir, tiny_model_dir, pairs_file, rl_beta=0.5, max_steps=2, micro_batch_size=4,
-                                 precompute_ref_log_probs=precompute, learning_rate=1e-2,
+                                 precompute_ref_log_probs=precompute, learning_rate=1e-2, val_set_size=6,
+                                 evals_per_epoch=1, eval_on_start=True,
                                  dataset_prepared_path=str(tmp_path / "prepared"))
         result = run_in_process("train", str(write_config(run_dir / "run.yml", **keys)))
         assert result.returncode == 0, result.stderr[-3000:]
-        runs[name] = ([m["loss"] for m in read_metrics(run_dir / "out") if "loss" in m],
-                      load_file(run_dir / "out" / "model.safetensors"))
-    caches = list((tmp_path / "prepared").glob("*/reference-*/train.f32"))
-    assert len(caches) == 1  # written once, read by the third run
+        metrics = read_metrics(run_dir / "out")
+        runs[name] = ([m["loss"] for m in metrics if "loss" in m], load_file(run_dir / "out" / "model.safetensors"),
+                      [(m["eval_loss"], m["eval_reward_margin"]) for m in metrics if "eval_loss" in m])
+    caches = list((tmp_path / "prepared").glob("*/reference-*/*.f32"))
+    assert sorted(path.name for path in caches) == ["eval.f32", "train.f32"]  # written once, read by the third run
+    assert len(runs["live"][2]) == 2 and runs["live"][2][1][1] != 0  # evals at steps 0 and 2; the margin moved
     for name in ("precomputed", "cached"):
         assert runs[name][0] == pytest.approx(runs["live"][0], rel=1e-5)
+        for (loss, margin), (live_loss, live_margin) in zip(runs[name][2], runs["live"][2]):
+            assert (loss, margin) == (pytest.approx(live_loss, rel=1e-5), pytest.approx(live_margin, abs=1e-5))
         assert runs["live"][0][1] != pytest.approx(math.log(2), rel=1e-3)  # step 2 compares a moved policy
         for key, value in runs["live"][1].items():
             torch.testing.assert_close(runs[name][1][key], value, rtol=1e-5, atol=1e-6)
@@ -362,6 +367,24 @@ def test_argilla_chatml_ultra_and_user_defined_pairs(tmp_path, tiny_model_dir):
                                                             "type": mapping}])
     assert chosen == "Q: Name a colour\nA: red<|endoftext|>" and trained == " red<|endoftext|>"
     assert rejected_trained == " seven<|endoftext|>"
+
+
+def test_pairs_that_cannot_pack_whole_are_dropped_when_only_the_eval_set_packs(tmp_path, tiny_model_dir):
+    """Each sequence fits sequence_len, some pairs do not together: with packed eval rows (and padded training)
+    they are dropped, and counted, rather than packed past sequence_len."""
+    rows = pair_rows(40, seed=9)
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    padded = prepare(config_from_dict(preference_config(tmp_path, tiny_model_dir, data, sequence_len=100,
+                                                        val_set_size=10)), tokenizer)
+    assert padded.stats.dropped_too_long == 0  # every sequence fits 100 tokens...
+    assert int(np.asarray(padded.train.unit_column("length")).max()) > 100  # ...not every pair
+    cfg = config_from_dict(preference_config(tmp_path, tiny_model_dir, data, sequence_len=100, val_set_size=10,
+                                             eval_sample_packing=True))
+    prepared = prepare(cfg, tokenizer)
+    assert prepared.stats.dropped_too_long > 0
+    for store in (prepared.train, prepared.eval):
+        assert int(np.asarray(store.unit_column("length")).max()) <= 100
 
 
 def test_identical_pairs_are_dropped_and_counted_in_the_plan(tmp_path, tiny_model_dir):

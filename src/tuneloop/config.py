@@ -60,6 +60,8 @@ class PreferenceFormat(_Strict):
     completion_format: str = "{completion}"
 
 
+# the chat keys that choose trained turns: preference data trains its reply, so under rl: they are refused
+TRAINED_TURN_KEYS = ("roles_to_train", "train_on_eos", "train_on_eot")
 PAIRED_ONLY_KEYS = ("field_chosen", "field_rejected", "chosen_format", "rejected_format")
 UNPAIRED_ONLY_KEYS = ("field_completion", "field_label", "completion_format")
 
@@ -594,6 +596,20 @@ class TuneloopConfig(_Strict):
             if unknown:
                 offered = ", ".join(method.loss_types) or "none: it has a loss of its own"
                 raise ValueError(f"`dpo_loss_type: {unknown[0]}` is not a loss of `rl: {self.rl}` ({offered})")
+        if self.dpo_loss_weights is not None and not method.loss_types:
+            raise ValueError(f"`dpo_loss_weights` weighs DPO's losses, and `rl: {self.rl}` has one loss of its own: "
+                             "remove it")
+        if self.dpo_loss_weights is not None and any(weight < 0 for weight in self.dpo_loss_weights):
+            raise ValueError("`dpo_loss_weights` must not be negative (a negative weight would maximise that loss)")
+        losses = self.dpo_loss_type or (["ipo"] if self.rl == "ipo" else ["sigmoid"])
+        if self.dpo_label_smoothing and method.loss_types and "sigmoid" not in losses:
+            raise ValueError("`dpo_label_smoothing` smooths the sigmoid loss, and `dpo_loss_type` has none: remove it "
+                             "or add `sigmoid`")
+        ignored = sorted({key for entry in self.datasets + self.test_datasets for key in CHAT_ONLY_KEYS
+                          if key in TRAINED_TURN_KEYS and key in entry.model_fields_set})
+        if ignored:
+            raise ValueError(f"`{ignored[0]}` picks the trained turns of a conversation, and under `rl:` the trained "
+                             "part is the reply (with its end-of-turn marker): remove it")
         if self.dpo_loss_weights is not None and len(self.dpo_loss_weights) != len(self.dpo_loss_type or ["sigmoid"]):
             raise ValueError(f"`dpo_loss_weights` has {len(self.dpo_loss_weights)} weights for "
                              f"{len(self.dpo_loss_type or ['sigmoid'])} losses in `dpo_loss_type`: give one each")
@@ -606,6 +622,8 @@ class TuneloopConfig(_Strict):
         elif not method.uses_reference and self.precompute_ref_log_probs:
             raise ValueError(f"`precompute_ref_log_probs` with `rl: {self.rl}`, which has no reference model: "
                              "remove it")
+        if self.cpo_alpha is not None and self.cpo_alpha < 0:
+            raise ValueError("`cpo_alpha` must not be negative (it weighs the chosen reply's NLL)")
         if self.rl in ("kto", "simpo") and self.dpo_label_smoothing:
             raise ValueError(f"`dpo_label_smoothing` smooths DPO's loss, and this run is `rl: {self.rl}`: remove it")
         if self.orpo_alpha is not None and self.rl != "orpo":

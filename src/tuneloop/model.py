@@ -202,6 +202,20 @@ def enable_checkpointing(cfg: TuneloopConfig, model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(cfg))
 
 
+GROWN_ROWS_SEED = 0  # new tokens' embedding rows are drawn with this seed, wherever a base model is grown
+
+
+def grow_embeddings(model, vocabulary: int) -> None:
+    """The embeddings grown to `vocabulary` rows. transformers draws the new rows at random (around the old rows'
+    mean); drawn from a fixed seed, the same base grows the same rows in `train`, in a preference run's
+    reference, in `eval` and in `infer`, whatever the process drew before."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(GROWN_ROWS_SEED)
+        model.resize_token_embeddings(vocabulary)
+
+
 def weights_dtype(cfg: TuneloopConfig):
     """fp32 weights (mixed precision computes in bf16 where asked), or bf16/fp16 weights where the config says
     `bfloat16`/`float16` (axolotl's keys: no fp32 copy at all). A LoRA adapter stays fp32 either way (peft)."""
@@ -237,7 +251,7 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     # A cache in training defeats the packed-sequence mask (STACK-NOTES trap 1) and wastes memory.
     model.config.use_cache = False
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(len(tokenizer))
+        grow_embeddings(model, len(tokenizer))
     if quantized:
         model = prepare_quantized(cfg, model)  # (peft's preparation checkpoints in place)
     if cfg.gradient_checkpointing == "offload" or (cfg.gradient_checkpointing and not quantized):

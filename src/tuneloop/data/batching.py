@@ -42,6 +42,8 @@ def pack_best_fit_decreasing(indices: np.ndarray, lengths: np.ndarray, capacity:
     interchangeable — so every epoch yields the same number of rows and the plan's count is exact;
     the shuffle decides which of the equal-length sequences share a row, and the rows' order."""
     order = indices[np.argsort(-lengths[indices], kind="stable")]
+    if len(order) and int(lengths[order[0]]) > capacity:  # preparation drops such rows: reaching here is a bug
+        raise ValueError(f"a row of {int(lengths[order[0]])} tokens cannot be packed into rows of {capacity}")
     bins: list[list[int]] = []
     by_room: list[list[int]] = [[] for _ in range(capacity + 1)]  # room left -> bins with that room
     count_by_room = np.zeros(capacity + 1, dtype=np.int64)

@@ -132,7 +132,8 @@ LLAMA3 = ("<|start_header_id|>system<|end_header_id|>\n\n{system}<|eot_id|>",
 def _reply_text(value, row: SourceRow, field: str, conversation: bool) -> str:
     """A reply as text; `conversation`: the row gives [prompt message, reply message] and the reply is the 2nd."""
     if conversation:
-        if not (isinstance(value, list) and len(value) >= 2 and isinstance(value[1], dict) and "content" in value[1]):
+        if not (isinstance(value, list) and len(value) >= 2 and all(isinstance(m, dict) for m in value[:2])
+                and "content" in value[1]):
             raise UserError(f"data: {row.where}: field `{field}` must be a conversation [prompt, reply] of messages "
                             "with `content`")
         return str(value[1]["content"])

@@ -111,7 +111,7 @@ class Limits:
     # preference data: each source row becomes two sequences, kept or dropped together: (chosen, rejected), or
     # for KTO's labelled rows (`labelled`) (the row's reply, the row's prompt with another row's reply)
     paired: bool = False
-    pair_in_one_row: bool = False  # packed preference data: both sequences must fit one sequence_len row together
+    pair_in_one_row: bool = False  # packed preference data (train or eval): both sequences fit one row together
     labelled: bool = False
 
 
@@ -119,7 +119,8 @@ def limits_of(cfg) -> Limits:
     from tuneloop.rl_methods import RL_METHODS
 
     labelled = bool(cfg.rl) and not RL_METHODS[cfg.rl].paired
-    return Limits(cfg.sequence_len, cfg.train_on_inputs, bool(cfg.rl), bool(cfg.rl) and cfg.sample_packing, labelled)
+    packs = cfg.sample_packing or cfg.resolved_eval_sample_packing  # a pair packs whole, in train or eval rows
+    return Limits(cfg.sequence_len, cfg.train_on_inputs, bool(cfg.rl), bool(cfg.rl) and packs, labelled)
 
 
 class ChunkTokenizer:

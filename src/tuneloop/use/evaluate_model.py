@@ -82,7 +82,7 @@ def load_for_eval(cfg, folder: ModelFolder, vocabulary: int):
     """In the config's weights dtype and attention, as the run loaded it; the cache off, as in training (packed
     rows need it off)."""
     from tuneloop.hardware import attention_implementation
-    from tuneloop.model import model_class, model_config, weights_dtype
+    from tuneloop.model import grow_embeddings, model_class, model_config, weights_dtype
 
     # the run's base gets the run's config (overrides_of_model_config applied), as load_model gives it
     base_config = model_config(cfg) if folder.is_adapter and folder.base == cfg.base_model else None
@@ -91,5 +91,5 @@ def load_for_eval(cfg, folder: ModelFolder, vocabulary: int):
                             trust_remote_code=cfg.trust_remote_code, vocabulary=vocabulary)
     model.config.use_cache = False
     if not folder.is_adapter and vocabulary > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(vocabulary)  # a base model next to a run that added tokens
+        grow_embeddings(model, vocabulary)  # a base model next to a run that added tokens
     return model

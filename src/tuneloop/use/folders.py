@@ -102,7 +102,9 @@ def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | No
         raise UserError(f"model: cannot load {folder.base}, the base model of the adapter in {folder.path} "
                         f"({type(error).__name__}: {error}); give the base model's folder with --base DIR") from None
     if vocabulary and vocabulary > base.get_input_embeddings().weight.shape[0]:
-        base.resize_token_embeddings(vocabulary)
+        from tuneloop.model import grow_embeddings
+
+        grow_embeddings(base, vocabulary)  # the rows the run grew (a fixed seed)
     return attach_adapter(base, folder.path)
 
 
