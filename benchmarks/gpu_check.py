@@ -9,8 +9,9 @@ Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_ch
   3. a bf16 `tuneloop train` run (bf16: auto, fused AdamW by default) of a tiny LLaMA: plan == run,
      finite losses, the mixed precision really used;
   4. torch.compile of the model's forward + backward (tuneloop does not compile yet: is it worth it?);
-  5. QLoRA: tuneloop refuses `adapter: qlora` today; reports whether bitsandbytes is there at all;
-  6. the GPU benchmark (`compare.py --gpu`), unless --skip-bench.
+  5. QLoRA: two steps where bitsandbytes and CUDA are there;
+  6. a packed bf16 DPO run (rl: dpo, full fine-tuning with its frozen reference): plan == run, first loss ln 2;
+  7. the GPU benchmark (`compare.py --gpu`), unless --skip-bench.
 On a CPU machine the same script runs with the GPU-only parts skipped, which is how it was checked.
 """
 
@@ -181,6 +182,37 @@ def check_chunked_loss(device: str) -> dict:
     return {"ok": ok, "tokens": tokens, "grad_relative_diff": [round(r, 5) for r in relative], **results}
 
 
+def check_dpo_train(workdir: Path, model_dir: Path) -> dict:
+    """A packed bf16 DPO run (full fine-tuning, so the frozen reference copy is on the device too): plan == run,
+    the first loss is -log σ(0) = ln 2 (the policy starts as its reference), finite losses, peak memory."""
+    import math
+    import random
+
+    import conftest
+
+    words = " ".join(conftest.CORPUS).split()
+    rng = random.Random(0)
+    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 10)))}],
+             "chosen": " ".join(rng.choices(words, k=rng.randint(2, 14))),
+             "rejected": " ".join(rng.choices(words, k=rng.randint(2, 14)))} for _ in range(64)]
+    data = conftest.write_jsonl(workdir / "pairs.jsonl", rows)
+    keys = conftest.base_config(workdir / "dpo", model_dir, data, rl="dpo", rl_beta=0.1, sample_packing=True,
+                                datasets=[{"path": str(data), "type": "chat_template"}], micro_batch_size=2,
+                                gradient_accumulation_steps=2, max_steps=4, bf16="auto", learning_rate=1e-4)
+    result = conftest.run_cli("train", str(conftest.write_config(workdir / "dpo.yml", **keys)))
+    out = workdir / "dpo" / "out"
+    if result.returncode != 0:
+        return {"ok": False, "stderr": result.stderr[-2000:]}
+    plan = json.loads((out / "plan.json").read_text())
+    steps = [m for m in conftest.read_metrics(out) if "loss" in m]
+    summary = json.loads((out / "summary.json").read_text())
+    ok = (len(steps) == plan["total_steps"] and all(math.isfinite(m["loss"]) for m in steps)
+          and abs(steps[0]["loss"] - math.log(2)) < 1e-2)
+    return {"ok": ok, "steps": len(steps), "planned": plan["total_steps"],
+            "losses": [round(m["loss"], 4) for m in steps], "reward_accuracy": [m["reward_accuracy"] for m in steps],
+            "reference": plan.get("reference"), "peak_memory_gb": summary.get("peak_memory_gb")}
+
+
 def check_qlora_train(workdir: Path, model_dir: Path) -> dict:
     """Two QLoRA steps (4-bit NF4 base, LoRA on every linear layer) where bitsandbytes and CUDA are there."""
     import importlib.util
@@ -252,6 +284,7 @@ def main() -> int:
         report["compile"] = run("torch.compile", check_compile, model_dir, device)
         report["chunked_loss"] = run("chunked loss", check_chunked_loss, device)
         report["qlora"] = run("qlora train", check_qlora_train, workdir, model_dir)
+        report["dpo"] = run("dpo train", check_dpo_train, workdir, model_dir)
     if device == "cuda" and not args.skip_bench:
         bench = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--gpu", "--json",
                                 str(out / "gpu_bench.json")], text=True)
