@@ -20,7 +20,7 @@ from __future__ import annotations
 FEATURES = {
     "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO, KTO and SimPO "
                    "(rl: grpo, ebft; options such as rpo_alpha; reward and process-reward models)"),
-    "fsdp_deepspeed": ("FSDP/DeepSpeed", "FSDP and DeepSpeed (the next issue)"),
+    "fsdp_deepspeed": ("DeepSpeed's deepcompile", "DeepSpeed's deepcompile"),
     "parallelism": ("tensor/context/expert parallelism", "tensor, context, sequence, expert and N-D parallelism, "
                     "and Ray"),
     "multimodal": ("multimodal models", "multimodal models, processors and image/audio data"),
@@ -112,7 +112,7 @@ _REFUSED_BY_FEATURE = {
         nemo_gym_enabled nemo_gym_dir nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port
         nemo_gym_server_timeout nemo_gym_verify_timeout nemo_gym_run_timeout nemo_gym_datasets nemo_gym_auto_start
         nemo_gym_model_name nemo_gym_multi_turn nemo_gym_max_turns""",
-    "fsdp_deepspeed": """deepspeed deepcompile fsdp fsdp_config fsdp_version fsdp_final_state_dict_type""",
+    "fsdp_deepspeed": """deepcompile""",
     "parallelism": """
         dp_shard_size dp_replicate_size sequence_parallel_degree context_parallel_size heads_k_stride ring_attn_func
         tensor_parallel_size expert_parallel_size expert_parallel_backend expert_parallel_num_nvl_bytes

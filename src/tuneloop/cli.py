@@ -47,7 +47,7 @@ def command_plan(args) -> int:
     hooks = ConsoleHooks(sys.stderr if args.json else None)  # (--json keeps stdout for the plan alone)
     tokenizer, prepared = prepare_data(cfg, hooks=hooks)
     hooks.prepared()
-    plan = plan_run(cfg, tokenizer, prepared, args.world_size or world_size_from_env())
+    plan = plan_run(cfg, tokenizer, prepared, args.world_size or world_size_from_env(), args.device_memory)
     print(json.dumps(plan.to_json(), indent=2) if args.json else describe(plan))
     return 0
 
@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     plan_parser.add_argument("--world-size", type=int, default=None,
                              help="plan a launch on N ranks without launching it")
+    plan_parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
+                             help="memory of each device in GB (default: this machine's), to see whether the run "
+                                  "fits on machines you do not have yet")
     plan_parser.set_defaults(handler=command_plan)
     prep_parser = with_config("preprocess", "tokenize, mask and cache the data")
     prep_parser.add_argument("--show", type=int, default=0, metavar="N",

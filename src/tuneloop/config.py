@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from tuneloop import axolotl_keys
 from tuneloop.data.chat_templates import check_template_name
@@ -172,6 +172,7 @@ ATTENTION_IMPLEMENTATIONS = {"sdpa", "eager", "flash_attention_2", "flash_attent
 
 
 class TuneloopConfig(_Strict):
+    _distributed: Any = PrivateAttr(default=None)
     # model
     base_model: str
     model_type: Optional[str] = None  # a transformers class name; axolotl's `type_of_model` too
@@ -245,6 +246,12 @@ class TuneloopConfig(_Strict):
     gradient_checkpointing: Union[bool, Literal["offload"]] = False  # "offload": checkpoints kept in CPU memory
     gradient_checkpointing_kwargs: Optional[dict[str, Any]] = None
     chunked_cross_entropy: Optional[bool] = None  # unset/true: the loss meets lm_head in chunks; false: whole logits
+    # sharding over ranks (distributed.py): FSDP2 from axolotl's fsdp keys, or DeepSpeed ZeRO from a JSON file
+    fsdp: Optional[Union[str, list[str]]] = None  # axolotl's list: full_shard, shard_grad_op, offload, auto_wrap
+    fsdp_version: Optional[int] = None
+    fsdp_config: Optional[dict[str, Any]] = None
+    fsdp_final_state_dict_type: Optional[str] = None
+    deepspeed: Optional[Union[str, dict[str, Any]]] = None  # a path, beside the config, or a shipped name (zero2)
     # preference training (rl_methods.py; the losses in train/preference.py)
     rl: Optional[str] = None  # dpo, ipo or orpo; unset: supervised fine-tuning
     rl_beta: Optional[float] = None  # DPO/IPO's beta (default 0.1); axolotl's older `dpo_beta` too
@@ -547,7 +554,27 @@ class TuneloopConfig(_Strict):
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("`chat_template: jinja` needs the template text in `chat_template_jinja`")
         self._check_preference()
+        self._distributed = self._read_distributed()
         return self
+
+    def _read_distributed(self):
+        from tuneloop.distributed import read_distributed
+
+        fsdp_config = dict(self.fsdp_config or {})
+        if self.fsdp_final_state_dict_type:
+            fsdp_config.setdefault("final_state_dict_type", self.fsdp_final_state_dict_type)
+        dist = read_distributed(self.fsdp, self.fsdp_version, fsdp_config, self.deepspeed)
+        if dist.engine != "ddp" and self.torch_compile:
+            raise ValueError(f"`torch_compile` with {dist.engine}: tuneloop compiles only unsharded models so far; "
+                             "remove one of them")
+        if dist.activation_checkpointing and not self.gradient_checkpointing:
+            self.gradient_checkpointing = True  # fsdp_config.activation_checkpointing is the same recomputation
+        return dist
+
+    @property
+    def distributed(self):
+        """How the ranks share the model (distributed.py): DDP, FSDP2 or DeepSpeed ZeRO."""
+        return self._distributed
 
     def _check_preference(self) -> None:
         """`rl:` and its keys agree, and every dataset is preference data (of the method's kind: pairs, or KTO's
@@ -857,4 +884,9 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopC
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         raise UserError(f"config: {path} is not valid YAML: {error}") from None
-    return config_from_dict(raw or {}, overrides)
+    raw = raw or {}
+    if isinstance(raw, dict) and isinstance(raw.get("deepspeed"), str):  # a DeepSpeed file beside the config
+        given, beside = Path(raw["deepspeed"]).expanduser(), path.parent / raw["deepspeed"]
+        if not given.is_file() and not given.is_absolute() and beside.is_file():
+            raw = dict(raw, deepspeed=str(beside.resolve()))
+    return config_from_dict(raw, overrides)

@@ -23,6 +23,7 @@ ACTIVATION_VALUES_PER_TOKEN_HIDDEN = 34
 
 @dataclass
 class MemoryEstimate:
+    """Per rank: what one device holds (total_gb), and what each rank keeps in host memory when offloading."""
     parameters: int
     trainable_parameters: int
     weights_gb: float
@@ -33,6 +34,11 @@ class MemoryEstimate:
     device: str
     device_gb: float | None
     reference_gb: float = 0.0  # preference training's frozen reference copy (full fine-tuning, computed live)
+    engine: str = "one process"  # how the ranks share the model (distributed.py's description)
+    world_size: int = 1
+    gathered_gb: float = 0.0  # a sharded model's weights gathered whole while they compute (root + 2 layers)
+    host_gb: float = 0.0  # offloaded to host memory, per rank
+    per_rank_bytes: dict | None = None  # unrounded weights/optimizer bytes per rank (compared with the engine's own)
 
 
 def device_memory_gb() -> tuple[str, float | None]:
@@ -51,11 +57,24 @@ def device_memory_gb() -> tuple[str, float | None]:
     return "cpu", None
 
 
-def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str) -> MemoryEstimate:
+def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str, world_size: int = 1,
+                    device_gb: float | None = None) -> MemoryEstimate:
+    """Memory per rank. Weights, gradients and optimizer state are divided by the world size where the engine
+    shards them (distributed.py: FSDP2 all three, ZeRO-1 the optimizer, ZeRO-2 also gradients, ZeRO-3 all three),
+    and moved to host memory where it offloads them. `device_gb` overrides this machine's device (planning a launch
+    elsewhere: `tuneloop plan --device-memory 80`)."""
+    dist = cfg.distributed
     config = facts.config
     params, trainable = facts.parameters, facts.trainable_parameters
     # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16; 4-bit NF4 or 8-bit when quantized
     parameter_bytes = 2 if cfg.bfloat16 or cfg.float16 else 4
+    # DeepSpeed's ZeRO optimizer steps an fp32 copy of the weights (flat partitions): at stages 1 and 2 always (counted
+    # there: 12 bytes per parameter over N ranks with Adam), at stage 3 when the model's own weights are 16-bit
+    master_bytes = 0
+    if dist.engine == "deepspeed" and dist.zero_stage:
+        sixteen_bit = precision in ("bf16", "fp16")
+        master_bytes = 4 if dist.zero_stage < 3 or sixteen_bit else 0
+        parameter_bytes = 2 if sixteen_bit else parameter_bytes
     weight_bytes = {"4bit": 0.5, "8bit": 1}.get(quantized_loading(cfg), parameter_bytes)
     trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
@@ -71,15 +90,48 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         activations += min(tokens_per_micro_batch, chunk_tokens(vocab)) * vocab * 4 * 2 + vocab * hidden * 4
     else:  # the whole micro-batch's logits in fp32 and their gradient
         activations += tokens_per_micro_batch * vocab * 4 * 2
+    weights = params * weight_bytes
+    grads = trainable * trained_bytes
+    optimizer = trainable * (OPTIMIZERS[cfg.optimizer].state_bytes_per_param * trained_bytes / 4 + master_bytes)
+    ranks = max(world_size, 1)
+    weights /= ranks if dist.shards_weights else 1
+    grads /= ranks if dist.shards_gradients else 1
+    optimizer /= ranks if dist.shards_optimizer else 1
+    gathered = 0.0
+    if dist.shards_weights:  # the root group (embeddings, head) and the running and prefetched layer, whole
+        outside_layers = max(params - _layer_parameters(config) * layers, 0)
+        compute_bytes = 2 if precision in ("bf16", "fp16") else weight_bytes
+        gathered = (outside_layers + 2 * _layer_parameters(config)) * compute_bytes
+        if not dist.reshard_after_forward:  # kept gathered from forward to backward
+            gathered = params * compute_bytes
+    host = 0.0
+    if dist.offload_weights:
+        host += weights + (grads if dist.engine == "fsdp2" else 0)
+        weights, grads = 0.0, (0.0 if dist.engine == "fsdp2" else grads)
+    if dist.offload_optimizer:
+        host += optimizer
+        optimizer = 0.0
     gb = 1e9
-    weights, grads = params * weight_bytes / gb, trainable * trained_bytes / gb
-    optimizer = trainable * OPTIMIZERS[cfg.optimizer].state_bytes_per_param * trained_bytes / 4 / gb
-    device, device_gb = device_memory_gb()
+    device, here_gb = device_memory_gb()
+    if device_gb is not None:
+        device = "the device named by --device-memory"
     from tuneloop.rl_methods import keeps_reference_copy
 
-    reference = weights if keeps_reference_copy(cfg) else 0.0
-    total = weights + grads + optimizer + activations / gb + reference
-    return MemoryEstimate(params, trainable, round(weights, 3), round(grads, 3), round(optimizer, 3),
+    reference = params * weight_bytes / gb if keeps_reference_copy(cfg) else 0.0
+    total = (weights + grads + optimizer + activations + gathered) / gb + reference
+    return MemoryEstimate(params, trainable, round(weights / gb, 3), round(grads / gb, 3), round(optimizer / gb, 3),
                           round(activations / gb, 3), round(total, 3), device,
-                          round(device_gb, 1) if device_gb else None, round(reference, 3))
+                          round(device_gb if device_gb is not None else here_gb, 1) if (device_gb or here_gb) else None,
+                          round(reference, 3), dist.describe(world_size), world_size, round(gathered / gb, 3),
+                          round(host / gb, 3), {"weights": int(weights), "optimizer": int(optimizer)})
 
+
+def _layer_parameters(config) -> int:
+    """One decoder layer's parameters, from the config (attention with grouped keys/values, a gated MLP)."""
+    hidden = getattr(config, "hidden_size", 0) or 0
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = getattr(config, "intermediate_size", 0) or 4 * hidden
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    return attention + 3 * hidden * intermediate + 2 * hidden

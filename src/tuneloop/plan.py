@@ -74,7 +74,8 @@ class TrainingPlan:
     peak_flops: float | None = None  # one device's peak at the run's precision, per second
     peak_source: str | None = None  # where that figure comes from, or why MFU is not counted
     estimated_memory_gb: float | None = None
-    memory: dict | None = None  # the estimate's parts: weights, gradients, optimizer, activations, device
+    memory: dict | None = None  # the estimate's parts per rank: weights, gradients, optimizer, activations, device
+    engine: str | None = None  # how the ranks share the model: DDP, FSDP2 or DeepSpeed ZeRO (distributed.py)
     warnings: list[str] = field(default_factory=list)
     # what the loop's sampler and collator are given; not in plan.json, whose numbers above say it all
     train_batching: BatchingSpec | None = None
@@ -220,11 +221,13 @@ def attach_memory_estimate(plan: TrainingPlan, estimate) -> None:
     plan.estimated_memory_gb = estimate.total_gb
     plan.memory = asdict(estimate)
     if estimate.device_gb and estimate.total_gb > estimate.device_gb:
+        ranks = f" per rank over {estimate.world_size} ranks" if estimate.world_size > 1 else ""
         plan.warnings.append(
-            f"estimated memory {estimate.total_gb:.1f} GB (weights {estimate.weights_gb:.1f}, gradients "
+            f"estimated memory {estimate.total_gb:.1f} GB{ranks} (weights {estimate.weights_gb:.1f}, gradients "
             f"{estimate.gradients_gb:.1f}, optimizer {estimate.optimizer_gb:.1f}, activations "
             f"{estimate.activations_gb:.1f}) is above the {estimate.device_gb:.0f} GB of {estimate.device}: "
-            "lower micro_batch_size or sequence_len, or use gradient_checkpointing, an adapter or more ranks.")
+            "lower micro_batch_size or sequence_len, or use gradient_checkpointing, an adapter, or more ranks with "
+            "a sharding engine (fsdp, deepspeed zero3).")
 
 
 MEMORY_REFUSAL_FACTOR = 1.5  # above this multiple of the device's memory, the run would die in the allocator
@@ -327,6 +330,8 @@ def describe(plan: TrainingPlan) -> str:
                      "and is timed apart; widths rounded up to multiples of 64")
     if plan.peak_source is not None:
         lines.append(f"  compute              {_compute_line(plan)}")
+    if plan.engine is not None:
+        lines.append(f"  engine               {plan.engine}")
     lines += [
         f"  memory               {_memory_line(plan)}",
         f"  evals                {plan.eval_count} (at steps {_short(plan.eval_steps_at)})",
@@ -356,9 +361,12 @@ def _memory_line(plan: TrainingPlan) -> str:
         return "not estimated"
     m = plan.memory
     device = f" of {m['device_gb']:.0f} GB on {m['device']}" if m["device_gb"] else ""
-    return (f"~{m['total_gb']:.2f} GB{device} (weights {m['weights_gb']:.2f}, gradients {m['gradients_gb']:.2f}, "
-            f"optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}"
-            + (f", reference copy {m['reference_gb']:.2f}" if m.get("reference_gb") else "") + "; "
+    per_rank = " per rank" if m.get("world_size", 1) > 1 else ""
+    return (f"~{m['total_gb']:.2f} GB{per_rank}{device} (weights {m['weights_gb']:.2f}, gradients "
+            f"{m['gradients_gb']:.2f}, optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}"
+            + (f", gathered layers {m['gathered_gb']:.2f}" if m.get("gathered_gb") else "")
+            + (f", reference copy {m['reference_gb']:.2f}" if m.get("reference_gb") else "")
+            + (f"; {m['host_gb']:.2f} GB offloaded to host memory" if m.get("host_gb") else "") + "; "
             f"{m['trainable_parameters']:,} of "
             f"{m['parameters']:,} parameters trained)")
 

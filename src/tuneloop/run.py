@@ -51,8 +51,9 @@ def prepare_data(cfg: TuneloopConfig, force: bool = False, hooks: RunHooks | Non
     return tokenizer, prepare(cfg, tokenizer, force=force, report=hooks.preparing, notice=hooks.notice)
 
 
-def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
-    """Every number of the run (plan.py), with what the model and the machine add: the memory estimate,
+def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int, device_memory_gb: float | None = None):
+    """Every number of the run (plan.py), with what the model and the machine add: the memory estimate per rank
+    (on `device_memory_gb` GB devices when planning for other machines),
     the precision and attention chosen (and why, where it is not the one asked for), and the sequence
     length checked against the model's positions."""
     import numpy as np
@@ -79,7 +80,9 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int):
     plan.precision = f"{PRECISION_NAMES[mixed]} ({why})"
     plan.attention, attention_note = attention_implementation(cfg)
     plan.warnings += [note for note in (too_long, attention_note) if note]
-    attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, mixed))
+    plan.engine = cfg.distributed.describe(world_size)
+    attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, mixed, world_size,
+                                                 device_memory_gb))
     count = count_flops(facts.config, *facts.matmul_weights, np.asarray(train["length"]))  # per sequence
     plan.flops_per_token, plan.attention_context = count.per_token, count.attention_context
     if count.per_token is None:
@@ -187,7 +190,8 @@ class TrainingSession:
         identity = {"data_key": prepared.cache_dir.name, "settings": settings}
         resume = self._decided_on_main(lambda: self._start_output_dir(plan, identity, overwrite, force_resume))
         clock = time.perf_counter()
-        model = load_model(cfg, tokenizer, checkpoint=resume)
+        # a sharded engine's checkpoint may hold its weights only in shards: the loop loads them into the model
+        model = load_model(cfg, tokenizer, checkpoint=None if cfg.distributed.sharded else resume)
         reference_model, reference = self._reference(model, tokenizer, prepared, resume)
         self.seconds["model_load"] = time.perf_counter() - clock
         hooks = self.hooks if self.trackers is None else TogetherHooks(self.hooks, self.trackers)
@@ -319,6 +323,7 @@ class TrainingSession:
         finally:
             if self.accelerator.num_processes == 1:
                 _forget_accelerate_state()
+                _forget_one_rank_group()
 
     def leave_together(self) -> None:
         """Ranks wait for each other (rank 0 writes the summary and report meanwhile), then tear down.
@@ -375,6 +380,7 @@ def summary_of(outcome, plan, seconds: dict | None = None) -> dict:
             "first_eval_loss": outcome.evals[0]["eval_loss"] if outcome.evals else None,
             "last_eval_loss": outcome.evals[-1]["eval_loss"] if outcome.evals else None,
             "seconds": time_split(outcome, seconds or {}),
+            "held_bytes_per_rank": outcome.held_per_rank,  # weights and optimizer state, counted on each rank
             "peak_memory_gb": peak_memory(plan)}
 
 
@@ -410,3 +416,12 @@ def _forget_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def _forget_one_rank_group() -> None:
+    """The group of one that FSDP2/DeepSpeed needed in a single-process run (train/engines.py), closed with the run
+    so the next run in this process starts without it."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -55,6 +55,12 @@ def temp_checkpoint_dir(output_dir: Path, step: int) -> Path:
     return output_dir / f"{TEMP_PREFIX}{CHECKPOINT_PREFIX}{step}"
 
 
+def pending_shards(output_dir: Path, step: int) -> Path:
+    """The engine's shards of a checkpoint (FSDP2, DeepSpeed), written by every rank before the main process builds
+    the checkpoint that takes them in."""
+    return output_dir / f"{TEMP_PREFIX}shards-{step}"
+
+
 def pending_rank_rng(output_dir: Path, step: int, rank: int) -> Path:
     """A rank's RNG state, written before the main process builds the checkpoint that takes it in."""
     return output_dir / f".rng-{step}-rank{rank}.pt"
@@ -188,7 +194,7 @@ def remove_torn_saves(output_dir: Path) -> None:
 
 def fsync_files(folder: Path) -> None:
     """The folder's files' contents on disk (a rename is only as durable as what it renames)."""
-    for path in folder.iterdir():
+    for path in folder.rglob("*"):  # an engine's shards sit in a sub-folder
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())

@@ -61,10 +61,11 @@ def write_on_every_rank(accelerator, output_dir: Path, what: str, on_main, on_ev
         raise CheckpointFailed(message)
 
 
-def remove_rank_rngs(output_dir: Path, step: int, world_size: int) -> None:
-    """The RNG files of a checkpoint that never came."""
+def remove_pending(output_dir: Path, step: int, world_size: int) -> None:
+    """The RNG files and engine shards of a checkpoint that never came."""
     for rank in range(world_size):
         run_files.pending_rank_rng(output_dir, step, rank).unlink(missing_ok=True)
+    shutil.rmtree(run_files.pending_shards(output_dir, step), ignore_errors=True)
 
 
 def _attempt(action, output_dir: Path, what: str) -> str | None:
@@ -103,20 +104,30 @@ def _from_main(accelerator, value):
     return broadcast_object_list([value])[0]
 
 
-def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer, scheduler,
-                     world_size: int = 1) -> Path:
-    """Main process only, after every rank ran write_rank_rng (see write_on_every_rank). A failure
-    removes the temporary folder and re-raises: the old checkpoints are never touched."""
+def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer_state: dict | None, scheduler,
+                     world_size: int = 1, model_state: dict | None = None, weights: bool = True) -> Path:
+    """Main process only, after every rank ran write_rank_rng (and wrote its engine shards, which this moves in: see
+    write_on_every_rank). A failure removes the temporary folder and re-raises: the old checkpoints are never
+    touched. `optimizer_state` None: it is in the shards. `model_state`: the weights gathered from a sharded model;
+    `weights` False: the checkpoint's weights are only in its shards."""
+    from tuneloop.train.engines import SHARDS
+
     final = run_files.checkpoint_dir(output_dir, step)
     temp = run_files.temp_checkpoint_dir(output_dir, step)
     shutil.rmtree(temp, ignore_errors=True)
     try:
         temp.mkdir(parents=True)
-        model.save_pretrained(temp, safe_serialization=True)
+        if weights:
+            model.save_pretrained(temp, safe_serialization=True, state_dict=model_state)
+        shards = run_files.pending_shards(output_dir, step)
+        if shards.is_dir():
+            os.replace(shards, temp / SHARDS)
         if os.environ.get(CRASH_DURING_SAVE_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": rng_states()}, temp / run_files.TRAINING_STATE)
+        training_state = {"scheduler": scheduler.state_dict(), "rng": rng_states()}
+        if optimizer_state is not None:
+            training_state["optimizer"] = optimizer_state
+        torch.save(training_state, temp / run_files.TRAINING_STATE)
         for rank in range(world_size):
             os.replace(run_files.pending_rank_rng(output_dir, step, rank), temp / run_files.RANK_RNG.format(rank=rank))
         metrics = output_dir / run_files.METRICS
@@ -209,9 +220,21 @@ def incompatibilities(state: dict, plan: dict, identity: dict) -> list[str]:
     return changed
 
 
-def load_training_state(checkpoint: Path, optimizer, scheduler, rank: int = 0) -> None:
+def load_training_state(checkpoint: Path, engine, scheduler, rank: int = 0) -> None:
+    """The optimizer (from the training state, or the engine's shards), the scheduler and this rank's RNG."""
+    from tuneloop.train.engines import SHARDS
+
     saved = torch.load(checkpoint / run_files.TRAINING_STATE, weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
+    if engine.writes_shards:
+        if not (checkpoint / SHARDS).is_dir():
+            raise UserError(f"checkpoint: {checkpoint} has no {SHARDS}/ folder; it was written without "
+                            f"{engine.name}, and resuming needs the same engine")
+        engine.load_shards(checkpoint / SHARDS)
+    else:
+        if "optimizer" not in saved:
+            raise UserError(f"checkpoint: {checkpoint} keeps its optimizer state in engine shards; resume it with the "
+                            "fsdp/deepspeed settings it was written with")
+        engine.load_optimizer_state(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     own = checkpoint / run_files.RANK_RNG.format(rank=rank)
     restore_rng_states(torch.load(own, weights_only=False) if own.is_file() else saved["rng"])

@@ -39,7 +39,8 @@ from tuneloop.train.guards import LossWatchdog, StopRequests
 from tuneloop.train.hooks import RunHooks
 from tuneloop.train.model_folder import has_best, publish_best, publish_final, save_best
 from tuneloop.train.objectives import Objective, ObjectiveModule
-from tuneloop.optim import build_optimizer, build_scheduler
+from tuneloop.optim import build_scheduler
+from tuneloop.train.engines import engine_for
 from tuneloop.train.state import RunState
 from tuneloop.train.track import LossWindow, MetricsLog
 
@@ -58,6 +59,7 @@ class RunOutcome:
     eval_seconds: float = 0.0  # every eval of this session (the step-0 one too; a best-model save inside them)
     save_seconds: float = 0.0  # checkpoints and the final model
     training_seconds: float = 0.0  # train_seconds without the evals and checkpoints inside the loop
+    held_per_rank: list = field(default_factory=list)  # each rank's weights and optimizer bytes (engines.held_bytes)
 
 
 class TrainingLoop:
@@ -80,24 +82,30 @@ class TrainingLoop:
         self.collate = Collator(prepared.train, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
                                 padding=plan.padding, reference=reference.get("train"))
         self.eval_batches, self.eval_collate = [], None
+        self.eval_rounds, self.eval_filler = 0, None  # the most eval batches a rank holds; one any rank can run
         if prepared.eval is not None:
             spec = plan.eval_batching
-            self.eval_batches = epoch_micro_batches(np.asarray(prepared.eval.unit_column("length")), spec, 0,
-                                                    shuffle=False, even=False)[self.rank]
+            every_rank = epoch_micro_batches(np.asarray(prepared.eval.unit_column("length")), spec, 0,
+                                             shuffle=False, even=False)
+            self.eval_batches = every_rank[self.rank]
+            self.eval_rounds = max(len(batches) for batches in every_rank)
+            self.eval_filler = next((batches[0] for batches in every_rank if batches), None)
             self.eval_collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
                                          padding=plan.padding.unfixed(), reference=reference.get("eval"))
 
         if compiles(cfg):  # before DDP wraps the model; in place, so names and checkpoints stay the eager ones
             compile_for_training(cfg, model)
-        optimizer = build_optimizer(cfg, model)
-        self.scheduler = build_scheduler(cfg, plan, optimizer)  # stepped by us, once per optimizer step
-        # what the loop runs (the model and its loss, wrapped for DDP), and the language model itself
-        self.model, self.optimizer = accelerator.prepare(ObjectiveModule(model, objective), optimizer)
+        # what the loop runs (the model and its loss, wrapped by the engine: DDP, FSDP2 or DeepSpeed), its
+        # optimizer, and the language model itself
+        self.engine = engine_for(cfg, plan, accelerator)
+        self.model, self.optimizer = self.engine.prepare(ObjectiveModule(model, objective))
         self.language_model = model
+        # stepped by us, once per optimizer step
+        self.scheduler = build_scheduler(cfg, plan, self.engine.scheduler_optimizer)
         self.state = RunState()
         if resume_from is not None:
             self.state = RunState.from_json(checkpoint.read_state(resume_from), self.rank, self.world_size)
-            checkpoint.load_training_state(resume_from, self.optimizer, self.scheduler, self.rank)
+            checkpoint.load_training_state(resume_from, self.engine, self.scheduler, self.rank)
         self.resumed = resume_from is not None
         self.metrics = MetricsLog(self.output_dir / run_files.METRICS, accelerator.is_main_process)
         self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device,
@@ -171,10 +179,13 @@ class TrainingLoop:
         device = self.accelerator.device
         real_total, first_real = (int(v) for v in self.accelerator.reduce(
             torch.tensor([self.real_tokens, first_step[1] if first_step else 0], device=device), reduction="sum"))
+        held = self.engine.held_bytes()
+        held = self.gather_counts([held["weights"], held["optimizer"]])
         return RunOutcome(state.step, state.tokens_seen, train_seconds, real_total,
                           sum(self.gather_counts(state.targets_collated)), state.evals, stopped_by,
                           first_step[0] if first_step else None, first_real, self.seconds["eval"],
-                          self.seconds["save"], training_seconds)
+                          self.seconds["save"], training_seconds,
+                          [{"weights": held[i], "optimizer": held[i + 1]} for i in range(0, len(held), 2)])
 
     @contextlib.contextmanager
     def timed(self, what: str):
@@ -198,8 +209,8 @@ class TrainingLoop:
     def train_step(self, window: list, step_tokens: int, step_units: int) -> tuple[float, torch.Tensor]:
         """One optimizer step over this rank's micro-batches `window`; returns the rate it used and the grad norm.
         `step_units`: what the step's loss is a mean over (its target tokens, or its pairs), on every rank."""
-        accelerator, hooks, model = self.accelerator, self.hooks, self.model
-        scale = self.world_size / step_units  # DDP averages over ranks; the step's loss is a mean per unit
+        accelerator, hooks, model, engine = self.accelerator, self.hooks, self.model, self.engine
+        scale = self.world_size / step_units  # every engine averages over ranks; the step's loss is a mean per unit
         step_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
         step_stats = None  # the objective's per-unit sums (rewards, ...), when it has some
         for index, rows in enumerate(window):
@@ -209,11 +220,11 @@ class TrainingLoop:
             with hooks.phase("to(device)"):
                 batch = batch.to(accelerator.device)
             last = index == len(window) - 1
-            with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            with engine.accumulating(last):  # gradients reduced over ranks in the step's last backward only
                 with hooks.phase("forward and loss"), accelerator.autocast():
                     loss_sum, stats = model(batch.inputs, batch.targets, batch.extra)
                 with hooks.phase("backward"):
-                    accelerator.backward(loss_sum * scale)
+                    engine.backward(loss_sum * scale)
             step_loss += loss_sum.detach().double()
             if stats is not None:
                 step_stats = stats if step_stats is None else step_stats + stats
@@ -221,15 +232,11 @@ class TrainingLoop:
             self.real_tokens += batch.n_real_tokens
             self.state.targets_collated += batch.n_targets
             del loss_sum
-        with hooks.phase("clip grad norm"):
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), self.cfg.max_grad_norm or float("inf"))
         lr = self.scheduler.get_last_lr()[0]  # the rate this update uses
-        with hooks.phase("optimizer step"):
-            self.optimizer.step()
+        with hooks.phase("clip, optimizer step"):
+            grad_norm = engine.step(self.cfg.max_grad_norm)  # clipped, stepped, gradients cleared
         with hooks.phase("scheduler step"):
             self.scheduler.step()
-        with hooks.phase("zero_grad"):
-            self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += step_tokens
         self.loss_window.add_step(step_loss, step_units, step_tokens, step_stats)
@@ -252,13 +259,17 @@ class TrainingLoop:
 
     def evaluate(self, step: int) -> None:
         with self.hooks.phase("eval"), self.timed("eval"), eager_for_eval(self.cfg):
-            model = self.language_model
-            result = evaluate(model, self.eval_batches, self.eval_collate, self.objective, self.accelerator)
+            # a sharded engine gathers weights in every forward: each rank runs as many as the busiest one
+            lockstep = (self.eval_rounds, self.eval_filler) if self.engine.lockstep_eval else None
+            result = evaluate(self.engine.eval_runner(), self.eval_batches, self.eval_collate, self.objective,
+                              self.accelerator, lockstep=lockstep)
             self.record({"step": step, "epoch": self.epoch_at(step), **result})
             best = self.state.record_eval(step, result)
             if best and self.cfg.early_stopping_patience:
-                checkpoint.write_on_every_rank(self.accelerator, self.output_dir, "the best model",
-                                               on_main=lambda: save_best(model, self.tokenizer, self.output_dir))
+                weights = self.engine.full_state_dict()  # a sharded model is gathered by every rank together
+                checkpoint.write_on_every_rank(
+                    self.accelerator, self.output_dir, "the best model",
+                    on_main=lambda: save_best(self.language_model, self.tokenizer, self.output_dir, weights))
 
     def save(self, step: int) -> None:
         with self.hooks.phase("save"), self.timed("save"):
@@ -269,23 +280,36 @@ class TrainingLoop:
                                            [streaks[i:i + 2] for i in range(0, len(streaks), 2)]),
                       "plan": self.plan.to_json(), **self.identity}
 
+            engine = self.engine
+            # a sharded model's checkpoint holds its shards; its whole weights only when asked (FULL_STATE_DICT)
+            whole = not engine.writes_shards or not self.cfg.distributed.sharded \
+                or self.cfg.distributed.full_weights_in_checkpoints
+            weights = engine.full_state_dict() if whole else None  # collective, for a sharded model
+
+            def write_on_every_rank() -> None:
+                checkpoint.write_rank_rng(self.output_dir, step, self.rank)
+                if engine.writes_shards:  # collective
+                    engine.save_shards(run_files.pending_shards(self.output_dir, step))
+
             def write_on_main() -> None:
                 written = checkpoint.write_checkpoint(self.output_dir, step, marker, self.language_model,
-                                                      self.optimizer, self.scheduler, self.world_size)
+                                                      engine.optimizer_state(), self.scheduler, self.world_size,
+                                                      model_state=weights, weights=whole)
                 checkpoint.prune_checkpoints(self.output_dir, self.cfg.save_total_limit, keep=written)
 
             checkpoint.write_on_every_rank(
                 self.accelerator, self.output_dir, f"step {step}", on_main=write_on_main,
-                on_every_rank=lambda: checkpoint.write_rank_rng(self.output_dir, step, self.rank),
-                clean_up=lambda: checkpoint.remove_rank_rngs(self.output_dir, step, self.world_size))
+                on_every_rank=write_on_every_rank,
+                clean_up=lambda: checkpoint.remove_pending(self.output_dir, step, self.world_size))
 
     def publish_model(self, best_instead: bool) -> None:
         model = self.language_model
         with self.timed("save"):
+            weights = None if best_instead else self.engine.full_state_dict()  # collective, for a sharded model
             checkpoint.write_on_every_rank(
                 self.accelerator, self.output_dir, "the final model",
                 on_main=lambda: publish_best(self.output_dir) if best_instead
-                else publish_final(model, self.tokenizer, self.output_dir))
+                else publish_final(model, self.tokenizer, self.output_dir, weights))
 
     # ---- small helpers ------------------------------------------------------------------------
     def record(self, metrics: dict) -> None:

@@ -15,22 +15,23 @@ from tuneloop import run_files
 from tuneloop.run_files import fsync_files, make_readable, move_files_into
 
 
-def save_hf_folder(model, tokenizer, folder: Path) -> None:
-    """from_pretrained(folder) loads it (the adapter, for LoRA)."""
+def save_hf_folder(model, tokenizer, folder: Path, weights: dict | None = None) -> None:
+    """from_pretrained(folder) loads it (the adapter, for LoRA). `weights`: the state dict gathered from a sharded
+    model (FSDP2, ZeRO-3), whose own tensors are only this rank's pieces."""
     config = getattr(model, "config", None)
     if config is not None:
         config.use_cache = True  # off for training (packing needs it off); on for whoever generates next
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, state_dict=weights)
     tokenizer.save_pretrained(folder)
     make_readable(folder)
 
 
-def publish_final(model, tokenizer, output_dir: Path) -> None:
+def publish_final(model, tokenizer, output_dir: Path, weights: dict | None = None) -> None:
     """Main process only: the trained model, written whole before any file lands in output_dir."""
     temp = output_dir / run_files.TEMP_FINAL
     shutil.rmtree(temp, ignore_errors=True)
     try:
-        save_hf_folder(model, tokenizer, temp)
+        save_hf_folder(model, tokenizer, temp, weights)
         move_files_into(temp, output_dir)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
@@ -40,12 +41,12 @@ def has_best(output_dir: Path) -> bool:
     return any((output_dir / name).is_dir() for name in (run_files.BEST, run_files.OLD_BEST))
 
 
-def save_best(model, tokenizer, output_dir: Path) -> None:
+def save_best(model, tokenizer, output_dir: Path, weights: dict | None = None) -> None:
     """Main process only: the best model so far (by eval loss), for early stopping; replaced atomically."""
     temp = output_dir / run_files.TEMP_BEST
     shutil.rmtree(temp, ignore_errors=True)
     try:
-        save_hf_folder(model, tokenizer, temp)
+        save_hf_folder(model, tokenizer, temp, weights)
         fsync_files(temp)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)

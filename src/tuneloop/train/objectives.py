@@ -6,7 +6,7 @@ divided by the target tokens of the whole step (all micro-batches, all ranks), w
 the step. Preference objectives (DPO, IPO, ORPO, KTO: train/preference.py) sum over pairs (KTO: rows) and
 normalise by the pairs of the step, in the same loop.
 
-The model and its objective are one module for the loop (`ObjectiveModule`), so DDP, and the FSDP to come,
+The model and its objective are one module for the loop (`ObjectiveModule`), so DDP, FSDP2 and DeepSpeed
 wrap the loss computation too: the language-model loss meets the output projection in chunks
 (chunked_loss.py) and never holds the [tokens, vocabulary] logits whole.
 """
@@ -138,5 +138,9 @@ class ObjectiveModule(torch.nn.Module):
         self.model = model
         self.objective = objective
 
-    def forward(self, inputs: dict, targets: torch.Tensor, extra: dict):
+    def forward(self, inputs: dict, targets: torch.Tensor, extra: dict, evaluating: bool = False):
+        """(the summed loss, stats); with `evaluating`, the eval sums. Eval goes through here too, so that an engine
+        that gathers sharded weights in the root's forward (FSDP2, ZeRO-3) has them for the head as well."""
+        if evaluating:
+            return self.objective.eval_sums(self.model, inputs, targets, extra)
         return self.objective.summed_loss(self.model, inputs, targets, extra)

@@ -44,7 +44,7 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
     from tuneloop.hardware import mixed_precision
     from tuneloop.run import _forget_accelerate_state, plan_run, prepare_data
     from tuneloop.train.evaluate import evaluate
-    from tuneloop.train.objectives import objective_of
+    from tuneloop.train.objectives import ObjectiveModule, objective_of
 
     tokenizer, prepared = prepare_data(cfg)
     if prepared.eval is None or len(prepared.eval) == 0:
@@ -60,7 +60,8 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
         collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
                            padding=plan.padding.unfixed())
         reference = reference_for_eval(cfg, folder, len(tokenizer), accelerator.device)
-        result = evaluate(loaded, batches, collate, objective_of(cfg, reference), accelerator)
+        runner = ObjectiveModule(loaded, objective_of(cfg, reference))
+        result = evaluate(runner, batches, collate, runner.objective, accelerator)
     finally:
         _forget_accelerate_state()  # the next command in this process may ask for another precision
     return {"model": str(folder.path), **result}
