@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import base_config, free_port, run_in_process, tiny_rows, write_config, write_jsonl
+from conftest import base_config, free_port, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 
 STEPS = {"optimizer": "adamw_torch", "learning_rate": 1e-2, "max_grad_norm": 1.0, "max_steps": 3,
@@ -84,3 +84,50 @@ def deepspeed_keys(stage: int) -> dict:
 def test_two_deepspeed_zero_ranks_equal_one_process(tmp_path, tiny_model_dir, data, one_process, stage):
     two = trained(tmp_path, tiny_model_dir, data, "zero", 2, sample_packing=False, **deepspeed_keys(stage))
     assert relative_difference(two, one_process[False]) < 1e-5
+
+
+RESUMABLE = dict(micro_batch_size=2, max_steps=8, save_strategy=None, save_steps=3, learning_rate=1e-2,
+                 warmup_steps=2, val_set_size=0.15, eval_steps=8, auto_resume_from_checkpoints=True,
+                 optimizer="adamw_torch")
+ENGINE_KEYS = {"fsdp2": FSDP, "zero2": deepspeed_keys(2), "zero3": deepspeed_keys(3)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINE_KEYS)
+def test_a_sharded_run_killed_mid_save_resumes_bit_identical_and_leaves_a_plain_hf_folder(
+        tmp_path, tiny_model_dir, data, engine):
+    """Rank 0 is SIGKILLed while writing checkpoint-6 (its shards already in); the resume from checkpoint-3 ends
+    with the weights of the uninterrupted run, bit for bit. The final folder loads with from_pretrained alone and
+    gives the eval loss the sharded model gave at the last step."""
+    from tuneloop.run_files import complete_checkpoints
+    from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
+    from tuneloop.train.engines import SHARDS
+
+    def run(name: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        run_dir = tmp_path / name
+        run_dir.mkdir(exist_ok=True)
+        config = write_config(run_dir / "run.yml",
+                              **base_config(run_dir, tiny_model_dir, data, **RESUMABLE, **ENGINE_KEYS[engine]))
+        return torchrun("train", str(config), env=env)
+
+    straight = run("straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    crashed = run("crashed", env={CRASH_DURING_SAVE_ENV: "6"})
+    assert crashed.returncode != 0
+    out = tmp_path / "crashed" / "out"
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]
+    assert (out / "checkpoint-3" / SHARDS).is_dir()  # each rank's piece of the weights and optimizer state
+    resumed = run("crashed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    expected = load_file(tmp_path / "straight" / "out" / "model.safetensors")
+    got = load_file(out / "model.safetensors")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+
+    # the gathered folder is a plain Hugging Face model: `tuneloop eval` loads it with from_pretrained alone
+    last_eval = [m for m in read_metrics(out) if "eval_loss" in m][-1]
+    assert last_eval["step"] == RESUMABLE["max_steps"]
+    evaluated = run_in_process("eval", str(tmp_path / "crashed" / "run.yml"))
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert json.loads(evaluated.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
+        last_eval["eval_loss"], rel=1e-6)
