@@ -131,3 +131,143 @@ def test_a_sharded_run_killed_mid_save_resumes_bit_identical_and_leaves_a_plain_
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert json.loads(evaluated.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
         last_eval["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_two_ranks_equal_one_process(tmp_path, tiny_model_dir, data):
+    """The seed's recipe without the 4-bit part: the base frozen and sharded, the adapters sharded and trained."""
+    lora = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj", "down_proj"])
+
+    def adapter(name: str, ranks: int, **keys) -> dict:
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        config = write_config(run_dir / "run.yml", **base_config(
+            run_dir, tiny_model_dir, data, **STEPS, **lora, micro_batch_size=2, gradient_accumulation_steps=4 // ranks,
+            **keys))
+        result = torchrun("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        return load_file(run_dir / "out" / "adapter_model.safetensors")
+
+    one, two = adapter("one", 1), adapter("fsdp", 2, **FSDP)
+    assert one.keys() == two.keys()
+    # lora_B starts at zero, so it is the training alone (lora_A's random start would hide a wrong update)
+    trained_b = [key for key in one if "lora_B" in key]
+    assert trained_b and all(float(one[key].abs().max()) > 0 for key in trained_b)
+    assert relative_difference({k: two[k] for k in trained_b}, {k: one[k] for k in trained_b}) < 1e-5
+    assert not (tmp_path / "fsdp" / "out" / "model.safetensors").exists()  # the adapter alone, as without FSDP
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["fsdp2", "zero2"])
+def test_resuming_on_another_number_of_ranks(tmp_path, tiny_model_dir, data, engine):
+    """Refused naming both world sizes; with --force-resume, FSDP2's shards are redistributed over the new ranks,
+    while DeepSpeed's ZeRO partitions cannot be and the refusal says so."""
+    from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
+
+    keys = dict(micro_batch_size=2, max_steps=6, save_strategy=None, save_steps=2, auto_resume_from_checkpoints=True,
+                optimizer="adamw_torch")
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys,
+                                                              **ENGINE_KEYS[engine]))
+    crashed = torchrun("train", str(config), env={CRASH_DURING_SAVE_ENV: "4"})
+    assert crashed.returncode != 0 and (tmp_path / "out" / "checkpoint-2").is_dir()
+
+    refused = run_in_process("train", str(config))
+    assert refused.returncode == 2 and "world_size (2 → 1)" in refused.stderr and "--force-resume" in refused.stderr
+    forced = run_in_process("train", str(config), "--force-resume")
+    if engine == "fsdp2":
+        assert forced.returncode == 0, forced.stderr[-3000:]
+        assert "resuming from" in forced.stdout
+        summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+        assert summary["steps"] == json.loads((tmp_path / "out" / "plan.json").read_text())["total_steps"]
+    else:
+        assert forced.returncode == 2
+        assert "was written by 2 ranks and this run has 1" in forced.stderr and "Traceback" not in forced.stderr
+
+
+# ---- the keys as users write them: accepted, warned about, or refused naming the key and the fix -----------------
+def check_config(tmp_path, tiny_model_dir, data, **keys) -> subprocess.CompletedProcess:
+    config = write_config(tmp_path / "check.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+    return run_in_process("check", str(config))
+
+
+@pytest.mark.parametrize("keys, fragments", [
+    ({"deepspeed": "zero2", **FSDP}, ["`deepspeed` and `fsdp`/`fsdp_config` ask for two engines at once"]),
+    ({"fsdp": ["hybrid_shard", "auto_wrap"], "fsdp_config": {"fsdp_version": 2}}, ["hybrid sharding", "full_shard"]),
+    ({"fsdp": ["full_shard"], "fsdp_config": {"fsdp_version": 2, "reshard_after_foward": True}},
+     ["`fsdp_config.reshard_after_foward`", "did you mean `reshard_after_forward`?"]),
+    ({"fsdp": ["full_shard"], "fsdp_config": {"auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_version": 2}},
+     ["size-based wrapping"]),
+    ({"deepspeed": "zero4.json"}, ["`deepspeed: zero4.json`: no such file", "zero1, zero2, zero3"]),
+    ({"deepspeed": {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}},
+     ["has a `optimizer` block", "`optimizer:`"]),
+    ({"adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True, **FSDP},
+     ["`adapter: qlora` under fsdp2", "`adapter: lora`"]),
+])
+def test_sharding_keys_that_cannot_run_are_refused_naming_the_key(tmp_path, tiny_model_dir, data, keys, fragments):
+    from conftest import assert_user_error
+
+    assert_user_error(check_config(tmp_path, tiny_model_dir, data, **keys), *fragments)
+
+
+def test_a_deepspeed_file_that_disagrees_with_the_yaml_is_refused_by_the_plan(tmp_path, tiny_model_dir, data):
+    from conftest import assert_user_error
+
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2},
+                                                  "gradient_accumulation_steps": 4}))
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, deepspeed="ds.json",
+                                                              gradient_accumulation_steps=2))
+    result = run_in_process("plan", str(config))  # ds.json is found beside the config, whatever the cwd
+    assert_user_error(result, "sets gradient_accumulation_steps to 4, but the plan has 2",
+                      "from gradient_accumulation_steps", "\"auto\"")
+
+
+def test_fsdp1_configs_and_speed_only_knobs_run_as_fsdp2_with_a_warning(tmp_path, tiny_model_dir, data):
+    keys = {"fsdp": ["full_shard", "auto_wrap"],  # an FSDP1 config as axolotl's examples write them
+            "fsdp_config": {"fsdp_limit_all_gathers": True, "fsdp_sync_module_states": True,
+                            "fsdp_offload_params": False, "fsdp_use_orig_params": False,
+                            "fsdp_cpu_ram_efficient_loading": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                            "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                            "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_sharding_strategy": "FULL_SHARD"}}
+    result = check_config(tmp_path, tiny_model_dir, data, **keys)
+    assert result.returncode == 0, result.stderr
+    for said in ("tuneloop runs the same sharding with FSDP2", "`fsdp_config.limit_all_gathers` only changes speed",
+                 "`fsdp_config.sync_module_states`", "`fsdp_config.use_orig_params`",
+                 "`fsdp_config.cpu_ram_efficient_loading`"):
+        assert said in result.stdout + result.stderr, said
+
+
+def test_a_layer_class_the_model_does_not_have_stops_the_run_naming_the_classes_it_has(tmp_path, tiny_model_dir,
+                                                                                        data):
+    from conftest import assert_user_error
+
+    keys = {"fsdp": ["full_shard"], "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": "GPT2Block"}}
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=1, **keys))
+    assert_user_error(run_in_process("train", str(config)), "transformer_layer_cls_to_wrap: no module of class GPT2Block",
+                      "LlamaDecoderLayer")
+
+
+def test_the_plan_shows_memory_per_rank_for_a_launch_it_has_not_made(tmp_path, tiny_model_dir, data):
+    """`tuneloop plan --world-size 8 --device-memory 80` with each engine: the parts divided as the engine divides
+    them, and a warning when a rank's share is above the device's memory."""
+    def plan(world: int, device_gb: float, **keys) -> dict:
+        config = write_config(tmp_path / "plan.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+        result = run_in_process("plan", str(config), "--json", "--world-size", str(world), "--device-memory",
+                                str(device_gb))
+        assert result.returncode == 0, result.stderr[-2000:]
+        return json.loads(result.stdout)
+
+    one = plan(1, 80)["memory"]
+    assert one["device_gb"] == 80
+    for keys, divided, whole in [(FSDP, ("weights", "optimizer"), ()),
+                                 (deepspeed_keys(1), ("optimizer",), ("weights",)),
+                                 (deepspeed_keys(3), ("weights", "optimizer"), ())]:
+        eight = plan(8, 80, **keys)["memory"]
+        assert eight["world_size"] == 8
+        for part in divided:
+            assert eight["per_rank_bytes"][part] < plan(1, 80, **keys)["memory"]["per_rank_bytes"][part] / 7
+        for part in whole:
+            assert eight["per_rank_bytes"][part] == one["per_rank_bytes"][part]
+    tight = plan(8, 0.01, **FSDP)
+    assert any("per rank over 8 ranks" in warning and "fsdp" in warning for warning in tight["warnings"])
+    text = run_in_process("plan", str(tmp_path / "plan.yml"), "--world-size", "8", "--device-memory", "80")
+    assert "engine               FSDP2 over 8 rank(s)" in text.stdout and "GB per rank of 80 GB" in text.stdout

@@ -564,9 +564,14 @@ class TuneloopConfig(_Strict):
         if self.fsdp_final_state_dict_type:
             fsdp_config.setdefault("final_state_dict_type", self.fsdp_final_state_dict_type)
         dist = read_distributed(self.fsdp, self.fsdp_version, fsdp_config, self.deepspeed)
-        if dist.engine != "ddp" and self.torch_compile:
-            raise ValueError(f"`torch_compile` with {dist.engine}: tuneloop compiles only unsharded models so far; "
-                             "remove one of them")
+        if dist.engine != "ddp" and self.torch_compile:  # compiling changes only speed: said, and left off
+            warnings.warn(f"`torch_compile` with {dist.engine}: tuneloop compiles only unsharded models so far, so this "
+                          "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
+            self.torch_compile = False
+        if self.adapter == "qlora" and dist.engine != "ddp":
+            raise ValueError(f"`adapter: qlora` under {dist.engine}: tuneloop does not shard 4-bit weights yet (it "
+                             "needs a GPU to be built and tested); use `adapter: lora` under FSDP2/DeepSpeed, or "
+                             "QLoRA with plain DDP ranks")
         if dist.activation_checkpointing and not self.gradient_checkpointing:
             self.gradient_checkpointing = True  # fsdp_config.activation_checkpointing is the same recomputation
         return dist

@@ -121,7 +121,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     total = (weights + grads + optimizer + activations + gathered) / gb + reference
     return MemoryEstimate(params, trainable, round(weights / gb, 3), round(grads / gb, 3), round(optimizer / gb, 3),
                           round(activations / gb, 3), round(total, 3), device,
-                          round(device_gb if device_gb is not None else here_gb, 1) if (device_gb or here_gb) else None,
+                          round(device_gb if device_gb is not None else here_gb, 2) if (device_gb or here_gb) else None,
                           round(reference, 3), dist.describe(world_size), world_size, round(gathered / gb, 3),
                           round(host / gb, 3), {"weights": int(weights), "optimizer": int(optimizer)})
 

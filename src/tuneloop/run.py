@@ -81,6 +81,14 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int, device_m
     plan.attention, attention_note = attention_implementation(cfg)
     plan.warnings += [note for note in (too_long, attention_note) if note]
     plan.engine = cfg.distributed.describe(world_size)
+    if cfg.distributed.engine == "deepspeed":  # its file's set values must agree with the plan: refused now, not later
+        from tuneloop.distributed import filled_deepspeed_config
+
+        try:
+            filled_deepspeed_config(cfg.distributed, cfg.micro_batch_size, plan.gradient_accumulation_steps,
+                                    world_size, cfg.max_grad_norm, mixed, getattr(facts.config, "hidden_size", None))
+        except ValueError as error:
+            raise UserError(f"config: {error}") from None
     attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, mixed, world_size,
                                                  device_memory_gb))
     count = count_flops(facts.config, *facts.matmul_weights, np.asarray(train["length"]))  # per sequence

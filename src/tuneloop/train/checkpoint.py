@@ -225,6 +225,12 @@ def load_training_state(checkpoint: Path, engine, scheduler, rank: int = 0) -> N
     from tuneloop.train.engines import SHARDS
 
     saved = torch.load(checkpoint / run_files.TRAINING_STATE, weights_only=False)
+    written_by = read_state(checkpoint)["plan"]["world_size"]
+    if engine.writes_shards and written_by != engine.plan.world_size and not engine.reshards:
+        # (a different world size got this far only with --force-resume)
+        raise UserError(f"resume: {checkpoint} was written by {written_by} ranks and this run has "
+                        f"{engine.plan.world_size}; {engine.name}'s ZeRO partitions cannot be redistributed over "
+                        f"another number of ranks. Launch {written_by} ranks, or start a fresh output_dir.")
     if engine.writes_shards:
         if not (checkpoint / SHARDS).is_dir():
             raise UserError(f"checkpoint: {checkpoint} has no {SHARDS}/ folder; it was written without "

@@ -34,6 +34,7 @@ class DDPEngine:
     name = "ddp"
     lockstep_eval = False  # no collective inside a forward: ranks may run different numbers of eval batches
     writes_shards = False
+    reshards = True  # its checkpoints resume on another number of ranks (with --force-resume)
 
     def __init__(self, cfg, accelerator):
         self.cfg, self.accelerator = cfg, accelerator
@@ -166,6 +167,7 @@ class FSDP2Engine(DDPEngine):
 class DeepSpeedEngine(DDPEngine):
     name = "deepspeed"
     writes_shards = True
+    reshards = False  # its optimizer partitions are fixed to the ranks that wrote them
 
     @property
     def lockstep_eval(self) -> bool:
@@ -191,7 +193,8 @@ class DeepSpeedEngine(DDPEngine):
             raise UserError(f"config: {error}") from None
         optimizer = build_optimizer(cfg, module.model)
         self.base_optimizer = optimizer
-        engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        with _local_rank_named(self.accelerator.local_process_index):
+            engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         if cfg.distributed.zero_stage == 3:
             register_head_with_root(engine.module)
         self.engine, self.module, self.runner, self.optimizer = engine, engine.module, engine, ds_optimizer
@@ -237,6 +240,20 @@ class DeepSpeedEngine(DDPEngine):
         with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
             state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
         return state if self.accelerator.is_main_process else {}
+
+
+@contextlib.contextmanager
+def _local_rank_named(local_rank: int):
+    """DeepSpeed reads LOCAL_RANK from the environment, which launchers set; a single `tuneloop train` has none, so
+    it is named for the engine's start only (left set, it would tell later runs in this process they were launched)."""
+    if "LOCAL_RANK" in os.environ:
+        yield
+        return
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    try:
+        yield
+    finally:
+        del os.environ["LOCAL_RANK"]
 
 
 def local_bytes(tensor) -> int:
