@@ -11,7 +11,10 @@ Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_ch
   4. torch.compile of the model's forward + backward (tuneloop does not compile yet: is it worth it?);
   5. QLoRA: two steps where bitsandbytes and CUDA are there;
   6. a packed bf16 DPO run (rl: dpo, full fine-tuning with its frozen reference): plan == run, first loss ln 2;
-  7. the GPU benchmark (`compare.py --gpu`), unless --skip-bench.
+  7. one-device FSDP2 and DeepSpeed ZeRO-2 runs (bf16, packed) of the embedded model when `tuneloop setup` has
+     built it, else the tiny one: plan == run, finite losses, the plan's bytes per rank against the engine's,
+     peak memory against the estimate;
+  8. the GPU benchmark (`compare.py --gpu`), unless --skip-bench.
 On a CPU machine the same script runs with the GPU-only parts skipped, which is how it was checked.
 """
 
@@ -213,6 +216,41 @@ def check_dpo_train(workdir: Path, model_dir: Path) -> dict:
             "reference": plan.get("reference"), "peak_memory_gb": summary.get("peak_memory_gb")}
 
 
+def check_sharded_train(workdir: Path, model_dir: Path, engine: str) -> dict:
+    """One device, a sharding engine: what a user runs before renting more (FSDP2 with bf16 mixed precision, or
+    DeepSpeed ZeRO-2 with its own bf16)."""
+    import math
+
+    import conftest
+
+    keys = {"fsdp2": {"fsdp": ["full_shard", "auto_wrap"], "fsdp_version": 2},
+            "zero2": {"deepspeed": "zero2"}}[engine]
+    from tuneloop.demo.embedded import EMBEDDED_MODEL_ALIAS, find_smollm2_gguf
+    from tuneloop.errors import UserError
+
+    try:
+        find_smollm2_gguf()  # the package that carries it is installed: the run builds (or reuses) the model
+        model = EMBEDDED_MODEL_ALIAS
+    except UserError:
+        model = model_dir
+    data = conftest.write_jsonl(workdir / f"{engine}.jsonl", conftest.tiny_rows(120, seed=5))
+    config = conftest.base_config(workdir / engine, model, data, sample_packing=True, micro_batch_size=2,
+                                  gradient_accumulation_steps=2, max_steps=6, bf16="auto", sequence_len=512,
+                                  optimizer="adamw_torch", **keys)
+    result = conftest.run_cli("train", str(conftest.write_config(workdir / f"{engine}.yml", **config)))
+    out = workdir / engine / "out"
+    if result.returncode != 0:
+        return {"ok": False, "stderr": result.stderr[-2500:]}
+    plan = json.loads((out / "plan.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    steps = [m for m in conftest.read_metrics(out) if "loss" in m]
+    ok = len(steps) == plan["total_steps"] and all(math.isfinite(m["loss"]) for m in steps)
+    return {"ok": ok, "model": str(model), "engine": plan.get("engine"), "steps": len(steps),
+            "losses": [round(m["loss"], 4) for m in steps], "held_bytes": summary.get("held_bytes_per_rank"),
+            "planned_bytes": plan["memory"].get("per_rank_bytes"), "peak_memory_gb": summary.get("peak_memory_gb"),
+            "tokens_per_second": summary.get("real_tokens_per_second_after_first_step"), "mfu": summary.get("mfu")}
+
+
 def check_qlora_train(workdir: Path, model_dir: Path) -> dict:
     """Two QLoRA steps (4-bit NF4 base, LoRA on every linear layer) where bitsandbytes and CUDA are there."""
     import importlib.util
@@ -285,6 +323,9 @@ def main() -> int:
         report["chunked_loss"] = run("chunked loss", check_chunked_loss, device)
         report["qlora"] = run("qlora train", check_qlora_train, workdir, model_dir)
         report["dpo"] = run("dpo train", check_dpo_train, workdir, model_dir)
+        for engine in ("fsdp2", "zero2"):
+            report[f"{engine}_train"] = run(f"{engine} train (one device)", check_sharded_train, workdir, model_dir,
+                                            engine)
     if device == "cuda" and not args.skip_bench:
         bench = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--gpu", "--json",
                                 str(out / "gpu_bench.json")], text=True)

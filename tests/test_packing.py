@@ -115,17 +115,17 @@ def test_eval_metrics_are_the_same_packed_or_padded(prepared, tiny_model_dir):
     from accelerate import Accelerator
 
     from tuneloop.train.evaluate import evaluate
-    from tuneloop.train.objectives import OBJECTIVES
+    from tuneloop.train.objectives import OBJECTIVES, ObjectiveModule
 
-    model = model_with("sdpa", tiny_model_dir)
+    model = ObjectiveModule(model_with("sdpa", tiny_model_dir), OBJECTIVES["language_model"](None))
     lengths = np.asarray(prepared.train["length"])
     accelerator = Accelerator(cpu=True)
     results = {}
     for mode, packed in (("packed", True), ("group_by_length", False)):
         spec = BatchingSpec(mode, micro_batch_size=3, sequence_len=512, world_size=1, seed=0)
         batches = epoch_micro_batches(lengths, spec, 0, shuffle=False, even=False)[0]
-        results[mode] = evaluate(model, batches, Collator(prepared.train, 0, packed=packed),
-                                   OBJECTIVES["language_model"](None), accelerator)
+        results[mode] = evaluate(model, batches, Collator(prepared.train, 0, packed=packed), model.objective,
+                                 accelerator)
     packed, padded = results["packed"], results["group_by_length"]
     assert packed["eval_tokens"] == padded["eval_tokens"] == int(np.sum(prepared.train["n_targets"]))
     assert packed["eval_loss"] == pytest.approx(padded["eval_loss"], rel=1e-6)

@@ -569,9 +569,10 @@ class TuneloopConfig(_Strict):
                           "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
             self.torch_compile = False
         if self.adapter == "qlora" and dist.engine != "ddp":
-            raise ValueError(f"`adapter: qlora` under {dist.engine}: tuneloop does not shard 4-bit weights yet (it "
-                             "needs a GPU to be built and tested); use `adapter: lora` under FSDP2/DeepSpeed, or "
-                             "QLoRA with plain DDP ranks")
+            raise ValueError(f"`adapter: qlora` under {dist.engine} asks for "
+                             f"{axolotl_keys.FEATURES['sharded_4bit'][0]}, which tuneloop does not do yet (it needs a "
+                             "GPU to be built and tested); use `adapter: lora` under FSDP2/DeepSpeed, or QLoRA with "
+                             "plain DDP ranks")
         if dist.activation_checkpointing and not self.gradient_checkpointing:
             self.gradient_checkpointing = True  # fsdp_config.activation_checkpointing is the same recomputation
         return dist

@@ -59,11 +59,18 @@ class DDPEngine:
     def backward(self, loss) -> None:
         self.accelerator.backward(loss)
 
-    def step(self, max_norm: float | None) -> torch.Tensor:
-        grad_norm = self.accelerator.clip_grad_norm_(self.runner.parameters(), max_norm or float("inf"))
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor | None:
+        """The step's gradient norm (before clipping); None where the engine clips inside its own step."""
+        return self.accelerator.clip_grad_norm_(self.runner.parameters(), max_norm or float("inf"))
+
+    def optimizer_step(self) -> None:
         self.optimizer.step()
+
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+
+    def grad_norm_of_last_step(self) -> torch.Tensor:
+        raise NotImplementedError  # only for engines whose clip_grad_norm returns None
 
     def optimizer_state(self) -> dict | None:
         return self.optimizer.state_dict()
@@ -124,12 +131,10 @@ class FSDP2Engine(DDPEngine):
     def backward(self, loss) -> None:
         loss.backward()
 
-    def step(self, max_norm: float | None) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor | None:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.runner.parameters(), max_norm or float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # the norm of sharded gradients, reduced over ranks
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def optimizer_state(self) -> dict | None:
@@ -214,8 +219,16 @@ class DeepSpeedEngine(DDPEngine):
     def backward(self, loss) -> None:
         self.engine.backward(loss, scale_wrt_gas=False)  # already divided by the step's tokens
 
-    def step(self, max_norm: float | None) -> torch.Tensor:
-        self.engine.step()  # clips (gradient_clipping = max_grad_norm), steps, zeroes the gradients
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor | None:
+        return None  # DeepSpeed clips inside its step (gradient_clipping = max_grad_norm)
+
+    def optimizer_step(self) -> None:
+        self.engine.step()  # clips, steps, and clears the gradients
+
+    def zero_grad(self) -> None:
+        pass  # done by the engine's step
+
+    def grad_norm_of_last_step(self) -> torch.Tensor:
         norm = self.engine.get_global_grad_norm()
         return torch.as_tensor(float(norm) if norm is not None else float("nan"))
 

@@ -232,11 +232,17 @@ class TrainingLoop:
             self.real_tokens += batch.n_real_tokens
             self.state.targets_collated += batch.n_targets
             del loss_sum
+        with hooks.phase("clip grad norm"):
+            grad_norm = engine.clip_grad_norm(self.cfg.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]  # the rate this update uses
-        with hooks.phase("clip, optimizer step"):
-            grad_norm = engine.step(self.cfg.max_grad_norm)  # clipped, stepped, gradients cleared
+        with hooks.phase("optimizer step"):
+            engine.optimizer_step()
+        if grad_norm is None:  # an engine that clips inside its step (DeepSpeed)
+            grad_norm = engine.grad_norm_of_last_step()
         with hooks.phase("scheduler step"):
             self.scheduler.step()
+        with hooks.phase("zero_grad"):
+            engine.zero_grad()
         self.state.step += 1
         self.state.tokens_seen += step_tokens
         self.loss_window.add_step(step_loss, step_units, step_tokens, step_stats)
