@@ -262,3 +262,24 @@ def test_the_plan_shows_memory_per_rank_for_a_launch_it_has_not_made(tmp_path, t
     assert any("per rank over 8 ranks" in warning and "fsdp" in warning for warning in tight["warnings"])
     text = run_in_process("plan", str(tmp_path / "plan.yml"), "--world-size", "8", "--device-memory", "80")
     assert "engine               FSDP2 over 8 rank(s)" in text.stdout and "GB per rank of 80 GB" in text.stdout
+
+
+def test_deepspeed_bf16_weights_or_fp32_weights_with_autocast_as_the_file_says(tmp_path, tiny_model_dir, data):
+    """`bf16: true` with a DeepSpeed file at bf16 "auto" gives DeepSpeed's own bf16 (16-bit weights, fp32 masters in
+    the optimizer); `"bf16": {"enabled": false}` keeps fp32 weights, which tuneloop's autocast runs in bf16 (the
+    numerics of DDP and FSDP2). The plan counts each as the engine holds it."""
+    (tmp_path / "fp32_weights.json").write_text(json.dumps({"zero_optimization": {"stage": 2},
+                                                            "bf16": {"enabled": False}}))
+
+    def per_rank(deepspeed: str) -> dict:
+        config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, bf16=True,
+                                                                  deepspeed=deepspeed, optimizer="adamw_torch"))
+        result = run_in_process("plan", str(config), "--json", "--world-size", "2")
+        assert result.returncode == 0, result.stderr[-2000:]
+        plan = json.loads(result.stdout)
+        return {**plan["memory"]["per_rank_bytes"], "parameters": plan["memory"]["parameters"]}
+
+    sixteen, thirty_two = per_rank("zero2"), per_rank("fp32_weights.json")
+    parameters = sixteen["parameters"]
+    assert sixteen["weights"] == 2 * parameters and thirty_two["weights"] == 4 * parameters
+    assert sixteen["optimizer"] == thirty_two["optimizer"] == 12 * parameters // 2  # fp32 masters + Adam, halved

@@ -214,6 +214,15 @@ def _deepspeed(value: Any, config_dir: Path | None) -> Distributed:
                        deepspeed_config=config)
 
 
+def deepspeed_16bit_weights(dist: Distributed, precision: str) -> bool:
+    """DeepSpeed casts the model to bf16/fp16 (and steps fp32 master copies) when its file enables that precision,
+    or leaves it at "auto" and the YAML's precision is that one. Its own bf16 is not the mixed precision of DDP and
+    FSDP2: the weights the forward sees are 16-bit, and the masters start from them rounded (see the README)."""
+    if dist.engine != "deepspeed" or precision not in ("bf16", "fp16"):
+        return False
+    return (dist.deepspeed_config.get(precision) or {}).get("enabled", "auto") in ("auto", True)
+
+
 def filled_deepspeed_config(dist: Distributed, micro_batch_size: int, accumulation: int, world_size: int,
                             max_grad_norm: float | None, precision: str, hidden_size: int | None) -> dict:
     """The DeepSpeed config with its "auto" values taken from the plan, as the engine gets it. A set value that
@@ -241,9 +250,10 @@ def filled_deepspeed_config(dist: Distributed, micro_batch_size: int, accumulati
         enabled = block.get("enabled", "auto")
         if enabled == "auto":
             block["enabled"] = precision == name
-        elif bool(enabled) != (precision == name):
+        elif enabled and precision != name:
             raise ValueError(f"`deepspeed: {dist.deepspeed_file}` sets {name}.enabled to {enabled}, but the YAML's "
                              f"precision is {precision}; set it to \"auto\" or make `bf16`/`fp16` agree")
+        # enabled: false with `bf16: true` keeps fp32 weights in DeepSpeed; tuneloop's autocast computes in bf16
     zero = config.setdefault("zero_optimization", {"stage": 0})
     sizes = {"reduce_bucket_size": (hidden_size or 1024) ** 2,
              "stage3_prefetch_bucket_size": int(0.9 * (hidden_size or 1024) ** 2),

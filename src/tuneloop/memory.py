@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from tuneloop.distributed import deepspeed_16bit_weights
 from tuneloop.hardware import quantized_loading
 from tuneloop.model import ModelFacts
 from tuneloop.optim import OPTIMIZERS
@@ -72,7 +73,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     # there: 12 bytes per parameter over N ranks with Adam), at stage 3 when the model's own weights are 16-bit
     master_bytes = 0
     if dist.engine == "deepspeed" and dist.zero_stage:
-        sixteen_bit = precision in ("bf16", "fp16")
+        sixteen_bit = deepspeed_16bit_weights(dist, precision)
         master_bytes = 4 if dist.zero_stage < 3 or sixteen_bit else 0
         parameter_bytes = 2 if sixteen_bit else parameter_bytes
     weight_bytes = {"4bit": 0.5, "8bit": 1}.get(quantized_loading(cfg), parameter_bytes)
@@ -92,7 +93,9 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         activations += tokens_per_micro_batch * vocab * 4 * 2
     weights = params * weight_bytes
     grads = trainable * trained_bytes
-    optimizer = trainable * (OPTIMIZERS[cfg.optimizer].state_bytes_per_param * trained_bytes / 4 + master_bytes)
+    # the optimizer's states follow the weights it steps: DeepSpeed's are its fp32 masters
+    state_bytes = OPTIMIZERS[cfg.optimizer].state_bytes_per_param * (1 if master_bytes else trained_bytes / 4)
+    optimizer = trainable * (state_bytes + master_bytes)
     ranks = max(world_size, 1)
     weights /= ranks if dist.shards_weights else 1
     grads /= ranks if dist.shards_gradients else 1
