@@ -233,8 +233,8 @@ def test_a_layer_class_the_model_does_not_have_stops_the_run_naming_the_classes_
 
     keys = {"fsdp": ["full_shard"], "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": "GPT2Block"}}
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=1, **keys))
-    assert_user_error(run_in_process("train", str(config)), "transformer_layer_cls_to_wrap: no module of class GPT2Block",
-                      "LlamaDecoderLayer")
+    assert_user_error(run_in_process("train", str(config)),
+                      "transformer_layer_cls_to_wrap: no module of class GPT2Block", "LlamaDecoderLayer")
 
 
 def test_the_plan_shows_memory_per_rank_for_a_launch_it_has_not_made(tmp_path, tiny_model_dir, data):

@@ -38,6 +38,7 @@ def describe_config(cfg: TuneloopConfig) -> list[str]:
         f"  batch                {cfg.micro_batch_size} {units}/micro-batch × {cfg.gradient_accumulation_steps} "
         f"accumulation, {batching}, sequence_len {cfg.sequence_len}, {length}",
         *objective,
+        *([f"  engine               {cfg.distributed.describe()}"] if cfg.distributed.engine != "ddp" else []),
         f"  optimizer            {cfg.optimizer}, learning rate {cfg.learning_rate:g}, {cfg.lr_scheduler} schedule",
         f"  precision            bf16: {cfg.bf16}{', fp16' if cfg.fp16 else ''}; attention "
         f"{requested_attention(cfg)} (SDPA where the machine cannot run it)",

@@ -565,8 +565,9 @@ class TuneloopConfig(_Strict):
             fsdp_config.setdefault("final_state_dict_type", self.fsdp_final_state_dict_type)
         dist = read_distributed(self.fsdp, self.fsdp_version, fsdp_config, self.deepspeed)
         if dist.engine != "ddp" and self.torch_compile:  # compiling changes only speed: said, and left off
-            warnings.warn(f"`torch_compile` with {dist.engine}: tuneloop compiles only unsharded models so far, so this "
-                          "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
+            warnings.warn(f"`torch_compile` with {dist.engine}: tuneloop compiles only unsharded models so far, so "
+                          "this run is not compiled (the same result, without the speed-up).", UserWarning,
+                          stacklevel=2)
             self.torch_compile = False
         if self.adapter == "qlora" and dist.engine != "ddp":
             raise ValueError(f"`adapter: qlora` under {dist.engine} asks for "

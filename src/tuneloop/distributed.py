@@ -63,21 +63,24 @@ class Distributed:
         """Weights live in pieces on the ranks: the model is gathered to be saved whole (FSDP2, ZeRO-3)."""
         return self.shards_weights
 
-    def describe(self, world_size: int) -> str:
+    def describe(self, world_size: int | None = None) -> str:
+        """In words; `world_size` None: over whatever ranks the run is launched on."""
+        over = f" over {world_size} rank(s)" if world_size else ""
+        among = f"divided by {world_size}" if world_size else "divided over the ranks"
         if self.engine == "ddp":
-            return "DDP (a whole copy of the model on each rank)" if world_size > 1 else "one process"
+            return "DDP (a whole copy of the model on each rank)" if (world_size or 2) > 1 else "one process"
         if self.engine == "fsdp2":
-            parts = ["weights, gradients and optimizer state"]
+            parts = ["weights, gradients and optimizer state " + among]
             if not self.reshard_after_forward:
                 parts.append("weights kept gathered from forward to backward (shard_grad_op)")
             if self.offload_weights:
                 parts.append("offloaded to host memory")
-            return f"FSDP2 over {world_size} rank(s): " + "; ".join(parts) + f" divided by {world_size}"
+            return f"FSDP2{over}: " + "; ".join(parts)
         held = {1: "optimizer state", 2: "gradients and optimizer state",
                 3: "weights, gradients and optimizer state"}.get(self.zero_stage, "nothing")
         offload = ", optimizer state in host memory" if self.offload_optimizer else ""
         offload += ", weights in host memory" if self.offload_weights else ""
-        return f"DeepSpeed ZeRO-{self.zero_stage} over {world_size} rank(s): {held} divided{offload}"
+        return f"DeepSpeed ZeRO-{self.zero_stage}{over}: {held} {among}{offload}"
 
 
 def read_distributed(fsdp: Any, fsdp_version: Any, fsdp_config: dict | None, deepspeed: Any,

@@ -36,6 +36,9 @@ def hardware_needs(cfg) -> list[str]:
         needs.append(f"`optimizer: {cfg.optimizer}`: a CUDA GPU" + (f" and {kind.library}" if kind.library else ""))
     if cfg.fp16:
         needs.append("`fp16: true`: a CUDA GPU")
+    if cfg.distributed.engine == "deepspeed":
+        needs.append(f"`deepspeed: {cfg.deepspeed if isinstance(cfg.deepspeed, str) else '(inline)'}`: the deepspeed "
+                     "package (pip install 'tuneloop[deepspeed]')")
     return needs
 
 
@@ -50,6 +53,8 @@ def check_hardware(cfg) -> None:
             missing.append(f"{quantized_loading(cfg)} quantized loading (QLoRA / load_in_*bit) needs a CUDA GPU")
         elif importlib.util.find_spec("bitsandbytes") is None:
             missing.append("quantized loading needs bitsandbytes: pip install bitsandbytes")
+    if cfg.distributed.engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        missing.append("`deepspeed:` needs the deepspeed package: pip install 'tuneloop[deepspeed]'")
     kind = OPTIMIZERS[cfg.optimizer]
     if kind.needs_cuda and not cuda:
         missing.append(f"`optimizer: {cfg.optimizer}` needs a CUDA GPU; adamw_torch_fused runs everywhere")

@@ -117,7 +117,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     gb = 1e9
     device, here_gb = device_memory_gb()
     if device_gb is not None:
-        device = "the device named by --device-memory"
+        device = "each device (--device-memory)"
     from tuneloop.rl_methods import keeps_reference_copy
 
     reference = params * weight_bytes / gb if keeps_reference_copy(cfg) else 0.0
