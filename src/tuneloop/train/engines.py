@@ -229,8 +229,12 @@ class DeepSpeedEngine(DDPEngine):
         pass  # done by the engine's step
 
     def grad_norm_of_last_step(self) -> torch.Tensor:
+        """On the device, like the other engines' norms (the watchdog compares it there, without a sync)."""
         norm = self.engine.get_global_grad_norm()
-        return torch.as_tensor(float(norm) if norm is not None else float("nan"))
+        device = self.accelerator.device
+        if norm is None:  # DeepSpeed did not compute it: the watchdog must not read a missing norm as divergence
+            return torch.zeros((), device=device)
+        return torch.as_tensor(norm, dtype=torch.float32).to(device)
 
     def optimizer_state(self) -> dict | None:
         return None  # in DeepSpeed's own checkpoint files
