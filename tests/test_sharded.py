@@ -283,3 +283,33 @@ def test_deepspeed_bf16_weights_or_fp32_weights_with_autocast_as_the_file_says(t
     parameters = sixteen["parameters"]
     assert sixteen["weights"] == 2 * parameters and thirty_two["weights"] == 4 * parameters
     assert sixteen["optimizer"] == thirty_two["optimizer"] == 12 * parameters // 2  # fp32 masters + Adam, halved
+
+
+@pytest.mark.slow
+def test_dpo_with_its_reference_under_fsdp2_two_ranks_equal_one_process(tmp_path, tiny_model_dir):
+    """A preference objective sharded: the policy under FSDP2, its frozen reference a whole copy on each rank;
+    the step's loss is a mean over the pairs of all ranks, as in one process."""
+    import random
+
+    from conftest import CORPUS
+
+    words = " ".join(CORPUS).split()
+    rng = random.Random(4)
+    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 10)))}],
+             "chosen": " ".join(rng.choices(words, k=rng.randint(2, 14))),
+             "rejected": " ".join(rng.choices(words, k=rng.randint(2, 14)))} for _ in range(32)]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    dpo = dict(rl="dpo", rl_beta=0.1, datasets=[{"path": str(pairs), "type": "chat_template"}])
+    runs = {}
+    for name, ranks, keys in (("one", 1, {}), ("fsdp", 2, FSDP)):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        config = write_config(run_dir / "run.yml", **base_config(
+            run_dir, tiny_model_dir, pairs, **{**STEPS, **dpo}, micro_batch_size=2,
+            gradient_accumulation_steps=4 // ranks, **keys))
+        result = torchrun("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        runs[name] = load_file(run_dir / "out" / "model.safetensors")
+    before = load_file(tiny_model_dir / "model.safetensors")
+    delta = {name: {k: weights[k] - before[k] for k in before} for name, weights in runs.items()}
+    assert relative_difference(delta["fsdp"], delta["one"]) < 1e-5
