@@ -36,8 +36,8 @@ class DDPEngine:
     writes_shards = False
     reshards = True  # its checkpoints resume on another number of ranks (with --force-resume)
 
-    def __init__(self, cfg, accelerator):
-        self.cfg, self.accelerator = cfg, accelerator
+    def __init__(self, cfg, plan, accelerator):
+        self.cfg, self.plan, self.accelerator = cfg, plan, accelerator
 
     def prepare(self, module):
         """(what the loop runs, the optimizer)."""
@@ -327,9 +327,7 @@ ENGINES = {"ddp": DDPEngine, "fsdp2": FSDP2Engine, "deepspeed": DeepSpeedEngine}
 def engine_for(cfg, plan, accelerator):
     if cfg.distributed.engine != "ddp":
         one_rank_group(accelerator)
-    engine = ENGINES[cfg.distributed.engine](cfg, accelerator)
-    engine.plan = plan
-    return engine
+    return ENGINES[cfg.distributed.engine](cfg, plan, accelerator)
 
 
 def one_rank_group(accelerator) -> None:
