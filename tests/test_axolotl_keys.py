@@ -358,7 +358,8 @@ def test_check_reports_every_problem_at_once_in_well_under_a_second(tmp_path):
                              "import tuneloop; sys.exit(main(['check', sys.argv[1]])) if 'torch' not in sys.modules "
                              "else None", str(config)], capture_output=True, text=True)
     seconds = time.perf_counter() - start
-    assert_user_error(result, "`rl` asks for this preference/RL training", "`deepcompile: True` asks for DeepSpeed's deepcompile",
+    assert_user_error(result, "`rl` asks for this preference/RL training",
+                      "`deepcompile: True` asks for DeepSpeed's deepcompile",
                       "datasets[0].`shards: 4` asks for a dataset option", "`micro_batch_size` got 'two'",
                       "unknown key `learning_rat`. Did you mean `learning_rate`?")
     assert result.stderr.count("\n  ") == 4  # five problems, one line each
