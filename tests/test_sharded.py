@@ -192,7 +192,10 @@ def check_config(tmp_path, tiny_model_dir, data, **keys) -> subprocess.Completed
     ({"deepspeed": {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}},
      ["has a `optimizer` block", "`optimizer:`"]),
     ({"adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True, **FSDP},
-     ["`adapter: qlora` under fsdp2 asks for QLoRA with sharded 4-bit weights", "`adapter: lora`"]),
+     ["(`adapter: qlora`) under fsdp2 asks for sharded 4/8-bit weights", "`adapter: lora`"]),
+    ({"adapter": "lora", "load_in_8bit": True, "lora_target_linear": True, "deepspeed": "zero2"},
+     ["(`adapter: lora`, load_in_8bit) under deepspeed asks for sharded 4/8-bit weights"]),
+    ({"fsdp": ["full_shard"], "fsdp_config": {"fsdp_version": 2, "sharding_strategy": 4}}, ["hybrid sharding"]),
 ])
 def test_sharding_keys_that_cannot_run_are_refused_naming_the_key(tmp_path, tiny_model_dir, data, keys, fragments):
     from conftest import assert_user_error
@@ -313,3 +316,22 @@ def test_dpo_with_its_reference_under_fsdp2_two_ranks_equal_one_process(tmp_path
     before = load_file(tiny_model_dir / "model.safetensors")
     delta = {name: {k: weights[k] - before[k] for k in before} for name, weights in runs.items()}
     assert relative_difference(delta["fsdp"], delta["one"]) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumed_by_another_engine_is_refused_naming_both(tmp_path, tiny_model_dir, data):
+    """The DeepSpeed file's path is the same but its stage changed (2 → 3): the shards are laid out for ZeRO-2,
+    so the resume is refused with one line, not a traceback from inside DeepSpeed."""
+    from conftest import assert_user_error, run_cli
+
+    from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
+
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    config = write_config(tmp_path / "run.yml", **base_config(
+        tmp_path, tiny_model_dir, data, deepspeed="ds.json", micro_batch_size=2, max_steps=6, save_strategy=None,
+        save_steps=2, auto_resume_from_checkpoints=True, optimizer="adamw_torch"))
+    crashed = run_cli("train", str(config), env={CRASH_DURING_SAVE_ENV: "4"})  # one process, a group of one
+    assert crashed.returncode != 0 and (tmp_path / "out" / "checkpoint-2" / "shards").is_dir(), crashed.stderr[-2000:]
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    assert_user_error(run_in_process("train", str(config)), "was written by DeepSpeed ZeRO-2 and this run uses "
+                      "DeepSpeed ZeRO-3")

@@ -21,8 +21,8 @@ FEATURES = {
     "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO, KTO and SimPO "
                    "(rl: grpo, ebft; options such as rpo_alpha; reward and process-reward models)"),
     "fsdp_deepspeed": ("DeepSpeed's deepcompile", "DeepSpeed's deepcompile"),
-    "sharded_4bit": ("QLoRA with sharded 4-bit weights", "QLoRA under FSDP2 or DeepSpeed (4-bit weights sharded "
-                     "over ranks; QLoRA with DDP ranks, and LoRA under FSDP2/DeepSpeed, work)"),
+    "sharded_4bit": ("sharded 4/8-bit weights", "QLoRA and 8-bit LoRA under FSDP2 or DeepSpeed (quantized weights "
+                     "sharded over ranks; QLoRA with DDP ranks, and LoRA under FSDP2/DeepSpeed, work)"),
     "parallelism": ("tensor/context/expert parallelism", "tensor, context, sequence, expert and N-D parallelism, "
                     "and Ray"),
     "multimodal": ("multimodal models", "multimodal models, processors and image/audio data"),

@@ -569,8 +569,9 @@ class TuneloopConfig(_Strict):
                           "this run is not compiled (the same result, without the speed-up).", UserWarning,
                           stacklevel=2)
             self.torch_compile = False
-        if self.adapter == "qlora" and dist.engine != "ddp":
-            raise ValueError(f"`adapter: qlora` under {dist.engine} asks for "
+        if (self.adapter == "qlora" or self.load_in_4bit or self.load_in_8bit) and dist.engine != "ddp":
+            raise ValueError(f"quantized weights (`adapter: {self.adapter}`"
+                             f"{', load_in_8bit' if self.load_in_8bit else ''}) under {dist.engine} asks for "
                              f"{axolotl_keys.FEATURES['sharded_4bit'][0]}, which tuneloop does not do yet (it needs a "
                              "GPU to be built and tested); use `adapter: lora` under FSDP2/DeepSpeed, or QLoRA with "
                              "plain DDP ranks")

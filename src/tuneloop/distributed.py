@@ -128,7 +128,13 @@ def _fsdp(fsdp: Any, fsdp_version: Any, fsdp_config: dict) -> Distributed:
         warnings.warn("FSDP1 (`fsdp_version` unset or 1) is deprecated in axolotl and torch; tuneloop runs the same "
                       "sharding with FSDP2 (`fully_shard`). Set `fsdp_version: 2` to silence this.", UserWarning,
                       stacklevel=4)
-    strategy = str(options.get("sharding_strategy") or "").upper()
+    strategy = options.get("sharding_strategy")
+    # accelerate's numbered spelling: 1 FULL_SHARD, 2 SHARD_GRAD_OP, 3 NO_SHARD, 4 HYBRID_SHARD, 5 _HYBRID_SHARD_ZERO2
+    numbered = {1: "FULL_SHARD", 2: "SHARD_GRAD_OP", 3: "NO_SHARD", 4: "HYBRID_SHARD", 5: "_HYBRID_SHARD_ZERO2"}
+    strategy = numbered.get(strategy, strategy) if isinstance(strategy, int) else str(strategy or "").upper()
+    if strategy and strategy not in numbered.values():
+        raise ValueError(f"`fsdp_config.sharding_strategy: {options['sharding_strategy']}`: one of "
+                         f"{', '.join(numbered.values())}")
     if "hybrid_shard" in words or "hybrid_shard_zero2" in words or strategy.startswith(("HYBRID", "_HYBRID")):
         raise ValueError("`fsdp` hybrid sharding (shard within a node, replicate across nodes) needs a 2-D device "
                          "mesh, which is tensor/context/expert parallelism tuneloop does not do yet; use full_shard")
@@ -210,7 +216,8 @@ def _deepspeed(value: Any, config_dir: Path | None) -> Distributed:
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"`deepspeed: {value}`: zero_optimization.stage is {stage!r}; ZeRO stages are 0 to 3")
     offload_optimizer = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
-    offload_weights = (zero.get("offload_param") or {}).get("device") in ("cpu", "nvme")
+    # DeepSpeed offloads weights only at stage 3 (partitioned ones)
+    offload_weights = stage == 3 and (zero.get("offload_param") or {}).get("device") in ("cpu", "nvme")
     return Distributed(engine="deepspeed", shards_weights=stage >= 3, shards_gradients=stage >= 2,
                        shards_optimizer=stage >= 1, offload_weights=offload_weights,
                        offload_optimizer=offload_optimizer, zero_stage=stage, deepspeed_file=source,

@@ -100,6 +100,10 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     weights /= ranks if dist.shards_weights else 1
     grads /= ranks if dist.shards_gradients else 1
     optimizer /= ranks if dist.shards_optimizer else 1
+    if dist.engine == "fsdp2" and cfg.gradient_accumulation_steps > 1:
+        # FSDP2 skips the reduce-scatter in a step's non-final micro-batches, keeping each gradient whole (fp32)
+        # until the last one: bandwidth saved, memory spent
+        grads += trainable * 4
     gathered = 0.0
     if dist.shards_weights:  # the root group (embeddings, head) and the running and prefetched layer, whole
         outside_layers = max(params - _layer_parameters(config) * layers, 0)

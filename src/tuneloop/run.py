@@ -144,6 +144,7 @@ class TrainingSession:
 
         from tuneloop.hardware import mixed_precision
 
+        _host_and_device_group(self.cfg)
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(self.cfg))
         if self.cfg.tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -433,3 +434,17 @@ def _forget_one_rank_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _host_and_device_group(cfg) -> None:
+    """FSDP2 offloading to the host reduces its gradient norm on host tensors: under a launcher on GPUs the process
+    group needs gloo for the CPU beside NCCL. Made before Accelerate's own (which it then uses)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if (cfg.distributed.engine == "fsdp2" and cfg.distributed.offload_weights and torch.cuda.is_available()
+            and "WORLD_SIZE" in os.environ and not dist.is_initialized()):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo")

@@ -220,12 +220,24 @@ def incompatibilities(state: dict, plan: dict, identity: dict) -> list[str]:
     return changed
 
 
+def _engine_words(identity: dict) -> str:
+    if identity["name"] == "deepspeed":
+        return f"DeepSpeed ZeRO-{identity['zero_stage']}"
+    return {"ddp": "DDP (or one process)", "fsdp2": "FSDP2"}.get(identity["name"], identity["name"])
+
+
 def load_training_state(checkpoint: Path, engine, scheduler, rank: int = 0) -> None:
     """The optimizer (from the training state, or the engine's shards), the scheduler and this rank's RNG."""
     from tuneloop.train.engines import SHARDS
 
     saved = torch.load(checkpoint / run_files.TRAINING_STATE, weights_only=False)
-    written_by = read_state(checkpoint)["plan"]["world_size"]
+    marker = read_state(checkpoint)
+    written_with = marker.get("engine", {"name": "ddp", "zero_stage": None})
+    if written_with != engine.identity():
+        raise UserError(f"resume: {checkpoint} was written by {_engine_words(written_with)} and this run uses "
+                        f"{_engine_words(engine.identity())}; its weights and optimizer state are laid out for the "
+                        "former. Restore that engine's settings, or start a fresh output_dir.")
+    written_by = marker["plan"]["world_size"]
     if engine.writes_shards and written_by != engine.plan.world_size and not engine.reshards:
         # (a different world size got this far only with --force-resume)
         raise UserError(f"resume: {checkpoint} was written by {written_by} ranks and this run has "

@@ -88,6 +88,10 @@ class DDPEngine:
         """None: the model on the main process is whole, it saves itself."""
         return None
 
+    def identity(self) -> dict:
+        """What a checkpoint's shards need of the engine that resumes them (the marker records it)."""
+        return {"name": self.name, "zero_stage": self.cfg.distributed.zero_stage}
+
     def held_bytes(self) -> dict:
         return held_bytes(self.module.model, self.scheduler_optimizer)
 
@@ -118,6 +122,9 @@ class FSDP2Engine(DDPEngine):
         layers = shard_groups(module.model, dist.layer_classes)
         for layer in layers:
             fully_shard(layer, **options)
+        if "mp_policy" in options:  # the root's inputs stay as they are: DPO's precomputed fp32 log-probs ride in them
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                        cast_forward_inputs=False)
         fully_shard(module, **options)  # the root: embeddings, head and the loss computed with it
         self.layer_count = len(layers)
         self.module = self.runner = module
@@ -135,7 +142,7 @@ class FSDP2Engine(DDPEngine):
         grad_norm = torch.nn.utils.clip_grad_norm_(self.runner.parameters(), max_norm or float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # the norm of sharded gradients, reduced over ranks
             grad_norm = grad_norm.full_tensor()
-        return grad_norm
+        return grad_norm.to(self.accelerator.device)  # (offloaded gradients give a host norm)
 
     def optimizer_state(self) -> dict | None:
         return None  # in the shards
@@ -232,7 +239,9 @@ class DeepSpeedEngine(DDPEngine):
         """On the device, like the other engines' norms (the watchdog compares it there, without a sync)."""
         norm = self.engine.get_global_grad_norm()
         device = self.accelerator.device
-        if norm is None:  # DeepSpeed did not compute it: the watchdog must not read a missing norm as divergence
+        # not computed, or an fp16 loss-scale overflow that DeepSpeed skipped (its norm is then inf): neither is a
+        # divergence for the watchdog
+        if norm is None or not self.engine.was_step_applied():
             return torch.zeros((), device=device)
         return torch.as_tensor(norm, dtype=torch.float32).to(device)
 
@@ -240,8 +249,16 @@ class DeepSpeedEngine(DDPEngine):
         return None  # in DeepSpeed's own checkpoint files
 
     def save_shards(self, folder: Path) -> None:
-        """Collective: DeepSpeed's checkpoint (model states and each rank's optimizer partition) in `folder`."""
-        self.engine.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
+        """Collective: DeepSpeed's checkpoint (model states and each rank's optimizer partition) in `folder`. A rank
+        whose write fails still meets the others at the barrier DeepSpeed ends with, then reports the failure (the
+        checkpoint then fails on every rank together instead of hanging)."""
+        try:
+            self.engine.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
+        except Exception:
+            import torch.distributed as dist
+
+            dist.barrier()
+            raise
 
     def load_shards(self, folder: Path) -> None:
         path, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_lr_scheduler_states=False)
@@ -253,10 +270,23 @@ class DeepSpeedEngine(DDPEngine):
             return None  # ZeRO-1/2 keep whole weights on every rank
         import deepspeed
 
-        model = self.engine.module.model
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            state = {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
-        return state if self.accelerator.is_main_process else {}
+        # one module's weights gathered at a time (the whole model at once would not fit where ZeRO-3 was needed),
+        # copied to host memory on the main process only
+        model, main = self.engine.module.model, self.accelerator.is_main_process
+        state = {}
+        for prefix, module in model.named_modules():
+            own = list(module.named_parameters(recurse=False))
+            if not own:
+                continue
+            with deepspeed.zero.GatheredParameters([param for _, param in own], modifier_rank=None):
+                if main:
+                    for name, param in own:
+                        state[f"{prefix}.{name}" if prefix else name] = param.detach().cpu().clone()
+        if main:  # persistent buffers, never partitioned
+            saved = set(model.state_dict())
+            state.update({name: buffer.detach().cpu().clone() for name, buffer in model.named_buffers()
+                          if name in saved})
+        return state
 
 
 @contextlib.contextmanager
@@ -342,5 +372,5 @@ def one_rank_group(accelerator) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    backend = "nccl" if accelerator.device.type == "cuda" else "gloo"
+    backend = "cuda:nccl,cpu:gloo" if accelerator.device.type == "cuda" else "gloo"  # (offloaded norms are on the host)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -284,7 +284,7 @@ class TrainingLoop:
             streaks = self.gather_counts(self.state.bad_steps_in_a_row)
             marker = {**self.state.to_json(self.gather_counts(self.state.targets_collated),
                                            [streaks[i:i + 2] for i in range(0, len(streaks), 2)]),
-                      "plan": self.plan.to_json(), **self.identity}
+                      "plan": self.plan.to_json(), "engine": self.engine.identity(), **self.identity}
 
             engine = self.engine
             # a sharded model's checkpoint holds its shards; its whole weights only when asked (FULL_STATE_DICT)
@@ -309,6 +309,10 @@ class TrainingLoop:
                 clean_up=lambda: checkpoint.remove_pending(self.output_dir, step, self.world_size))
 
     def publish_model(self, best_instead: bool) -> None:
+        if self.world_size > 1:  # decided once: a sharded model's gather below is a collective every rank must meet
+            from accelerate.utils import broadcast_object_list
+
+            best_instead = broadcast_object_list([best_instead])[0]
         model = self.language_model
         with self.timed("save"):
             weights = None if best_instead else self.engine.full_state_dict()  # collective, for a sharded model
