@@ -231,18 +231,6 @@ def load_training_state(checkpoint: Path, engine, scheduler, rank: int = 0) -> N
     from tuneloop.train.engines import SHARDS
 
     saved = torch.load(checkpoint / run_files.TRAINING_STATE, weights_only=False)
-    marker = read_state(checkpoint)
-    written_with = marker.get("engine", {"name": "ddp", "zero_stage": None})
-    if written_with != engine.identity():
-        raise UserError(f"resume: {checkpoint} was written by {_engine_words(written_with)} and this run uses "
-                        f"{_engine_words(engine.identity())}; its weights and optimizer state are laid out for the "
-                        "former. Restore that engine's settings, or start a fresh output_dir.")
-    written_by = marker["plan"]["world_size"]
-    if engine.writes_shards and written_by != engine.plan.world_size and not engine.reshards:
-        # (a different world size got this far only with --force-resume)
-        raise UserError(f"resume: {checkpoint} was written by {written_by} ranks and this run has "
-                        f"{engine.plan.world_size}; {engine.name}'s ZeRO partitions cannot be redistributed over "
-                        f"another number of ranks. Launch {written_by} ranks, or start a fresh output_dir.")
     if engine.writes_shards:
         if not (checkpoint / SHARDS).is_dir():
             raise UserError(f"checkpoint: {checkpoint} has no {SHARDS}/ folder; it was written without "
@@ -256,3 +244,20 @@ def load_training_state(checkpoint: Path, engine, scheduler, rank: int = 0) -> N
     scheduler.load_state_dict(saved["scheduler"])
     own = checkpoint / run_files.RANK_RNG.format(rank=rank)
     restore_rng_states(torch.load(own, weights_only=False) if own.is_file() else saved["rng"])
+
+
+def check_engine_can_resume(checkpoint: Path, engine) -> None:
+    """Before the engine is built: the checkpoint was written by this engine (and ZeRO stage), and on this number of
+    ranks unless the engine can redistribute its shards."""
+    marker = read_state(checkpoint)
+    written_with = marker.get("engine", {"name": "ddp", "zero_stage": None})
+    if written_with != engine.identity():
+        raise UserError(f"resume: {checkpoint} was written by {_engine_words(written_with)} and this run uses "
+                        f"{_engine_words(engine.identity())}; its weights and optimizer state are laid out for the "
+                        "former. Restore that engine's settings, or start a fresh output_dir.")
+    written_by = marker["plan"]["world_size"]
+    if engine.writes_shards and written_by != engine.plan.world_size and not engine.reshards:
+        # (a different world size got this far only with --force-resume)
+        raise UserError(f"resume: {checkpoint} was written by {written_by} ranks and this run has "
+                        f"{engine.plan.world_size}; {engine.name}'s ZeRO partitions cannot be redistributed over "
+                        f"another number of ranks. Launch {written_by} ranks, or start a fresh output_dir.")

@@ -98,6 +98,8 @@ class TrainingLoop:
         # what the loop runs (the model and its loss, wrapped by the engine: DDP, FSDP2 or DeepSpeed), its
         # optimizer, and the language model itself
         self.engine = engine_for(cfg, plan, accelerator)
+        if resume_from is not None:  # refused before the engine is built, not from inside it
+            checkpoint.check_engine_can_resume(resume_from, self.engine)
         self.model, self.optimizer = self.engine.prepare(ObjectiveModule(model, objective))
         self.language_model = model
         # stepped by us, once per optimizer step
