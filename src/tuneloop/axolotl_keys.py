@@ -39,7 +39,7 @@ FEATURES = {
                      "per-message training flags, tools, sharded hub datasets, deduplication, curriculum, length "
                      "strategies, a default system message)"),
     "model_options": ("a model option", "model options tuneloop does not have yet (model kwargs, custom model or "
-                      "trainer classes, half-precision weights, embedding resizing/reinit, attention scaling, "
+                      "trainer classes, half-precision weights, embedding resizing, attention scaling, "
                       "mistral-common tokenizers)"),
     "optimizer_options": ("an optimizer option", "optimizer options tuneloop does not have yet (optim_args, scheduler "
                           "kwargs, per-group or embedding learning rates, Dion, Q-GaLore, Grokfast, quadratic "
@@ -50,7 +50,8 @@ FEATURES = {
                        "the vision families, ...): `chat_template: jinja` with the template's text, or "
                        "`tokenizer_default`, work for any of them"),
     "dataset_types": ("a dataset type tuneloop does not have", "dataset types other than alpaca, alpaca:chat, "
-                      "completion, chat_template (chat_template.default), sharegpt and the custom format mapping"),
+                      "completion, seq2seq, chat_template (chat_template.default), sharegpt and the custom format "
+                      "mapping"),
 }
 
 # dataset `type:` prefixes and names that are preference data (chosen/rejected pairs, rewards)
@@ -151,8 +152,8 @@ _REFUSED_BY_FEATURE = {
         eval_sequence_len min_sample_len sample_packing_sequentially curriculum_sampling multipack_real_batches
         chat_template_kwargs default_system_message""",
     "model_options": """
-        base_model_config cls_model_config tokenizer_use_mistral_common model_kwargs overrides_of_model_kwargs
-        rope_scaling mean_resizing_embeddings shrink_embeddings embeddings_skip_upcast reinit_weights trainer_cls
+        cls_model_config tokenizer_use_mistral_common model_kwargs overrides_of_model_kwargs
+        rope_scaling mean_resizing_embeddings shrink_embeddings embeddings_skip_upcast trainer_cls
         fp32_norms fp32_norm_classes scaling_softmax scaling_softmax_factor
         scaling_softmax_bias added_tokens_overrides fix_untrained_tokens""",
     "optimizer_options": """

@@ -67,6 +67,18 @@ UNPAIRED_ONLY_KEYS = ("field_completion", "field_label", "completion_format")
 
 
 # dataset keys that only a chat dataset reads (set on another type, they would be ignored: refused instead)
+# the text-to-text (encoder-decoder) model families: their *ForConditionalGeneration classes are seq2seq models,
+# not the multimodal ones of the same suffix (model.py checks the class against transformers' own mapping)
+SEQ2SEQ_FAMILIES = ("T5", "MT5", "UMT5", "LongT5", "Bart", "MBart", "PLBart", "Pegasus", "PegasusX", "BigBirdPegasus",
+                    "Blenderbot", "BlenderbotSmall", "LED", "M2M100", "NllbMoe", "FSMT", "Mvp", "ProphetNet",
+                    "SwitchTransformers", "T5Gemma", "Marian")
+
+
+def is_seq2seq_class(name: str) -> bool:
+    family = name.removesuffix("ForConditionalGeneration").removesuffix("MTModel")
+    return name != family and family in SEQ2SEQ_FAMILIES
+
+
 CHAT_ONLY_KEYS = ("field_messages", "message_field_role", "message_field_content", "message_property_mappings",
                   "roles", "roles_to_train", "train_on_eos", "train_on_eot", "drop_system_message", "field_thinking",
                   "template_thinking_key", "chat_template", "chat_template_jinja")
@@ -92,6 +104,9 @@ class DatasetConfig(_Strict):
     revision: Optional[str] = None  # a hub dataset's revision
     # completion
     field: Optional[str] = None
+    # seq2seq: the prompt's field and the trained text's field
+    field_source: Optional[str] = None
+    field_target: Optional[str] = None
     # chat_template
     field_messages: Optional[str] = None
     message_field_role: str = "role"
@@ -161,6 +176,9 @@ class DatasetConfig(_Strict):
         if paired and self.type not in ("chat_template", "chat_template.default", *PREFERENCE_CHAT_TYPES):
             raise ValueError(f"`{paired[0]}` names a reply of preference data (`rl:` with type chat_template or "
                              "chat_template.argilla); remove it")
+        pair_fields = [key for key in ("field_source", "field_target") if key in self.model_fields_set]
+        if pair_fields and self.type != "seq2seq":
+            raise ValueError(f"`{pair_fields[0]}` names a field of a `type: seq2seq` dataset; remove it")
         if "field" in self.model_fields_set and self.type != "completion":
             raise ValueError("`field` names the text of a `type: completion` dataset; remove it")
         return self
@@ -171,10 +189,46 @@ ZERO_MEANS = {"evals_per_epoch": " (no evals)", "saves_per_epoch": " (no saves)"
 ATTENTION_IMPLEMENTATIONS = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "xformers"}
 
 
+class TrainTokenizer(_Strict):
+    """tuneloop's own key: a tokenizer trained on the run's training text (with the `tokenizers` library) before
+    the data is prepared, for a model trained from scratch. It is cached beside the prepared data and saved with
+    the model; the model's embeddings are sized to it."""
+
+    type: Literal["bpe", "unigram"] = "bpe"
+    vocab_size: int = 8000
+    # what each special token is called; the first ids go to them in this order (T5's: pad 0, eos 1, unk 2)
+    special_tokens: dict[str, str] = Field(default_factory=lambda: {"pad_token": "<pad>", "eos_token": "</s>",
+                                                                   "unk_token": "<unk>"})
+    min_frequency: int = 2
+
+    @field_validator("vocab_size")
+    @classmethod
+    def _vocabulary(cls, value):
+        if value < 32:
+            raise ValueError("must be at least 32 (the special tokens and the bytes or characters need room)")
+        return value
+
+    @field_validator("special_tokens")
+    @classmethod
+    def _special(cls, value):
+        known = ("pad_token", "eos_token", "unk_token", "bos_token", "sep_token", "cls_token", "mask_token")
+        for name in value:
+            if name not in known:
+                raise ValueError(f"`{name}` is not a special token name; use {', '.join(known)}")
+        for needed in ("pad_token", "eos_token"):
+            if needed not in value:
+                raise ValueError(f"needs `{needed}` (padding and the end of every target use it)")
+        return value
+
+
 class TuneloopConfig(_Strict):
     _distributed: Any = PrivateAttr(default=None)
-    # model
-    base_model: str
+    # model: pretrained weights (base_model), or a model built from a config with random weights (from scratch:
+    # base_model_config, a folder or a model type name such as `t5`, or reinit_weights)
+    base_model: Optional[str] = None
+    base_model_config: Optional[str] = None
+    reinit_weights: bool = False
+    train_tokenizer: Optional[TrainTokenizer] = None
     model_type: Optional[str] = None  # a transformers class name; axolotl's `type_of_model` too
     revision_of_model: Optional[str] = None  # axolotl's `model_revision` too
     overrides_of_model_config: Optional[dict[str, Any]] = None  # axolotl's `model_config` too
@@ -404,12 +458,15 @@ class TuneloopConfig(_Strict):
     @field_validator("model_type")
     @classmethod
     def _model_class(cls, value):
-        if value is None or value == "AutoModelForCausalLM" or value.endswith("ForCausalLM"):
+        if value is None or value in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM") or value.endswith("ForCausalLM"):
+            return value
+        if is_seq2seq_class(value):
             return value
         feature = ("multimodal" if "ConditionalGeneration" in value or "ImageText" in value or "Vision" in value
                    else "preference" if "SequenceClassification" in value else "model_options")
         raise ValueError(f"got {value!r}: tuneloop trains causal language models (AutoModelForCausalLM or a "
-                         f"*ForCausalLM class); this needs {axolotl_keys.FEATURES[feature][0]}")
+                         f"*ForCausalLM class) and text-to-text models (AutoModelForSeq2SeqLM, "
+                         f"T5ForConditionalGeneration, ...); this needs {axolotl_keys.FEATURES[feature][0]}")
 
     @field_validator("plugins")
     @classmethod
@@ -553,9 +610,38 @@ class TuneloopConfig(_Strict):
             raise ValueError(f"`eval_strategy: {self.eval_strategy}` and `eval_steps` disagree: keep one of them")
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("`chat_template: jinja` needs the template text in `chat_template_jinja`")
+        self._check_model_source()
         self._check_preference()
         self._distributed = self._read_distributed()
         return self
+
+    @property
+    def from_scratch(self) -> bool:
+        """Random weights from a config (base_model_config without base_model, or reinit_weights)."""
+        return self.reinit_weights or self.base_model is None
+
+    def _check_model_source(self) -> None:
+        if self.base_model is None and self.base_model_config is None:
+            raise ValueError("`base_model` is required (the model to fine-tune); to train from scratch give "
+                             "`base_model_config` (a folder with a config.json, or a model type such as t5)")
+        if not self.from_scratch:
+            if self.train_tokenizer:
+                raise ValueError("`train_tokenizer` makes new token ids, which mean nothing to the pretrained weights "
+                                 f"of {self.base_model}: use it to train from scratch (`reinit_weights: true`, or "
+                                 "`base_model_config` without base_model), or remove it")
+            return
+        if self.adapter:
+            raise ValueError(f"`adapter: {self.adapter}` trains a small adapter on frozen weights, and this run "
+                             "starts from random weights (training from scratch): remove the adapter")
+        if self.rl:
+            raise ValueError(f"`rl: {self.rl}` tunes a trained model's preferences, and this run starts from random "
+                             "weights: train it first, then give it as base_model")
+        if self.base_model is None and not (self.train_tokenizer or self.tokenizer_config):
+            source = self.base_model_config
+            if source is None or not Path(source).expanduser().is_dir():
+                raise ValueError(f"training from scratch with `base_model_config: {source}` needs a tokenizer: "
+                                 "`train_tokenizer: {type: bpe, vocab_size: 8000}` trains one on the data, or "
+                                 "`tokenizer_config` names one")
 
     def _read_distributed(self):
         from tuneloop.distributed import read_distributed

@@ -15,21 +15,43 @@ from tuneloop.registry import Registry
 class ModelKind:
     auto_class: str  # the transformers Auto class that builds and loads it
     peft_task_type: str  # what peft calls it, for LoRA
+    encoder_decoder: bool = False  # the prompt goes to an encoder, the trained text is the decoder's labels
 
 
 MODEL_KINDS: Registry[ModelKind] = Registry("model kind", "model_type")
 MODEL_KINDS.add("causal", ModelKind("AutoModelForCausalLM", peft_task_type="CAUSAL_LM"))
+MODEL_KINDS.add("seq2seq", ModelKind("AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM", encoder_decoder=True))
 
 
-def model_kind(cfg: TuneloopConfig) -> ModelKind:
-    """Causal language models today; seq2seq (T5) will be chosen here from the config or the checkpoint."""
-    return MODEL_KINDS["causal"]
+def kind_of_config(config) -> ModelKind:
+    """What a transformers config says the model is."""
+    return MODEL_KINDS["seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"]
+
+
+def named_kind(cfg: TuneloopConfig) -> ModelKind | None:
+    """The kind `model_type` names (AutoModelForSeq2SeqLM, a seq2seq family's class, or a causal one), if set."""
+    from tuneloop.config import is_seq2seq_class
+
+    if not cfg.model_type:
+        return None
+    seq2seq = cfg.model_type == "AutoModelForSeq2SeqLM" or is_seq2seq_class(cfg.model_type)
+    return MODEL_KINDS["seq2seq" if seq2seq else "causal"]
+
+
+def model_kind(cfg: TuneloopConfig, config=None) -> ModelKind:
+    """`model_type` when it names one, else the model's config (`is_encoder_decoder`: T5, BART, ...)."""
+    return named_kind(cfg) or kind_of_config(config if config is not None else model_config(cfg))
 
 
 def auto_class(kind: ModelKind):
     import transformers
 
     return getattr(transformers, kind.auto_class)
+
+
+def loader_for_config(config):
+    """The Auto class that loads a saved folder with this config (for `infer`, `eval` and `merge-lora`)."""
+    return auto_class(kind_of_config(config))
 
 
 def _checked_source(name: str, key: str) -> str:
@@ -39,13 +61,13 @@ def _checked_source(name: str, key: str) -> str:
     return name
 
 
-def model_class(cfg: TuneloopConfig):
-    """The class that loads the model: `model_type` (axolotl's key: AutoModelForCausalLM or a concrete
-    *ForCausalLM class), else the kind's Auto class."""
+def model_class(cfg: TuneloopConfig, config=None):
+    """The class that loads the model: `model_type` (axolotl's key: an Auto class or a concrete class), else the
+    kind's Auto class."""
     import transformers
 
     if not cfg.model_type:
-        return auto_class(model_kind(cfg))
+        return auto_class(model_kind(cfg, config))
     found = getattr(transformers, cfg.model_type, None)
     if found is None:
         raise UserError(f"config: `model_type: {cfg.model_type}` is not a class transformers has")
@@ -55,19 +77,31 @@ def model_class(cfg: TuneloopConfig):
 def check_model_class(cfg: TuneloopConfig, config) -> None:
     """A concrete `model_type` must be what the checkpoint says it is (a LlamaForCausalLM class loading a
     Mistral checkpoint would quietly drop or misplace weights)."""
-    model_class(cfg)  # a class transformers has
+    model_class(cfg, config)  # a class transformers has
+    source = cfg.base_model_config or cfg.base_model
+    named, actual = named_kind(cfg), kind_of_config(config)
+    if named is not None and named != actual:
+        named_text = "a text-to-text" if named.encoder_decoder else "a causal"
+        actual_text = "an encoder-decoder" if actual.encoder_decoder else "a causal"
+        raise UserError(f"config: `model_type: {cfg.model_type}` is {named_text} model class, and {source} is "
+                        f"{actual_text} model; set `model_type: {actual.auto_class}` or leave it out")
     architectures = getattr(config, "architectures", None) or []
     if cfg.model_type and not cfg.model_type.startswith("Auto") and architectures \
             and cfg.model_type not in architectures:
-        raise UserError(f"config: `model_type: {cfg.model_type}` does not match {cfg.base_model}, whose config says "
-                        f"{', '.join(architectures)}; set `model_type: AutoModelForCausalLM` or the right class")
+        raise UserError(f"config: `model_type: {cfg.model_type}` does not match {source}, whose config says "
+                        f"{', '.join(architectures)}; set `model_type: {actual.auto_class}` or the right class")
 
 
 def load_tokenizer(cfg: TuneloopConfig):
+    """The run's tokenizer: trained on the data (`train_tokenizer`), `tokenizer_config`'s, or the model's."""
     import transformers
 
-    key = "tokenizer_config" if cfg.tokenizer_config else "base_model"
-    source = _checked_source(cfg.tokenizer_config or cfg.base_model, key)
+    if cfg.train_tokenizer:
+        from tuneloop.data.tokenizer_training import trained_tokenizer
+
+        return _with_added_tokens(cfg, trained_tokenizer(cfg, encoder_decoder=model_kind(cfg).encoder_decoder))
+    key = "tokenizer_config" if cfg.tokenizer_config else "base_model" if cfg.base_model else "base_model_config"
+    source = _checked_source(cfg.tokenizer_config or cfg.base_model or cfg.base_model_config, key)
     tokenizer_class = getattr(transformers, cfg.tokenizer_type or "AutoTokenizer", None)
     if tokenizer_class is None:
         raise UserError(f"config: `tokenizer_type: {cfg.tokenizer_type}` is not a class transformers has")
@@ -80,6 +114,10 @@ def load_tokenizer(cfg: TuneloopConfig):
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"model: the tokenizer of {source!r} is not a fast tokenizer; tuneloop needs character "
                         "offsets to mask prompts exactly")
+    return _with_added_tokens(cfg, tokenizer)
+
+
+def _with_added_tokens(cfg: TuneloopConfig, tokenizer):
     if cfg.special_tokens:
         tokenizer.add_special_tokens(dict(cfg.special_tokens))
     if cfg.tokens:
@@ -108,19 +146,66 @@ def _revision(cfg: TuneloopConfig, key: str = "base_model") -> dict:
     return {"revision": cfg.revision_of_model}
 
 
-def model_config(cfg: TuneloopConfig):
-    """The checkpoint's config with `overrides_of_model_config` (axolotl's `model_config`) applied."""
-    from transformers import AutoConfig
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
 
-    source = _checked_source(cfg.base_model, "base_model")
+
+def model_config(cfg: TuneloopConfig, tokenizer=None):
+    """The model's config with `overrides_of_model_config` (axolotl's `model_config`) applied: the checkpoint's,
+    `base_model_config`'s (a folder, or a model type such as `t5`: that type's default config), and for a model
+    trained from scratch sized to the tokenizer when one is given."""
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    key = "base_model_config" if cfg.base_model_config else "base_model"
+    name = cfg.base_model_config or cfg.base_model
     try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **_revision(cfg))
+        if name in CONFIG_MAPPING and not Path(name).expanduser().exists():
+            config = AutoConfig.for_model(name)
+        else:
+            source = _checked_source(name, key)
+            check_from_scratch_source(cfg)
+            config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
+                                                **_revision(cfg, key))
     except (OSError, ValueError) as error:
-        raise UserError(f"model: cannot read the config of {source!r}: {error}") from None
-    for key, value in (cfg.overrides_of_model_config or {}).items():
-        setattr(config, key, value)
+        raise UserError(f"model: cannot read the config of {name!r} (`{key}`): {error}") from None
+    for option, value in (cfg.overrides_of_model_config or {}).items():
+        if not hasattr(config, option):  # a misspelt size would build the default-sized model in silence
+            raise UserError(f"config: `overrides_of_model_config.{option}` is not a setting of {type(config).__name__}"
+                            f" (a {config.model_type} config); check its spelling")
+        setattr(config, option, value)
+    if cfg.from_scratch and tokenizer is not None:
+        size_to_tokenizer(cfg, config, tokenizer)
     check_model_class(cfg, config)
     return config
+
+
+def check_from_scratch_source(cfg: TuneloopConfig) -> None:
+    """`base_model_config` alone builds random weights; where that folder holds weights, the config must say
+    which was meant (axolotl's `reinit_weights: true`: random weights; `base_model:` the folder: its weights)."""
+    if cfg.base_model is not None or cfg.reinit_weights:
+        return
+    folder = Path(cfg.base_model_config).expanduser()
+    weights = [path.name for pattern in WEIGHT_FILES for path in folder.glob(pattern)] if folder.is_dir() else []
+    if weights:
+        raise UserError(f"config: `base_model_config: {cfg.base_model_config}` holds weights ({weights[0]}), and "
+                        "without base_model tuneloop would start from random weights: set `reinit_weights: true` "
+                        f"to train from scratch, or `base_model: {cfg.base_model_config}` to fine-tune those weights")
+
+
+def size_to_tokenizer(cfg: TuneloopConfig, config, tokenizer) -> None:
+    """A model built from scratch gets the tokenizer's vocabulary and special ids (its embeddings are sized to
+    the tokenizer; T5 starts its decoder from the pad id)."""
+    vocabulary = len(tokenizer)
+    asked = (cfg.overrides_of_model_config or {}).get("vocab_size")
+    if asked is not None and asked < vocabulary:
+        raise UserError(f"config: `overrides_of_model_config.vocab_size: {asked}` is smaller than the tokenizer's "
+                        f"{vocabulary} tokens; raise it or leave it out (the model is then sized to the tokenizer)")
+    config.vocab_size = asked or vocabulary
+    for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        token = getattr(tokenizer, name, None)
+        if token is not None:
+            setattr(config, name, token)
+    if getattr(config, "is_encoder_decoder", False):
+        config.decoder_start_token_id = tokenizer.pad_token_id
 
 
 @dataclass
@@ -145,10 +230,10 @@ def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
     from tuneloop.flops import count_matmul_weights
     from tuneloop.train.objectives import uses_chunked_loss
 
-    config = model_config(cfg)
+    config = model_config(cfg, tokenizer)
     try:
         with torch.device("meta"):
-            built = model_class(cfg)
+            built = model_class(cfg, config)
             model = (built.from_config(config, trust_remote_code=cfg.trust_remote_code) if hasattr(built, "from_config")
                      else built._from_config(config))  # a concrete class (model_type: LlamaForCausalLM)
     except (OSError, ValueError) as error:
@@ -163,7 +248,7 @@ def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
         isinstance(module, torch.nn.Embedding) and module is not inputs and module.num_embeddings == max_positions
         for module in model.modules())
     if cfg.adapter:
-        model = add_adapter(cfg, model, model_kind(cfg).peft_task_type)
+        model = add_adapter(cfg, model, model_kind(cfg, config).peft_task_type)
     elif cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -179,7 +264,8 @@ def check_sequence_len(cfg: TuneloopConfig, facts: ModelFacts) -> str | None:
         return None
     if facts.learned_positions:
         raise UserError(f"config: `sequence_len: {cfg.sequence_len}` is longer than the {limit} positions this model "
-                        f"has ({cfg.base_model}: a learned position table); set sequence_len to {limit} or less")
+                        f"has ({cfg.base_model or cfg.base_model_config}: a learned position table); set sequence_len "
+                        f"to {limit} or less")
     return (f"sequence_len={cfg.sequence_len} is above the model's max_position_embeddings={limit}: positions past "
             f"{limit} were never trained; quality may drop on rows that long.")
 
@@ -228,26 +314,48 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     """The model to train; from a checkpoint's weights when resuming (the adapter's, for LoRA)."""
     from safetensors import SafetensorError
 
-    from tuneloop.adapters import add_adapter, freeze_all_but, prepare_quantized, quantization_config
+    from tuneloop.adapters import quantization_config
     from tuneloop.hardware import attention_implementation, quantized_loading
 
-    config = model_config(cfg)
-    source = _checked_source(cfg.base_model, "base_model")
-    options = _revision(cfg)
-    if checkpoint is not None and not cfg.adapter:
+    config = model_config(cfg, tokenizer)
+    built = model_class(cfg, config)
+    attention = attention_implementation(cfg)[0]
+    if cfg.from_scratch and checkpoint is None:
+        return _prepared_for_training(cfg, built_from_config(cfg, built, config, attention), tokenizer, False,
+                                      checkpoint)
+    if checkpoint is not None and not cfg.adapter:  # the checkpoint's whole weights (an adapter's sit on the base)
         source, options = str(checkpoint), {}
     else:
-        options["config"] = config
+        source, options = _checked_source(cfg.base_model, "base_model"), {**_revision(cfg), "config": config}
     quantized = quantized_loading(cfg)
     if quantized:
         options["quantization_config"] = quantization_config(cfg, quantized)
     try:
-        model = model_class(cfg).from_pretrained(
-            source, dtype=weights_dtype(cfg), trust_remote_code=cfg.trust_remote_code,
-            attn_implementation=attention_implementation(cfg)[0], **options,
-        )
+        model = built.from_pretrained(source, dtype=weights_dtype(cfg), trust_remote_code=cfg.trust_remote_code,
+                                      attn_implementation=attention, **options)
     except (OSError, ValueError, SafetensorError) as error:  # missing, unreadable or damaged weights
         raise UserError(f"model: cannot load {source!r}: {type(error).__name__}: {error}") from None
+    return _prepared_for_training(cfg, model, tokenizer, quantized, checkpoint)
+
+
+def built_from_config(cfg: TuneloopConfig, built, config, attention: str | None):
+    """Random weights from the config (training from scratch), drawn from the run's seed."""
+    import torch
+
+    options = {"dtype": weights_dtype(cfg), "attn_implementation": attention}
+    try:
+        if hasattr(built, "from_config"):  # an Auto class
+            return built.from_config(config, trust_remote_code=cfg.trust_remote_code, **options)
+        return built._from_config(config, torch_dtype=options["dtype"], attn_implementation=attention)
+    except (ValueError, TypeError, torch.OutOfMemoryError) as error:
+        raise UserError(f"model: cannot build a {config.model_type} model from its config: {error}") from None
+
+
+def _prepared_for_training(cfg: TuneloopConfig, model, tokenizer, quantized, checkpoint):
+    """The loaded or built model made ready: cache off, embeddings grown to the tokenizer, checkpointing,
+    the adapter or the frozen parameters."""
+    from tuneloop.adapters import add_adapter, freeze_all_but, prepare_quantized
+
     # A cache in training defeats the packed-sequence mask (STACK-NOTES trap 1) and wastes memory.
     model.config.use_cache = False
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
@@ -257,7 +365,7 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
     if cfg.gradient_checkpointing == "offload" or (cfg.gradient_checkpointing and not quantized):
         enable_checkpointing(cfg, model)
     if cfg.adapter:
-        return add_adapter(cfg, model, model_kind(cfg).peft_task_type, checkpoint)
+        return add_adapter(cfg, model, model_kind(cfg, model.config).peft_task_type, checkpoint)
     if cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
     return model

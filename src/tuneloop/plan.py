@@ -76,6 +76,13 @@ class TrainingPlan:
     estimated_memory_gb: float | None = None
     memory: dict | None = None  # the estimate's parts per rank: weights, gradients, optimizer, activations, device
     engine: str | None = None  # how the ranks share the model: DDP, FSDP2 or DeepSpeed ZeRO (distributed.py)
+    model: str | None = None  # the model trained: its class, and where its weights come from
+    # encoder-decoder runs: the encoder's and the decoder's real tokens over the run, and the share of each side's
+    # computed positions that is padding (each side is padded to its own longest row)
+    encoder_tokens: int | None = None
+    decoder_tokens: int | None = None
+    encoder_padding_fraction: float | None = None
+    decoder_padding_fraction: float | None = None
     warnings: list[str] = field(default_factory=list)
     # what the loop's sampler and collator are given; not in plan.json, whose numbers above say it all
     train_batching: BatchingSpec | None = None
@@ -106,8 +113,8 @@ def train_spec(cfg: TuneloopConfig, world_size: int) -> BatchingSpec:
     return BatchingSpec(batching_mode(cfg), cfg.micro_batch_size, cfg.sequence_len, world_size, cfg.seed)
 
 
-def eval_spec(cfg: TuneloopConfig, world_size: int) -> BatchingSpec:
-    mode = "packed" if cfg.resolved_eval_sample_packing else "group_by_length"
+def eval_spec(cfg: TuneloopConfig, world_size: int, encoder_decoder: bool = False) -> BatchingSpec:
+    mode = "packed" if cfg.resolved_eval_sample_packing and not encoder_decoder else "group_by_length"
     return BatchingSpec(mode, cfg.resolved_eval_batch_size, cfg.sequence_len, world_size, cfg.seed)
 
 
@@ -127,9 +134,11 @@ def _scheduled(total: int, steps_per_epoch: int, every: int | float | None, per_
 
 def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.ndarray, eval_rows: int,
               dropped_too_long: int, world_size: int, dropped_no_trained_tokens: int = 0,
-              sequence_lengths: np.ndarray | None = None, group: int = 1) -> TrainingPlan:
+              sequence_lengths: np.ndarray | None = None, group: int = 1,
+              source_lengths: np.ndarray | None = None) -> TrainingPlan:
     """`train_lengths`/`train_targets`: per unit (a row, or a preference pair of `group` sequences whose own
-    lengths are `sequence_lengths`: unpacked, each gets a row of the micro-batch)."""
+    lengths are `sequence_lengths`: unpacked, each gets a row of the micro-batch). `source_lengths`: an
+    encoder-decoder's rows, the encoder's share of each row's length (the rest is the decoder's)."""
     cfg.check_batch_size(world_size)
     spec = train_spec(cfg, world_size)
     accum = cfg.gradient_accumulation_steps
@@ -148,6 +157,7 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
 
     # walk every step the run will take, on every rank, and count its tokens
     total_targets = total_real = computed = largest = 0
+    sides = {"encoder": [0, 0], "decoder": [0, 0]}  # an encoder-decoder's [real, computed] tokens per side
     padding = padding_for(cfg)
     step = 0
     for epoch in range(epochs_to_run):
@@ -161,6 +171,18 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
                     for row in micro:
                         total_targets += int(train_targets[row].sum())
                         total_real += int(train_lengths[row].sum())
+                    if source_lengths is not None:  # encoder and decoder, each padded to its longest row
+                        encoder = np.concatenate([source_lengths[row] for row in micro])
+                        decoder = np.concatenate([train_lengths[row] for row in micro]) - encoder
+                        padded = 0
+                        for side, lengths in (("encoder", encoder), ("decoder", decoder)):
+                            width = padding.width(int(lengths.max()))
+                            sides[side][0] += int(lengths.sum())
+                            sides[side][1] += len(lengths) * width
+                            padded += len(lengths) * width
+                        computed += padded
+                        largest = max(largest, padded)
+                        continue
                     if group > 1 and spec.mode != "packed":  # a row per sequence
                         width = max(int(sequence_lengths[unit * group:(unit + 1) * group].max())
                                     for row in micro for unit in row)
@@ -209,9 +231,13 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
         max_micro_batch_tokens=largest, learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler,
         optimizer=cfg.optimizer, dropped_no_trained_tokens=dropped_no_trained_tokens, train_batching=spec,
         objective=cfg.rl or "language_model", unit=RL_METHODS[cfg.rl].unit if cfg.rl else "tokens",
-        eval_batching=eval_spec(cfg, world_size),
+        eval_batching=eval_spec(cfg, world_size, source_lengths is not None),
         padding=padding, first_epoch_batches=first_epoch,
     )
+    if source_lengths is not None:
+        plan.encoder_tokens, plan.decoder_tokens = sides["encoder"][0], sides["decoder"][0]
+        plan.encoder_padding_fraction, plan.decoder_padding_fraction = (
+            round(1 - real / computed_side, 4) if computed_side else 0.0 for real, computed_side in sides.values())
     plan.warnings = plan_warnings(cfg, plan)
     return plan
 
@@ -261,8 +287,9 @@ def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
                      "batches; one step here consumes a global batch from every rank.")
         found.append(text)
     if plan.padding_fraction is not None and plan.padding_fraction > 0.20:
-        found.append(f"{plan.padding_fraction:.0%} of the computed tokens are padding; "
-                     "`sample_packing: true` (or `group_by_length: true`) would reclaim most of it.")
+        remedy = ("`group_by_length: true` would reclaim most of it" if plan.encoder_tokens is not None
+                  else "`sample_packing: true` (or `group_by_length: true`) would reclaim most of it")
+        found.append(f"{plan.padding_fraction:.0%} of the computed tokens are padding; {remedy}.")
     for name, count in (("eval", plan.eval_count), ("save", plan.save_count)):
         if count > 1 / FREQUENT_FRACTION:
             found.append(f"{count} {name}s in {plan.total_steps} steps: one every "
@@ -304,6 +331,7 @@ def describe(plan: TrainingPlan) -> str:
                else f"padding {plan.padding_fraction:.1%} of computed tokens")
     lines = [
         "tuneloop plan",
+        *([f"  model                {plan.model}"] if plan.model else []),
         f"  world size           {plan.world_size}",
         f"  batch                {plan.micro_batch_size} {batch_rows}/micro-batch × {plan.gradient_accumulation_steps} "
         f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} {batch_rows} per optimizer step"
@@ -318,6 +346,10 @@ def describe(plan: TrainingPlan) -> str:
         f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
+    if plan.encoder_tokens is not None:
+        lines.append(f"  encoder-decoder      encoder {plan.encoder_tokens} tokens (padding "
+                     f"{plan.encoder_padding_fraction:.1%}), decoder {plan.decoder_tokens} tokens (padding "
+                     f"{plan.decoder_padding_fraction:.1%}) over the run")
     if plan.objective != "language_model":
         together = ("chosen and rejected" if plan.unit == "pairs"
                     else "each row's reply and its mismatched reply for the KL estimate")

@@ -43,12 +43,28 @@ def prepare_data(cfg: TuneloopConfig, force: bool = False, hooks: RunHooks | Non
     from transformers.utils import logging as transformers_logging
 
     from tuneloop.data.prepare import prepare
-    from tuneloop.model import load_tokenizer
+    from tuneloop.model import load_tokenizer, model_kind
 
     transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
+    encoder_decoder = model_kind(cfg).encoder_decoder
+    if encoder_decoder:
+        check_encoder_decoder_settings(cfg)
     tokenizer = load_tokenizer(cfg)
     hooks = hooks or RunHooks()
-    return tokenizer, prepare(cfg, tokenizer, force=force, report=hooks.preparing, notice=hooks.notice)
+    return tokenizer, prepare(cfg, tokenizer, force=force, report=hooks.preparing, notice=hooks.notice,
+                              encoder_decoder=encoder_decoder)
+
+
+def check_encoder_decoder_settings(cfg: TuneloopConfig) -> None:
+    """What an encoder-decoder (T5) run cannot do, refused before any data is read."""
+    if cfg.sample_packing or cfg.eval_sample_packing:
+        key = "sample_packing" if cfg.sample_packing else "eval_sample_packing"
+        raise UserError(f"config: `{key}: true` packs rows for a causal model, and this is an encoder-decoder model "
+                        "(its relative positions and cross-attention do not separate packed rows): set it to false; "
+                        "`group_by_length: true` reclaims most of the padding")
+    if cfg.rl:
+        raise UserError(f"config: `rl: {cfg.rl}` is preference training of causal models; tuneloop does not train "
+                        "encoder-decoder models on preference pairs yet")
 
 
 def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int, device_memory_gb: float | None = None):
@@ -68,13 +84,16 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int, device_m
 
     mixed, why = precision(cfg)
     facts = model_facts(cfg, tokenizer)
+    encoder_decoder = getattr(prepared.train, "encoder_decoder", False)
     too_long = check_sequence_len(cfg, facts)
     stats = prepared.stats
     train = prepared.train
     lengths = np.asarray(train.unit_column("length"))  # per unit: a row, or a preference pair
     plan = make_plan(cfg, lengths, np.asarray(train.unit_column("n_targets")), stats.eval_rows,
                      stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens,
-                     np.asarray(train["length"]), train.group)
+                     np.asarray(train["length"]), train.group,
+                     np.asarray(train["source_length"]) if encoder_decoder else None)
+    plan.model = model_line(cfg, facts)
     plan.dropped_identical_pairs = stats.dropped_identical_pairs
     plan.reference = reference_source(cfg)
     plan.precision = f"{PRECISION_NAMES[mixed]} ({why})"
@@ -103,6 +122,16 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int, device_m
         plan.torch_compile = f"torch.compile ({cfg.torch_compile_backend or 'inductor'}" + (
             f", mode {cfg.torch_compile_mode})" if cfg.torch_compile_mode else ")")
     return plan
+
+
+def model_line(cfg: TuneloopConfig, facts) -> str:
+    """What the plan says of the model: its class, its size, and where its weights come from."""
+    name = type(facts.config).__name__.removesuffix("Config")
+    if cfg.from_scratch:
+        source = f"random weights (from scratch) from the config of {cfg.base_model_config or cfg.base_model}"
+    else:
+        source = f"weights of {cfg.base_model}"
+    return f"{name}, {facts.parameters:,} parameters; {source}"
 
 
 PRECISION_NAMES = {"no": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}

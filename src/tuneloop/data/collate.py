@@ -151,3 +151,53 @@ class Collator:
         if self.rows.labelled:  # KTO: each unit's label, in the units' order (a unit's first sequence carries it)
             extra["desirable"] = torch.from_numpy(np.asarray(self.rows["label"])[sequences[0::2]] == 1)
         return extra
+
+
+class Seq2SeqCollator:
+    """An encoder-decoder's micro-batch: each row's encoder tokens padded on the right and masked in attention;
+    its targets as the decoder's labels, and the decoder's inputs the targets shifted right behind
+    `decoder_start_token_id` (what T5 and BART's `_shift_right` do). Encoder and decoder are each as wide as
+    their longest row in the micro-batch (or sequence_len under pad_to_sequence_len). Decoder padding sits
+    after every real target of its row, so the causal decoder never attends to it and the loss never sees it
+    (-100): no decoder mask is needed."""
+
+    def __init__(self, rows, pad_token_id: int, decoder_start_token_id: int, padding: Padding | None = None):
+        self.rows = rows  # a TokenRows of an encoder-decoder store
+        self.pad_token_id = pad_token_id
+        self.decoder_start_token_id = decoder_start_token_id
+        self.padding = padding or Padding(multiple=pad_multiple())
+
+    def __call__(self, units: list[list[int]]) -> MicroBatch:
+        indices = [index for row in units for index in row]
+        sources = self.rows.columns["source_length"]
+        encoder, decoder, labels = [], [], []
+        for index in indices:
+            ids, row_labels = self.rows.tokens("input_ids", index), self.rows.tokens("labels", index)
+            split = int(sources[index])
+            encoder.append(ids[:split])
+            decoder.append(ids[split:])
+            labels.append(row_labels[split:])
+        encoder_width = self.padding.width(max(len(ids) for ids in encoder))
+        decoder_width = self.padding.width(max(len(ids) for ids in decoder))
+        input_ids = torch.full((len(indices), encoder_width), self.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(indices), encoder_width), dtype=torch.long)
+        decoder_inputs = torch.full((len(indices), decoder_width), self.pad_token_id, dtype=torch.long)
+        targets = torch.full((len(indices), decoder_width), IGNORE_INDEX, dtype=torch.long)
+        for i, (source, target, target_labels) in enumerate(zip(encoder, decoder, labels)):
+            input_ids[i, :len(source)] = torch.from_numpy(source.astype(np.int64))
+            attention[i, :len(source)] = 1
+            decoder_inputs[i, 0] = self.decoder_start_token_id
+            decoder_inputs[i, 1:len(target)] = torch.from_numpy(target[:-1].astype(np.int64))
+            targets[i, :len(target)] = torch.from_numpy(target_labels.astype(np.int64))
+        n_real = sum(len(ids) for ids in encoder) + sum(len(ids) for ids in decoder)
+        return MicroBatch({"input_ids": input_ids, "attention_mask": attention, "decoder_input_ids": decoder_inputs},
+                          targets, int((targets != IGNORE_INDEX).sum()), n_real)
+
+
+def collator_for(store, pad_token_id: int, packed: bool, padding: Padding | None = None, reference=None,
+                 decoder_start_token_id: int | None = None):
+    """The collator of a store: an encoder-decoder's (its rows say so), else the causal one."""
+    if store.encoder_decoder:
+        start = pad_token_id if decoder_start_token_id is None else decoder_start_token_id
+        return Seq2SeqCollator(store, pad_token_id, start, padding)
+    return Collator(store, pad_token_id, packed, padding=padding, reference=reference)

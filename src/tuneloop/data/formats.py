@@ -105,6 +105,14 @@ def render_custom(row: SourceRow, fmt) -> Rendered:
     return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
 
 
+def render_seq2seq(row: SourceRow, entry, context: RenderContext) -> Rendered:
+    """A plain pair: `field_source` (default `source`) is the prompt, `field_target` (default `target`) the trained
+    text. An encoder-decoder reads them as its encoder's input and its decoder's target; a causal model reads
+    the source followed by the target, the target trained."""
+    source, target = _field(row, entry.field_source or "source"), _field(row, entry.field_target or "target")
+    return Rendered(source + target, [(len(source), len(source) + len(target))])
+
+
 def render_completion(row: SourceRow, entry, context: RenderContext) -> Rendered:
     text = _field(row, entry.field or "text")
     return Rendered(text, [(0, len(text))])
@@ -275,6 +283,7 @@ FORMATS: Registry[Callable] = Registry("dataset type", "type")
 FORMATS.add("alpaca", render_alpaca)  # instruction / input / output in axolotl's Alpaca prompt
 FORMATS.add("alpaca:chat", render_alpaca_chat, aliases=("alpaca_chat",))  # the same as USER:/ASSISTANT: turns
 FORMATS.add("completion", render_completion)  # one text field, all of it trained
+FORMATS.add("seq2seq", render_seq2seq)  # a source and a target field: the encoder's input, the decoder's target
 FORMATS.add("chat_template", render_chat, aliases=("chat_template.default",))  # messages through the template
 FORMATS.add("sharegpt", render_chat)  # `conversations` of from/value through the chat template
 

@@ -113,14 +113,18 @@ class Limits:
     paired: bool = False
     pair_in_one_row: bool = False  # packed preference data (train or eval): both sequences fit one row together
     labelled: bool = False
+    # an encoder-decoder's rows: the prompt for the encoder, the trained text as the decoder's targets; each side
+    # at most sequence_len tokens
+    encoder_decoder: bool = False
 
 
-def limits_of(cfg) -> Limits:
+def limits_of(cfg, encoder_decoder: bool = False) -> Limits:
     from tuneloop.rl_methods import RL_METHODS
 
     labelled = bool(cfg.rl) and not RL_METHODS[cfg.rl].paired
     packs = cfg.sample_packing or cfg.resolved_eval_sample_packing  # a pair packs whole, in train or eval rows
-    return Limits(cfg.sequence_len, cfg.train_on_inputs, bool(cfg.rl), bool(cfg.rl) and packs, labelled)
+    return Limits(cfg.sequence_len, cfg.train_on_inputs, bool(cfg.rl), bool(cfg.rl) and packs, labelled,
+                  encoder_decoder)
 
 
 class ChunkTokenizer:
@@ -136,6 +140,8 @@ class ChunkTokenizer:
     def __call__(self, job: ChunkJob) -> ChunkResult:
         entry = self.entries[job.entry_index].entry
         rows = [parse_row(raw) for raw in job.rows]
+        if self.limits.encoder_decoder:
+            return self.kept_source_target(self.source_target(rows, entry, job.entry_index), len(rows))
         if entry.type is None:
             sequences = [pretokenized(row, self.vocabulary) for row in rows]
         elif self.limits.labelled:
@@ -151,6 +157,36 @@ class ChunkTokenizer:
             sequences = tokenize_rendered([render_row(row, entry, context) for row in rows], self.tokenizer,
                                           self.encoder, self.train_on_inputs)
         return self.kept(sequences, len(rows))
+
+    def source_target(self, rows: list, entry, entry_index: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """An encoder-decoder's rows: (encoder tokens then target tokens, their labels, how many are the encoder's)."""
+        if entry.type is None:  # tokens as transformers' seq2seq collator takes them: input_ids, labels
+            return [pretokenized_pair(row, self.vocabulary) for row in rows]
+        if entry.type == "completion":
+            raise UserError(f"data: `type: completion` trains the whole text, and an encoder-decoder model needs a "
+                            f"prompt for its encoder and a target for its decoder ({entry.path}): use `type: "
+                            "seq2seq` with field_source/field_target, alpaca, or a chat dataset")
+        context = self.contexts[entry_index]
+        return tokenize_source_target([render_row(row, entry, context) for row in rows], self.tokenizer,
+                                      self.encoder)
+
+    def kept_source_target(self, sequences: list[tuple[np.ndarray, np.ndarray, int]], rows_read: int) -> ChunkResult:
+        """The usable encoder-decoder rows: each side at most sequence_len tokens, and a target to train."""
+        sources = np.fromiter((source for _, _, source in sequences), dtype=np.int64, count=len(sequences))
+        lengths = np.fromiter((len(ids) for ids, _, _ in sequences), dtype=np.int64, count=len(sequences))
+        n_targets = np.fromiter((np.count_nonzero(labels != IGNORE_INDEX) for _, labels, _ in sequences),
+                                dtype=np.int64, count=len(sequences))
+        too_long = np.maximum(sources, lengths - sources) > self.sequence_len
+        untrained = ~too_long & (n_targets == 0)
+        keep = ~too_long & ~untrained
+        kept = [row for row, wanted in zip(sequences, keep) if wanted]
+        tokens = TokenChunk(
+            np.concatenate([ids for ids, _, _ in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
+            np.concatenate([labels for _, labels, _ in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
+            lengths[keep].astype(np.int32), n_targets[keep].astype(np.int32),
+            source_length=sources[keep].astype(np.int32))
+        return ChunkResult(tokens, PrepareStats(rows_read=rows_read, dropped_too_long=int(too_long.sum()),
+                                                dropped_no_trained_tokens=int(untrained.sum())), os.getpid())
 
     def kept(self, sequences: list[tuple[np.ndarray, np.ndarray]], rows_read: int,
              desirable: np.ndarray | None = None) -> ChunkResult:
@@ -223,6 +259,71 @@ def tokenize_rendered(rendered: list, tokenizer, encoder, train_on_inputs: bool)
     return results
 
 
+def tokenize_source_target(rendered: list, tokenizer, encoder) -> list[tuple[np.ndarray, np.ndarray, int]]:
+    """A rendered row split where its trained text starts: the text before it is the encoder's input, the text
+    from there to the end of the last trained span the decoder's target. Each side is tokenized as the
+    tokenizer does it alone (T5's adds `</s>`) and ends with eos. Inside the target, the tokens the renderer did
+    not mark (a user turn between two trained replies) and nothing else are masked; so is a row without any
+    trained text (dropped)."""
+    if not rendered:
+        return []
+    eos = tokenizer.eos_token_id
+    sources, targets, spans = [], [], []
+    for row in rendered:
+        start = row.trained_spans[0][0] if row.trained_spans else len(row.text)
+        end = max((span_end for _, span_end in row.trained_spans), default=start)
+        sources.append(row.text[:start])
+        targets.append(row.text[start:end])
+        spans.append([(span_start - start, span_end - start) for span_start, span_end in row.trained_spans])
+    source_encodings = encoder.encode_batch(sources, add_special_tokens=rendered[0].add_special_tokens)
+    target_encodings = encoder.encode_batch(targets, add_special_tokens=True)
+    results = []
+    for source, target, target_spans, text in zip(source_encodings, target_encodings, spans, targets):
+        source_ids = _ending_with(np.asarray(source.ids, dtype=np.int64), eos)
+        target_ids = np.asarray(target.ids, dtype=np.int64)
+        bounds = np.asarray(target.offsets, dtype=np.int64).reshape(-1, 2)
+        starts, ends = bounds[:, 0], bounds[:, 1]
+        trained = ends == starts  # what the tokenizer adds around a target (T5's `</s>`) is the decoder's to predict
+        for span_start, span_end in target_spans:
+            trained |= (starts < span_end) & (ends > span_start)
+        if not text:
+            trained[:] = False  # an empty reply: nothing to learn but an end, and the row is dropped
+        labels = np.where(trained, target_ids, IGNORE_INDEX)
+        if eos is not None and (not len(target_ids) or target_ids[-1] != eos):
+            target_ids = np.append(target_ids, eos)
+            labels = np.append(labels, eos if text else IGNORE_INDEX)
+        results.append((np.concatenate([source_ids, target_ids]),
+                        np.concatenate([np.full(len(source_ids), IGNORE_INDEX), labels]), len(source_ids)))
+    return results
+
+
+def _ending_with(ids: np.ndarray, eos: int | None) -> np.ndarray:
+    """The encoder's input ends with eos, as transformers' seq2seq models are trained (T5's tokenizer adds it)."""
+    if eos is None or (len(ids) and ids[-1] == eos):
+        return ids
+    return np.append(ids, eos)
+
+
+def pretokenized_pair(row, vocabulary: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """An encoder-decoder row given as tokens, as transformers' DataCollatorForSeq2Seq takes it: `input_ids` for
+    the encoder and `labels` for the decoder (-100 where not trained)."""
+    input_ids, labels = row.values.get("input_ids"), row.values.get("labels")
+    for name, value in (("input_ids", input_ids), ("labels", labels)):
+        if not isinstance(value, list) or not all(isinstance(token, int) for token in value):
+            raise UserError(f"data: {row.where}: a dataset without `type` is read as tokens; an encoder-decoder "
+                            f"needs `{name}` (a list of token ids: input_ids for the encoder, labels for the "
+                            f"decoder; fields present: {', '.join(sorted(row.values)) or 'none'}); or set `type`")
+    outside = [token for token in input_ids + labels if token != IGNORE_INDEX and not 0 <= token < vocabulary]
+    if outside:
+        raise UserError(f"data: {row.where}: token id {outside[0]} is outside the tokenizer's vocabulary of "
+                        f"{vocabulary} (labels may also be -100); were these rows made with another tokenizer?")
+    targets = np.asarray(labels, dtype=np.int64)
+    # a -100 target has no token to feed the decoder on the next position: pad's id stands in (never predicted)
+    decoder_tokens = np.where(targets == IGNORE_INDEX, 0, targets)
+    return (np.concatenate([np.asarray(input_ids, dtype=np.int64), decoder_tokens]),
+            np.concatenate([np.full(len(input_ids), IGNORE_INDEX), targets]), len(input_ids))
+
+
 FILE_DIGESTS = ".file-digests.json"  # in dataset_prepared_path: each data file's sha256 by path, size and mtime
 
 
@@ -261,7 +362,7 @@ def _write_digests(root: Path, known: dict) -> None:
         pass  # a read-only cache folder: the key is still right, only computed again next time
 
 
-def cache_key(cfg, tokenizer) -> str:
+def cache_key(cfg, tokenizer, encoder_decoder: bool = False) -> str:
     digest = hashlib.sha256()
     settings = {
         "version": PREPARE_VERSION,
@@ -270,6 +371,7 @@ def cache_key(cfg, tokenizer) -> str:
         "sequence_len": cfg.sequence_len,
         "train_on_inputs": cfg.train_on_inputs,
         "preference": [limits_of(cfg).paired, limits_of(cfg).pair_in_one_row, limits_of(cfg).labelled],
+        **({"encoder_decoder": True} if encoder_decoder else {}),
         "val_set_size": cfg.val_set_size,
         "shard": [cfg.dataset_shard_num, cfg.dataset_shard_idx],
         "seed": cfg.seed,
@@ -280,16 +382,23 @@ def cache_key(cfg, tokenizer) -> str:
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
+    digest.update(data_files_digest(cfg, cfg.datasets + cfg.test_datasets).encode())
+    return digest.hexdigest()[:16]
+
+
+def data_files_digest(cfg, entries: list) -> str:
+    """One hash of the entries' files (paths and bytes), each file hashed again only when it changed."""
+    digest = hashlib.sha256()
     root = Path(cfg.dataset_prepared_path)
     known = _read_digests(root)
     before = json.dumps(known, sort_keys=True)
-    for entry in cfg.datasets + cfg.test_datasets:
+    for entry in entries:
         for file in data_files_of(entry):
             digest.update(str(file).encode())
             digest.update(file_digest(file, known).encode())
     if json.dumps(known, sort_keys=True) != before:
         _write_digests(root, known)
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
 
 
 def pretokenized(row, vocabulary: int) -> tuple[np.ndarray, np.ndarray]:
@@ -423,7 +532,7 @@ def _tokenize_into(store: TokenStoreWriter, entries: list, cfg, tokenizer, stats
                    progress: ReadProgress, notice, shard: tuple[int, int] | None = None) -> set[int]:
     """Every row of `entries` into `store`; returns the ids of the processes that tokenized them."""
     rules = entry_rules(cfg, entries, tokenizer)
-    limits = limits_of(cfg)
+    limits = limits_of(cfg, store.encoder_decoder)
 
     def write_worker_state() -> Path:
         state = store.folder.parent / "worker-state.pkl"  # in the cache's temporary folder: removed with it
@@ -462,8 +571,8 @@ def split_store(source: Path, train_dir: Path, eval_dir: Path, held_out: np.ndar
     `held_out` has one value per unit."""
     rows = TokenRows(source)
     group = rows.group
-    train = TokenStoreWriter(train_dir, group, rows.labelled)
-    evaluation = TokenStoreWriter(eval_dir, group, rows.labelled)
+    train = TokenStoreWriter(train_dir, group, rows.labelled, rows.encoder_decoder)
+    evaluation = TokenStoreWriter(eval_dir, group, rows.labelled, rows.encoder_decoder)
     per_row = np.repeat(held_out, group)
     block_rows = SPLIT_BLOCK_ROWS * group  # whole units per block
     for start in range(0, len(rows), block_rows):
@@ -475,7 +584,7 @@ def split_store(source: Path, train_dir: Path, eval_dir: Path, held_out: np.ndar
     return train.close(), evaluation.close()
 
 
-def _build(cfg, tokenizer, target: Path, report=None, notice=None) -> int:
+def _build(cfg, tokenizer, target: Path, report=None, notice=None, encoder_decoder: bool = False) -> int:
     """Builds the cache in `target`; returns how many worker processes tokenized rows."""
     stats = PrepareStats()
     temp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
@@ -483,11 +592,11 @@ def _build(cfg, tokenizer, target: Path, report=None, notice=None) -> int:
         progress = ReadProgress(_bytes_to_read(cfg.datasets + cfg.test_datasets), report)
         shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
         group, labelled = (2 if cfg.rl else 1), limits_of(cfg).labelled
-        usable = TokenStoreWriter(temp / "usable", group, labelled)
+        usable = TokenStoreWriter(temp / "usable", group, labelled, encoder_decoder)
         pids = _tokenize_into(usable, cfg.datasets, cfg, tokenizer, stats, progress, notice, shard)
         total = usable.close()
         if cfg.test_datasets:
-            evaluation = TokenStoreWriter(temp / "eval", group, labelled)
+            evaluation = TokenStoreWriter(temp / "eval", group, labelled, encoder_decoder)
             pids |= _tokenize_into(evaluation, cfg.test_datasets, cfg, tokenizer, stats, progress, notice)
             stats.eval_rows = evaluation.close()
             (temp / "usable").rename(temp / "train")
@@ -524,8 +633,10 @@ def _bytes_to_read(entries: list) -> int:
                for file in data_files_of(entry))
 
 
-def prepare(cfg, tokenizer, force: bool = False, report=None, notice=None) -> PreparedData:
-    """The prepared rows (built once per cache key). While a cache is built, `report(rows_read, fraction of the
+def prepare(cfg, tokenizer, force: bool = False, report=None, notice=None,
+            encoder_decoder: bool = False) -> PreparedData:
+    """The prepared rows (built once per cache key); `encoder_decoder`: for a seq2seq model (each row its
+    encoder's tokens, then its decoder's targets). While a cache is built, `report(rows_read, fraction of the
     bytes read)` is called after every chunk (for a progress display) and `notice(text)` with what the user
     should know (workers that stopped)."""
     root = Path(cfg.dataset_prepared_path)
@@ -535,12 +646,12 @@ def prepare(cfg, tokenizer, force: bool = False, report=None, notice=None) -> Pr
     except OSError as error:
         raise UserError(f"config: cannot write the prepared data in `dataset_prepared_path: {root}` "
                         f"({error.strerror or error}); choose a folder you can write to") from None
-    target = root / cache_key(cfg, tokenizer)
+    target = root / cache_key(cfg, tokenizer, encoder_decoder)
     if force and target.exists():
         shutil.rmtree(target)
     workers = 0
     if not (target / "stats.json").exists():
-        workers = _build(cfg, tokenizer, target, report, notice)
+        workers = _build(cfg, tokenizer, target, report, notice, encoder_decoder)
     stats = PrepareStats(**json.loads((target / "stats.json").read_text()))
     eval_set = TokenRows(target / "eval") if (target / "eval").exists() else None
     return PreparedData(TokenRows(target / "train"), eval_set, stats, target, workers)

@@ -6,6 +6,8 @@ A store is a folder of flat binary arrays (little-endian, no header):
     offsets.i64                 where each row starts in them (rows + 1 values, the first 0)
     length.i32, n_targets.i32   one value per row
     label.i32                   one value per row, in stores of labelled rows only (KTO: 1 desirable, 0 not)
+    source_length.i32           one value per row, in encoder-decoder stores only: a row is its encoder tokens
+                                (this many, labels -100) followed by its decoder's target tokens
     rows.json                   the row and token counts, and the group size (written last: a store without
                                 it is incomplete)
 
@@ -29,8 +31,9 @@ import numpy as np
 TOKEN_COLUMNS = ("input_ids", "labels")
 ROW_COLUMNS = ("length", "n_targets")
 LABEL = "label"  # the optional row column of labelled rows
+SOURCE = "source_length"  # the optional row column of encoder-decoder rows
 FILE_TYPES = {"input_ids": np.int32, "labels": np.int32, "length": np.int32, "n_targets": np.int32,
-              "offsets": np.int64, LABEL: np.int32}
+              "offsets": np.int64, LABEL: np.int32, SOURCE: np.int32}
 SUFFIX = {np.int32: ".i32", np.int64: ".i64"}
 ROWS_FILE = "rows.json"
 
@@ -48,6 +51,7 @@ class TokenChunk:
     length: np.ndarray  # int32, one per row
     n_targets: np.ndarray  # int32, one per row
     label: np.ndarray | None = None  # int32, one per row, in labelled stores only
+    source_length: np.ndarray | None = None  # int32, one per row, in encoder-decoder stores only
 
     @classmethod
     def empty(cls) -> "TokenChunk":
@@ -61,19 +65,22 @@ class TokenChunk:
         """The rows where `keep` (a boolean per row) is true."""
         per_token = np.repeat(keep, self.length)
         return TokenChunk(self.input_ids[per_token], self.labels[per_token], self.length[keep], self.n_targets[keep],
-                          None if self.label is None else self.label[keep])
+                          None if self.label is None else self.label[keep],
+                          None if self.source_length is None else self.source_length[keep])
 
 
 class TokenStoreWriter:
     """Appends chunks to a new store in `folder`; `close()` writes rows.json and returns the row count."""
 
-    def __init__(self, folder: Path, group: int = 1, labelled: bool = False):
+    def __init__(self, folder: Path, group: int = 1, labelled: bool = False, encoder_decoder: bool = False):
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.group = group  # rows per unit (2: a preference pair); chunks hold whole groups
         self.labelled = labelled
+        self.encoder_decoder = encoder_decoder
+        self.optional = (*((LABEL,) if labelled else ()), *((SOURCE,) if encoder_decoder else ()))
         self.files = {name: open(column_file(folder, name), "wb") for name in FILE_TYPES
-                      if name != LABEL or labelled}
+                      if name not in (LABEL, SOURCE) or name in self.optional}
         self.rows = 0
         self.tokens = 0
         np.zeros(1, dtype=np.int64).tofile(self.files["offsets"])
@@ -81,7 +88,7 @@ class TokenStoreWriter:
     def write(self, chunk: TokenChunk) -> None:
         if not len(chunk):
             return
-        for name in (*TOKEN_COLUMNS, *ROW_COLUMNS, *((LABEL,) if self.labelled else ())):
+        for name in (*TOKEN_COLUMNS, *ROW_COLUMNS, *self.optional):
             np.ascontiguousarray(getattr(chunk, name), dtype=FILE_TYPES[name]).tofile(self.files[name])
         ends = self.tokens + np.cumsum(chunk.length, dtype=np.int64)
         ends.tofile(self.files["offsets"])
@@ -93,7 +100,8 @@ class TokenStoreWriter:
         for handle in self.files.values():
             handle.close()
         counts = {"rows": self.rows, "tokens": self.tokens, **({"group": self.group} if self.group > 1 else {}),
-                  **({"labelled": True} if self.labelled else {})}
+                  **({"labelled": True} if self.labelled else {}),
+                  **({"encoder_decoder": True} if self.encoder_decoder else {})}
         (self.folder / ROWS_FILE).write_text(json.dumps(counts))
         return self.rows // self.group
 
@@ -115,13 +123,15 @@ class TokenRows:
         self.count, token_count = counts["rows"], counts["tokens"]
         self.group = counts.get("group", 1)  # rows per unit: 2 for preference pairs
         self.labelled = counts.get("labelled", False)
+        self.encoder_decoder = counts.get("encoder_decoder", False)  # rows are encoder tokens, then targets
+        self.optional = (*((LABEL,) if self.labelled else ()), *((SOURCE,) if self.encoder_decoder else ()))
         self.offsets = _mapped(column_file(self.folder, "offsets"), np.int64, self.count + 1)
         if self.count == 0:
             self.offsets = np.zeros(1, dtype=np.int64)
         self.columns = {name: _mapped(column_file(self.folder, name), np.int32, token_count)
                         for name in TOKEN_COLUMNS}
         self.columns.update({name: _mapped(column_file(self.folder, name), np.int32, self.count)
-                             for name in (*ROW_COLUMNS, *((LABEL,) if self.labelled else ()))})
+                             for name in (*ROW_COLUMNS, *self.optional)})
 
     def __len__(self) -> int:
         return self.count
@@ -148,7 +158,8 @@ class TokenRows:
         first, last = int(self.offsets[start]), int(self.offsets[stop])
         return TokenChunk(*(self._read(name, first, last - first) for name in TOKEN_COLUMNS),
                           *(self._read(name, start, stop - start) for name in ROW_COLUMNS),
-                          self._read(LABEL, start, stop - start) if self.labelled else None)
+                          self._read(LABEL, start, stop - start) if self.labelled else None,
+                          self._read(SOURCE, start, stop - start) if self.encoder_decoder else None)
 
     def _read(self, name: str, start: int, count: int) -> np.ndarray:
         dtype = np.dtype(FILE_TYPES[name])
@@ -157,7 +168,7 @@ class TokenRows:
 
     def __getitem__(self, key):
         if isinstance(key, str):
-            if key in ROW_COLUMNS or (key == LABEL and self.labelled):
+            if key in ROW_COLUMNS or key in self.optional:
                 return self.columns[key]
             return [self.tokens(key, index).tolist() for index in range(self.count)]
         index = int(key)
@@ -166,8 +177,7 @@ class TokenRows:
         index %= self.count
         row = {name: self.tokens(name, index).tolist() for name in TOKEN_COLUMNS}
         row.update({name: int(self.columns[name][index]) for name in ROW_COLUMNS})
-        if self.labelled:
-            row[LABEL] = int(self.columns[LABEL][index])
+        row.update({name: int(self.columns[name][index]) for name in self.optional})
         return row
 
     def to_datasets(self):

@@ -29,7 +29,7 @@ import torch
 
 from tuneloop import run_files
 from tuneloop.data.batching import epoch_micro_batches
-from tuneloop.data.collate import Collator
+from tuneloop.data.collate import collator_for
 from tuneloop.flops import mfu
 from tuneloop.plan import TrainingPlan
 from tuneloop.train import checkpoint
@@ -79,8 +79,9 @@ class TrainingLoop:
         self.units_per_row = (self.targets_per_row if objective.unit == "tokens"
                               else np.ones(len(self.lengths), dtype=np.int64))
         reference = reference or {}  # precomputed reference log-probs per store row: {"train": ..., "eval": ...}
-        self.collate = Collator(prepared.train, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
-                                padding=plan.padding, reference=reference.get("train"))
+        decoder_start = getattr(model.config, "decoder_start_token_id", None)  # encoder-decoders only
+        self.collate = collator_for(prepared.train, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
+                                    plan.padding, reference.get("train"), decoder_start)
         self.eval_batches, self.eval_collate = [], None
         self.eval_rounds, self.eval_filler = 0, None  # the most eval batches a rank holds; one any rank can run
         if prepared.eval is not None:
@@ -90,8 +91,8 @@ class TrainingLoop:
             self.eval_batches = every_rank[self.rank]
             self.eval_rounds = max(len(batches) for batches in every_rank)
             self.eval_filler = next((batches[0] for batches in every_rank if batches), None)
-            self.eval_collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
-                                         padding=plan.padding.unfixed(), reference=reference.get("eval"))
+            self.eval_collate = collator_for(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
+                                             plan.padding.unfixed(), reference.get("eval"), decoder_start)
 
         if compiles(cfg):  # before DDP wraps the model; in place, so names and checkpoints stay the eager ones
             compile_for_training(cfg, model)

@@ -24,6 +24,10 @@ def output_head(model):
     if type(head) is not torch.nn.Linear or head.bias is not None or decoder is None:
         return None
     config = base.config
+    if getattr(config, "is_encoder_decoder", False):
+        # an encoder-decoder's decoder needs the encoder's states, and T5 scales them before a tied head: its
+        # loss is computed from the model's own logits (the decoder side is short: targets only)
+        return None
     if any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_STEPS):
         return None
     return decoder, head.weight

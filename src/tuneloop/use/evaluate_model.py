@@ -40,7 +40,7 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
     from accelerate import Accelerator
 
     from tuneloop.data.batching import epoch_micro_batches
-    from tuneloop.data.collate import Collator
+    from tuneloop.data.collate import collator_for
     from tuneloop.hardware import mixed_precision
     from tuneloop.run import _forget_accelerate_state, plan_run, prepare_data
     from tuneloop.train.evaluate import evaluate
@@ -57,8 +57,8 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
         spec = plan.eval_batching  # as TrainingLoop builds them: the run's own eval batches
         batches = epoch_micro_batches(np.asarray(prepared.eval.unit_column("length")), spec, 0, shuffle=False,
                                       even=False)[0]
-        collate = Collator(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
-                           padding=plan.padding.unfixed())
+        collate = collator_for(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed", plan.padding.unfixed(),
+                               decoder_start_token_id=getattr(loaded.config, "decoder_start_token_id", None))
         reference = reference_for_eval(cfg, folder, len(tokenizer), accelerator.device)
         runner = ObjectiveModule(loaded, objective_of(cfg, reference))
         result = evaluate(runner, batches, collate, runner.objective, accelerator)
@@ -88,7 +88,7 @@ def load_for_eval(cfg, folder: ModelFolder, vocabulary: int):
     # the run's base gets the run's config (overrides_of_model_config applied), as load_model gives it
     base_config = model_config(cfg) if folder.is_adapter and folder.base == cfg.base_model else None
     model = load_model_from(folder, weights_dtype(cfg), attn_implementation=attention_implementation(cfg)[0],
-                            model_class=model_class(cfg), base_config=base_config,
+                            model_class=model_class(cfg) if cfg.model_type else None, base_config=base_config,
                             trust_remote_code=cfg.trust_remote_code, vocabulary=vocabulary)
     model.config.use_cache = False
     if not folder.is_adapter and vocabulary > model.get_input_embeddings().weight.shape[0]:

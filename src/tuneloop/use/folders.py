@@ -80,11 +80,10 @@ def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | No
     """The model of a full folder, or the adapter on its base (not merged). `vocabulary`: the tokenizer's
     length; a base with fewer embedding rows is grown first, as the run grew it before training the adapter."""
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a loading bar per file would mix into the output
-    loader = model_class or AutoModelForCausalLM
+    loader = model_class or loader_of(folder, base_config, trust_remote_code)
     options = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         options["attn_implementation"] = attn_implementation
@@ -106,6 +105,23 @@ def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | No
 
         grow_embeddings(base, vocabulary)  # the rows the run grew (a fixed seed)
     return attach_adapter(base, folder.path)
+
+
+def loader_of(folder: ModelFolder, base_config=None, trust_remote_code: bool = False):
+    """The Auto class for the folder's model (or its base's): AutoModelForSeq2SeqLM for an encoder-decoder (T5),
+    AutoModelForCausalLM otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tuneloop.model import loader_for_config
+
+    config = base_config
+    if config is None:
+        try:
+            config = AutoConfig.from_pretrained(folder.base if folder.is_adapter else folder.path,
+                                                trust_remote_code=trust_remote_code)
+        except (OSError, ValueError):
+            return AutoModelForCausalLM  # the loader's own error will name what is missing
+    return loader_for_config(config)
 
 
 def attach_adapter(base, adapter_dir: Path):

@@ -136,6 +136,9 @@ def generate_all(model, tokenizer, prompts: list[Prompt], settings: GenerationSe
     import torch
 
     encoded = [prompt_ids(tokenizer, prompt, settings.use_template) for prompt in prompts]
+    if getattr(model.config, "is_encoder_decoder", False):  # its encoder was trained on inputs that end with eos
+        eos = tokenizer.eos_token_id
+        encoded = [ids if eos is None or (ids and ids[-1] == eos) else ids + [eos] for ids in encoded]
     # longest first: an out-of-memory error shows in the first batch, not after most of the work
     order = sorted(range(len(encoded)), key=lambda index: -len(encoded[index]))
     if settings.seed is not None:
@@ -190,7 +193,9 @@ def generate_batch(model, tokenizer, rows: list[list[int]], settings: Generation
     with torch.no_grad():
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                 generation_config=generation_config(model, tokenizer, settings, pad))
-    return tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+    # a decoder-only model continues the prompt; an encoder-decoder's output is its decoder's tokens alone
+    new_tokens = output if getattr(model.config, "is_encoder_decoder", False) else output[:, width:]
+    return tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
 
 
 def generation_config(model, tokenizer, settings: GenerationSettings, pad: int):
