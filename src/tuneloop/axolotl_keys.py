@@ -34,7 +34,8 @@ FEATURES = {
                       "layer selection, MoRA, starting from an adapter)"),
     "training_methods": ("another training method", "other training methods (ReLoRA, LISA, jagged restarts, NEFTune, "
                          "PoSE, distillation, diffusion LMs, EAFT, Spectrum, load-best-model, automatic batch size)"),
-    "pretraining": ("pretraining/streaming data", "pretraining and streaming datasets"),
+    "pretraining": ("a pretraining stream option", "pretraining stream options (attention across packed documents, "
+                    "sample concatenation, multipack buffer sizes)"),
     "data_options": ("a dataset option", "dataset options tuneloop does not have yet (custom transforms, "
                      "per-message training flags, tools, sharded hub datasets, deduplication, curriculum, length "
                      "strategies, a default system message)"),
@@ -145,8 +146,7 @@ _REFUSED_BY_FEATURE = {
         kd_temperature_min spectrum_top_fraction spectrum_model_name metric_for_best_model greater_is_better
         load_best_model_at_end""",
     "pretraining": """
-        pretraining_dataset pretrain_multipack_attn pretraining_sample_concatenation streaming
-        streaming_multipack_buffer_size""",
+        pretrain_multipack_attn pretraining_sample_concatenation streaming_multipack_buffer_size""",
     "data_options": """
         role_boundaries shuffle_before_merging_datasets dataset_exact_deduplication excess_length_strategy
         eval_sequence_len min_sample_len sample_packing_sequentially curriculum_sampling multipack_real_batches

@@ -20,10 +20,16 @@ def describe_config(cfg: TuneloopConfig) -> list[str]:
         trained = f"{cfg.adapter} adapter, r={cfg.lora_r}, on {targets}"
     elif cfg.unfrozen_parameters:
         trained = f"full fine-tuning of the parameters matching {', '.join(cfg.unfrozen_parameters)}"
+    elif cfg.from_scratch:
+        spec = cfg.train_tokenizer
+        trained = "trained from scratch (random weights)" + (
+            f", with a {spec.type} tokenizer of {spec.vocab_size} tokens trained on the data" if spec else "")
     else:
         trained = "full fine-tuning"
-    datasets = ", ".join(f"{_dataset_kind(entry)} ({entry.path})" for entry in cfg.datasets)
-    batching = "packed" if cfg.sample_packing else "grouped by length" if cfg.group_by_length else "padded"
+    datasets = ", ".join(f"{_dataset_kind(entry)} ({entry.path})" for entry in cfg.streamed_datasets)
+    if cfg.streams:
+        datasets = f"streamed: {datasets}"
+    batching = "packed" if cfg.sample_packing or cfg.pretraining_dataset else "grouped by length" if cfg.group_by_length else "padded"
     length = f"max_steps {cfg.max_steps}" if cfg.max_steps else f"{cfg.num_epochs} epoch(s)"
     units = "rows"
     objective = []
@@ -33,7 +39,8 @@ def describe_config(cfg: TuneloopConfig) -> list[str]:
         objective = [f"  objective            rl: {cfg.rl}, loss averaged over {units}"
                      + (f"; reference: {reference_source(cfg)}" if method.uses_reference else "")]
     return [
-        f"  model                {cfg.base_model} ({cfg.model_type or 'AutoModelForCausalLM'}); {trained}",
+        f"  model                {cfg.base_model or cfg.base_model_config} ({cfg.model_type or 'its Auto class'}); "
+        f"{trained}",
         f"  data                 {datasets}" + (f"; chat template {cfg.chat_template}" if cfg.chat_template else ""),
         f"  batch                {cfg.micro_batch_size} {units}/micro-batch × {cfg.gradient_accumulation_steps} "
         f"accumulation, {batching}, sequence_len {cfg.sequence_len}, {length}",

@@ -61,6 +61,10 @@ def command_preprocess(args) -> int:
     tokenizer, prepared = prepare_data(cfg, force=args.force, hooks=hooks)
     hooks.prepared()
     stats = prepared.stats
+    if prepared.train is None:  # a streamed run reads its training rows as it goes
+        print(f"streamed: the training rows are read and tokenized as the run goes; prepared {stats.eval_rows} "
+              f"eval rows{f' into {prepared.cache_dir}' if stats.eval_rows else ''}")
+        return 0
     units = "pairs" if prepared.train.group > 1 and not prepared.train.labelled else "rows"
     identical = f", {stats.dropped_identical_pairs} identical pairs dropped" if stats.dropped_identical_pairs else ""
     print(f"prepared {stats.train_rows} train and {stats.eval_rows} eval {units} from {stats.rows_read} read "

@@ -189,6 +189,45 @@ ZERO_MEANS = {"evals_per_epoch": " (no evals)", "saves_per_epoch": " (no saves)"
 ATTENTION_IMPLEMENTATIONS = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "xformers"}
 
 
+class PretrainingDataset(_Strict):
+    """axolotl's `pretraining_dataset` entry: raw text (`text_column`) read as a stream and packed into full rows;
+    or, with another `type`, rows of that format streamed the same way."""
+
+    path: str
+    name: Optional[str] = None
+    split: str = "train"
+    data_files: Optional[Union[str, list[str]]] = None
+    ds_type: Optional[Literal["json", "jsonl", "parquet", "csv", "arrow", "text"]] = None
+    text_column: str = "text"
+    type: Optional[str] = "pretrain"
+    trust_remote_code: bool = False
+    skip: Optional[int] = None
+
+    @field_validator("skip")
+    @classmethod
+    def _no_skip(cls, value):
+        if value:
+            raise ValueError(f"got {value}: skipping rows at the start of the stream is "
+                             f"{axolotl_keys.FEATURES['data_options'][0]} tuneloop does not have; remove it")
+        return value
+
+    @field_validator("trust_remote_code")
+    @classmethod
+    def _no_remote_code(cls, value):
+        if value:
+            raise ValueError("tuneloop reads local files and hub datasets without running their code; remove it")
+        return value
+
+    def as_dataset(self) -> "DatasetConfig":
+        """The entry as the data side reads it: `pretrain` text is a completion row of `text_column`."""
+        raw = self.type in (None, "pretrain")
+        if not raw and self.text_column != "text":
+            raise ValueError(f"`text_column` names the text of `type: pretrain`, and this entry is `type: {self.type}`")
+        return DatasetConfig(path=self.path, name=self.name, split=self.split, data_files=self.data_files,
+                             ds_type=self.ds_type, type="completion" if raw else self.type,
+                             **({"field": self.text_column} if raw else {}))
+
+
 class TrainTokenizer(_Strict):
     """tuneloop's own key: a tokenizer trained on the run's training text (with the `tokenizers` library) before
     the data is prepared, for a model trained from scratch. It is cached beside the prepared data and saved with
@@ -260,7 +299,10 @@ class TuneloopConfig(_Strict):
     bnb_config_kwargs: Optional[dict[str, Any]] = None
     unfrozen_parameters: Optional[list[str]] = None  # full fine-tuning of only the parameters these regexes match
     # data
-    datasets: list[DatasetConfig]
+    datasets: list[DatasetConfig] = Field(default_factory=list)
+    # read as a stream instead of prepared whole (axolotl's keys): raw text packed into full rows, for max_steps
+    pretraining_dataset: Optional[list[PretrainingDataset]] = None
+    streaming: bool = False
     test_datasets: list[DatasetConfig] = Field(default_factory=list)
     val_set_size: float = 0.0
     dataset_prepared_path: str = "last_run_prepared"
@@ -611,9 +653,49 @@ class TuneloopConfig(_Strict):
         if self.chat_template == "jinja" and not self.chat_template_jinja:
             raise ValueError("`chat_template: jinja` needs the template text in `chat_template_jinja`")
         self._check_model_source()
+        self._check_streaming()
         self._check_preference()
         self._distributed = self._read_distributed()
         return self
+
+    @property
+    def streams(self) -> bool:
+        """The training rows are read as a stream (pretraining_dataset, or `streaming: true`)."""
+        return self.streaming or bool(self.pretraining_dataset)
+
+    @property
+    def streamed_datasets(self) -> list["DatasetConfig"]:
+        return [entry.as_dataset() for entry in self.pretraining_dataset] if self.pretraining_dataset \
+            else self.datasets
+
+    @property
+    def streams_packed(self) -> bool:
+        """Pretraining text is always packed into full rows; streamed `datasets` as sample_packing says."""
+        return bool(self.pretraining_dataset) or self.sample_packing
+
+    def _check_streaming(self) -> None:
+        if not self.datasets and not self.pretraining_dataset:
+            raise ValueError("`datasets` is required (or `pretraining_dataset`, text read as a stream)")
+        if not self.streams:
+            return
+        if self.datasets and self.pretraining_dataset:
+            raise ValueError("`pretraining_dataset` replaces `datasets` (its text is read as a stream): keep one")
+        for entry in self.pretraining_dataset or []:
+            entry.as_dataset()  # a text_column that would be ignored
+        if not self.max_steps:
+            raise ValueError("a streamed dataset (`pretraining_dataset` or `streaming: true`) is read as the run "
+                             "goes, so its length is unknown: set `max_steps`")
+        conflicts = [("val_set_size", self.val_set_size), ("group_by_length", self.group_by_length),
+                     ("dataset_shard_num", self.dataset_shard_num)]
+        for key, value in conflicts:
+            if value:
+                why = {"val_set_size": "hold eval rows out of a stream; use `test_datasets`",
+                       "group_by_length": "sort a stream by length",
+                       "dataset_shard_num": "shard a stream (each rank already reads its own share)"}[key]
+                raise ValueError(f"`{key}` cannot be used with a streamed dataset: tuneloop does not {why}")
+        if any(entry.type is not None and not isinstance(entry.type, str) or entry.type in PREFERENCE_FORMATS
+               or entry.type in UNPAIRED_FORMATS for entry in self.streamed_datasets) or self.rl:
+            raise ValueError("preference data (`rl:`) is prepared whole: remove `streaming`")
 
     @property
     def from_scratch(self) -> bool:
@@ -809,14 +891,25 @@ def changed_settings(before: dict, now: dict, ignore: set[str] = frozenset()) ->
     """`key (old → new)` for each setting that differs; long values are named, not printed."""
     changed = []
     for key in sorted(set(before) | set(now)):
-        if key in ignore or before.get(key) == now.get(key):
+        # a key an older tuneloop did not have was, in effect, at its default
+        old = before[key] if key in before else _default_setting(key)
+        new = now.get(key)
+        if key in ignore or old == new:
             continue
-        old, new = before.get(key), now.get(key)
         if isinstance(old, (list, dict)) or isinstance(new, (list, dict)):
             changed.append(f"{key} (changed)")
         else:
             changed.append(f"{key} ({old} → {new})")
     return changed
+
+
+def _default_setting(key: str):
+    """A top-level key's default as result_settings writes it (JSON), or None for a key it does not know."""
+    field = TuneloopConfig.model_fields.get(key)
+    if field is None or field.is_required():
+        return None
+    value = field.get_default(call_default_factory=True)
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
 TOP_LEVEL_KEYS = set(TuneloopConfig.model_fields)
@@ -960,10 +1053,7 @@ def config_from_dict(raw: Any, overrides: list[str] = ()) -> TuneloopConfig:
     try:
         cfg = TuneloopConfig.model_validate(kept)
     except ValidationError as error:
-        lines = _validation_lines(error)
-        if raw.get("pretraining_dataset"):  # already refused as pretraining data, which replaces `datasets`
-            lines = [line for line in lines if line != "`datasets` is required"]
-        problems += lines
+        problems += _validation_lines(error)
         cfg = None
     if problems:
         raise UserError("config: " + "\n  ".join(dict.fromkeys(problems)))

@@ -83,6 +83,9 @@ class TrainingPlan:
     decoder_tokens: int | None = None
     encoder_padding_fraction: float | None = None
     decoder_padding_fraction: float | None = None
+    # a streamed run (pretraining_dataset, streaming: true): rows are read as the run goes, so steps and rows per
+    # step are exact and what the data holds (rows, passes, target tokens) is not known beforehand
+    streamed: bool = False
     warnings: list[str] = field(default_factory=list)
     # what the loop's sampler and collator are given; not in plan.json, whose numbers above say it all
     train_batching: BatchingSpec | None = None
@@ -242,6 +245,44 @@ def make_plan(cfg: TuneloopConfig, train_lengths: np.ndarray, train_targets: np.
     return plan
 
 
+def make_stream_plan(cfg: TuneloopConfig, eval_rows: int, world_size: int, packed: bool,
+                     encoder_decoder: bool = False) -> TrainingPlan:
+    """The plan of a streamed run: `max_steps` steps of micro_batch_size × accumulation rows on every rank. Packed,
+    every row is exactly sequence_len tokens, so the real tokens are exact too; the target tokens, the rows a
+    pass holds and the number of passes are counted as the run reads them. Settings per epoch (evals_per_epoch,
+    saves_per_epoch) count over the whole run: a stream has no epochs known in advance."""
+    cfg.check_batch_size(world_size)
+    accum, total_steps = cfg.gradient_accumulation_steps, cfg.max_steps
+    global_rows = cfg.micro_batch_size * accum * world_size
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil((cfg.warmup_ratio or 0) * total_steps)
+    has_eval = eval_rows > 0 and cfg.evals_per_epoch != 0 and cfg.eval_strategy != "no"
+    eval_at = _scheduled(total_steps, total_steps, cfg.eval_steps, cfg.evals_per_epoch, 1) if has_eval else []
+    if has_eval and total_steps not in eval_at:
+        eval_at.append(total_steps)
+    if has_eval and cfg.eval_on_start:
+        eval_at.insert(0, 0)
+    saves_off = cfg.save_strategy == "no" or cfg.saves_per_epoch == 0
+    save_at = [] if saves_off else [s for s in _scheduled(total_steps, total_steps, cfg.save_steps,
+                                                          cfg.saves_per_epoch, 1) if s < total_steps]
+    mode = "packed" if packed else "random"
+    real = total_steps * global_rows * cfg.sequence_len if packed else None
+    widest = cfg.micro_batch_size * cfg.sequence_len * (2 if encoder_decoder else 1)
+    plan = TrainingPlan(
+        world_size=world_size, micro_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=accum,
+        global_batch_size=global_rows, batching=f"streamed, {mode}", sequence_len=cfg.sequence_len, train_rows=0,
+        train_tokens=0, trainable_tokens=0, eval_rows=eval_rows, dropped_too_long=0,
+        micro_batches_per_epoch=total_steps * accum, rows_cut_per_epoch=0, steps_per_epoch=total_steps,
+        total_steps=total_steps, epochs_to_run=1, epochs_covered=None, warmup_steps=warmup, eval_steps_at=eval_at,
+        eval_count=len(eval_at), save_steps_at=save_at, save_count=len(save_at), tokens_per_step=None,
+        total_trainable_tokens=None, total_real_tokens=real, packing_efficiency=1.0 if packed else None,
+        padding_fraction=None, max_micro_batch_tokens=widest, learning_rate=cfg.learning_rate,
+        lr_scheduler=cfg.lr_scheduler, optimizer=cfg.optimizer, train_batching=BatchingSpec(
+            mode, cfg.micro_batch_size, cfg.sequence_len, world_size, cfg.seed),
+        eval_batching=eval_spec(cfg, world_size, encoder_decoder), padding=padding_for(cfg), streamed=True)
+    plan.warnings = [text for text in plan_warnings(cfg, plan) if "passes over the data" not in text]
+    return plan
+
+
 def attach_memory_estimate(plan: TrainingPlan, estimate) -> None:
     """Adds the estimate (memory.py) to the plan, and a warning when it exceeds the device."""
     plan.estimated_memory_gb = estimate.total_gb
@@ -277,7 +318,7 @@ def check_memory_fits(plan: TrainingPlan, ranks_sharing_memory: int = 1) -> None
 
 def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
     found = []
-    if cfg.max_steps and plan.epochs_covered != cfg.num_epochs:
+    if cfg.max_steps and not plan.streamed and plan.epochs_covered != cfg.num_epochs:
         covered = plan.total_steps / plan.steps_per_epoch  # unrounded: 2 steps of 148,480 round to 0 passes
         ratio = cfg.num_epochs / covered
         text = (f"max_steps={cfg.max_steps} covers {covered:.4g} passes over the data, "
@@ -322,6 +363,8 @@ def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
 
 def describe(plan: TrainingPlan) -> str:
     """The human-readable plan: a short report, numbers first."""
+    if plan.streamed:
+        return _describe_streamed(plan)
     rows = "pairs" if plan.unit == "pairs" else "rows"
     batch_rows, per_step = rows, ""
     if plan.batching == "packed" and plan.unit != "tokens":  # a packed row holds several pairs (KTO: rows)
@@ -346,6 +389,35 @@ def describe(plan: TrainingPlan) -> str:
         f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
+    lines += _machine_lines(plan)
+    return "\n".join(lines)
+
+
+def _describe_streamed(plan: TrainingPlan) -> str:
+    rows = "full rows" if plan.packing_efficiency else "rows"
+    tokens = (f"{plan.total_real_tokens // plan.total_steps} tokens per step ({plan.global_batch_size} × "
+              f"{plan.sequence_len}), {plan.total_real_tokens} over the run" if plan.total_real_tokens is not None
+              else "each row as long as it is (padded to the longest of its micro-batch)")
+    lines = [
+        "tuneloop plan",
+        *([f"  model                {plan.model}"] if plan.model else []),
+        f"  world size           {plan.world_size}",
+        f"  batch                {plan.micro_batch_size} {rows}/micro-batch × {plan.gradient_accumulation_steps} "
+        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} {rows} per optimizer step",
+        f"  batching             {plan.batching} (sequence_len {plan.sequence_len})",
+        "  data                 streamed: each rank reads its own share of the rows as the run goes; passes over "
+        f"the data and trained tokens are counted as they come; {plan.eval_rows} eval rows",
+        f"  steps                {plan.total_steps} (max_steps)",
+        f"  tokens               {tokens}",
+        f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
+        f"warm-up {plural(plan.warmup_steps, 'step')}",
+    ]
+    return "\n".join(lines + _machine_lines(plan))
+
+
+def _machine_lines(plan: TrainingPlan) -> list[str]:
+    """The plan's lines after the data's: precision, compute, engine, memory, evals, saves, drops, warnings."""
+    lines = []
     if plan.encoder_tokens is not None:
         lines.append(f"  encoder-decoder      encoder {plan.encoder_tokens} tokens (padding "
                      f"{plan.encoder_padding_fraction:.1%}), decoder {plan.decoder_tokens} tokens (padding "
@@ -378,7 +450,7 @@ def describe(plan: TrainingPlan) -> str:
         lines.append(f"  dropped rows         {'; '.join(dropped)}")
     for warning in plan.warnings:
         lines.append(f"  warning: {warning}")
-    return "\n".join(lines)
+    return lines
 
 
 def _compute_line(plan: TrainingPlan) -> str:

@@ -42,7 +42,7 @@ def prepare_data(cfg: TuneloopConfig, force: bool = False, hooks: RunHooks | Non
     the progress of a cache being built, and of what the user should know about it."""
     from transformers.utils import logging as transformers_logging
 
-    from tuneloop.data.prepare import prepare
+    from tuneloop.data.prepare import prepare, prepare_streamed_eval
     from tuneloop.model import load_tokenizer, model_kind
 
     transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
@@ -51,8 +51,9 @@ def prepare_data(cfg: TuneloopConfig, force: bool = False, hooks: RunHooks | Non
         check_encoder_decoder_settings(cfg)
     tokenizer = load_tokenizer(cfg)
     hooks = hooks or RunHooks()
-    return tokenizer, prepare(cfg, tokenizer, force=force, report=hooks.preparing, notice=hooks.notice,
-                              encoder_decoder=encoder_decoder)
+    preparation = prepare_streamed_eval if cfg.streams else prepare  # a stream is read as the run goes
+    return tokenizer, preparation(cfg, tokenizer, force=force, report=hooks.preparing, notice=hooks.notice,
+                                  encoder_decoder=encoder_decoder)
 
 
 def check_encoder_decoder_settings(cfg: TuneloopConfig) -> None:
@@ -62,6 +63,10 @@ def check_encoder_decoder_settings(cfg: TuneloopConfig) -> None:
         raise UserError(f"config: `{key}: true` packs rows for a causal model, and this is an encoder-decoder model "
                         "(its relative positions and cross-attention do not separate packed rows): set it to false; "
                         "`group_by_length: true` reclaims most of the padding")
+    if cfg.pretraining_dataset:
+        raise UserError("config: `pretraining_dataset` trains a causal model on raw text; an encoder-decoder's "
+                        "pretraining (T5's span corruption) is not something tuneloop does. Stream source/target rows "
+                        "with `datasets` (type seq2seq) and `streaming: true`")
     if cfg.rl:
         raise UserError(f"config: `rl: {cfg.rl}` is preference training of causal models; tuneloop does not train "
                         "encoder-decoder models on preference pairs yet")
@@ -79,20 +84,23 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int, device_m
     from tuneloop.memory import estimate_memory
     from tuneloop.rl_methods import reference_source
     from tuneloop.train.compiling import compiles
-    from tuneloop.model import check_sequence_len, model_facts
-    from tuneloop.plan import attach_memory_estimate, make_plan
+    from tuneloop.model import check_sequence_len, model_facts, model_kind
+    from tuneloop.plan import attach_memory_estimate, make_plan, make_stream_plan
 
     mixed, why = precision(cfg)
     facts = model_facts(cfg, tokenizer)
-    encoder_decoder = getattr(prepared.train, "encoder_decoder", False)
+    encoder_decoder = model_kind(cfg, facts.config).encoder_decoder
     too_long = check_sequence_len(cfg, facts)
     stats = prepared.stats
     train = prepared.train
-    lengths = np.asarray(train.unit_column("length"))  # per unit: a row, or a preference pair
-    plan = make_plan(cfg, lengths, np.asarray(train.unit_column("n_targets")), stats.eval_rows,
-                     stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens,
-                     np.asarray(train["length"]), train.group,
-                     np.asarray(train["source_length"]) if encoder_decoder else None)
+    if cfg.streams:
+        plan = make_stream_plan(cfg, stats.eval_rows, world_size, cfg.streams_packed and not encoder_decoder,
+                                encoder_decoder)
+    else:
+        plan = make_plan(cfg, np.asarray(train.unit_column("length")), np.asarray(train.unit_column("n_targets")),
+                         stats.eval_rows, stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens,
+                         np.asarray(train["length"]), train.group,
+                         np.asarray(train["source_length"]) if encoder_decoder else None)
     plan.model = model_line(cfg, facts)
     plan.dropped_identical_pairs = stats.dropped_identical_pairs
     plan.reference = reference_source(cfg)
@@ -110,7 +118,9 @@ def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int, device_m
             raise UserError(f"config: {error}") from None
     attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, mixed, world_size,
                                                  device_memory_gb))
-    count = count_flops(facts.config, *facts.matmul_weights, np.asarray(train["length"]))  # per sequence
+    # per sequence (a stream's rows are full rows of sequence_len: attention over whole rows is the upper bound)
+    lengths = np.asarray(train["length"]) if train is not None else np.full(1, cfg.sequence_len)
+    count = count_flops(facts.config, *facts.matmul_weights, lengths)
     plan.flops_per_token, plan.attention_context = count.per_token, count.attention_context
     if count.per_token is None:
         plan.peak_source = count.why_not
@@ -132,6 +142,16 @@ def model_line(cfg: TuneloopConfig, facts) -> str:
     else:
         source = f"weights of {cfg.base_model}"
     return f"{name}, {facts.parameters:,} parameters; {source}"
+
+
+def data_key(cfg: TuneloopConfig, tokenizer, prepared) -> str:
+    """What a checkpoint records of the data it was trained on: the prepared cache's key, or the stream's."""
+    if not cfg.streams:
+        return prepared.cache_dir.name
+    from tuneloop.data.prepare import stream_key
+    from tuneloop.model import model_kind
+
+    return stream_key(cfg, tokenizer, model_kind(cfg).encoder_decoder)
 
 
 PRECISION_NAMES = {"no": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}
@@ -225,7 +245,7 @@ class TrainingSession:
         plan = plan_run(cfg, tokenizer, prepared, accelerator.num_processes)
         if not ignore_memory_estimate:
             check_memory_fits(plan, ranks_on_this_host() if accelerator.device.type == "cpu" else 1)
-        identity = {"data_key": prepared.cache_dir.name, "settings": settings}
+        identity = {"data_key": data_key(cfg, tokenizer, prepared), "settings": settings}
         resume = self._decided_on_main(lambda: self._start_output_dir(plan, identity, overwrite, force_resume))
         clock = time.perf_counter()
         # a sharded engine's checkpoint may hold its weights only in shards: the loop loads them into the model

@@ -655,3 +655,36 @@ def prepare(cfg, tokenizer, force: bool = False, report=None, notice=None,
     stats = PrepareStats(**json.loads((target / "stats.json").read_text()))
     eval_set = TokenRows(target / "eval") if (target / "eval").exists() else None
     return PreparedData(TokenRows(target / "train"), eval_set, stats, target, workers)
+
+
+# ---- a streamed run: only its eval set is prepared ---------------------------------------------------
+def prepare_streamed_eval(cfg, tokenizer, force: bool = False, report=None, notice=None,
+                          encoder_decoder: bool = False) -> PreparedData:
+    """A streamed run (the training rows are read as it goes: stream.py) prepares its eval set alone, from
+    `test_datasets` (a stream holds nothing out). `train` is None."""
+    if not cfg.test_datasets:
+        return PreparedData(None, None, PrepareStats(), Path(cfg.dataset_prepared_path))
+    eval_only = cfg.model_copy(update={"datasets": cfg.test_datasets, "test_datasets": [], "val_set_size": 0.0,
+                                       "dataset_shard_num": None})
+    prepared = prepare(eval_only, tokenizer, force, report, notice, encoder_decoder)
+    stats = PrepareStats(**{**asdict(prepared.stats), "train_rows": 0, "eval_rows": prepared.stats.train_rows})
+    return PreparedData(None, prepared.train, stats, prepared.cache_dir, prepared.worker_processes)
+
+
+def stream_key(cfg, tokenizer, encoder_decoder: bool = False) -> str:
+    """What a streamed run's checkpoints are checked against on resume: the streamed entries, the tokenizer and
+    the settings that change the rows, and each file's path, size and modification time (a stream may be too
+    large to hash whole before every run)."""
+    digest = hashlib.sha256()
+    settings = {"version": PREPARE_VERSION, "streamed": [entry.model_dump() for entry in cfg.streamed_datasets],
+                "sequence_len": cfg.sequence_len, "packed": cfg.streams_packed, "train_on_inputs": cfg.train_on_inputs,
+                "encoder_decoder": encoder_decoder,
+                "chat_template": resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)}
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
+    for entry in cfg.streamed_datasets:
+        for file in data_files_of(entry):
+            status = file.stat()
+            digest.update(f"{file.resolve()}:{status.st_size}:{status.st_mtime_ns}".encode())
+    return "stream-" + digest.hexdigest()[:16]

@@ -94,11 +94,12 @@ def resolve_aliases(cfg):
     """The config with every embedded alias replaced by its local path (built on first use).
 
     Called once, where a config enters a run (run.load_run_config): below it, nothing knows aliases."""
-    update = {"base_model": resolve_model_path(cfg.base_model)}
+    update = {"base_model": resolve_model_path(cfg.base_model) if cfg.base_model else None}
     if cfg.tokenizer_config:
         update["tokenizer_config"] = resolve_model_path(cfg.tokenizer_config)
-    for key in ("datasets", "test_datasets"):
-        update[key] = [entry.model_copy(update={"path": resolve_data_path(entry.path)}) for entry in getattr(cfg, key)]
+    for key in ("datasets", "test_datasets", "pretraining_dataset"):
+        update[key] = [entry.model_copy(update={"path": resolve_data_path(entry.path)})
+                       for entry in getattr(cfg, key) or []] or getattr(cfg, key)
     return cfg.model_copy(update=update)
 
 

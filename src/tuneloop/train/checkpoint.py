@@ -37,10 +37,35 @@ CRASH_DURING_SAVE_ENV = "TUNELOOP_TEST_CRASH_DURING_SAVE"
 FULL_DISK_BYTES = 1 << 20
 
 
-def write_rank_rng(output_dir: Path, step: int, rank: int) -> None:
+STREAM_POSITION = "stream_position"  # in a rank's RNG file: where a streamed run's rank is in its stream
+
+
+def write_rank_rng(output_dir: Path, step: int, rank: int, stream_position=None) -> None:
     """Every rank, before the main process writes the checkpoint: ranks draw different amounts of
-    randomness (dropout on different shapes), so each resumes from its own RNG state."""
-    torch.save(rng_states(), run_files.pending_rank_rng(output_dir, step, rank))
+    randomness (dropout on different shapes), so each resumes from its own RNG state; in a streamed run, each
+    also reads its own share of the data, so its StreamPosition is kept beside its RNG state."""
+    states = rng_states()
+    if stream_position is not None:
+        states[STREAM_POSITION] = stream_position.to_json()
+    torch.save(states, run_files.pending_rank_rng(output_dir, step, rank))
+
+
+def read_stream_position(checkpoint: Path, rank: int, world_size: int):
+    """This rank's StreamPosition, as its streamed run saved it (on as many ranks: the shares are per rank)."""
+    from tuneloop.data.stream import StreamPosition
+
+    written_by = read_state(checkpoint)["plan"]["world_size"]
+    if written_by != world_size:
+        raise UserError(f"resume: {checkpoint} was written by {written_by} ranks and this run has {world_size}; a "
+                        "streamed run's ranks each read their own share of the data, which another number of ranks "
+                        f"would split differently. Launch {written_by} ranks, or start a fresh output_dir.")
+    saved = checkpoint / run_files.RANK_RNG.format(rank=rank)
+    position = torch.load(saved, weights_only=False).get(STREAM_POSITION) if saved.is_file() else None
+    if position is None:
+        raise UserError(f"resume: {checkpoint} holds no stream position for rank {rank}: it was written by a run "
+                        "that prepared its data, or by fewer ranks (a stream's shares are per rank). Resume it "
+                        "with the settings and ranks it was written with, or start a fresh output_dir.")
+    return StreamPosition.from_json(position)
 
 
 def write_on_every_rank(accelerator, output_dir: Path, what: str, on_main, on_every_rank=None,

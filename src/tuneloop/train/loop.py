@@ -29,7 +29,7 @@ import torch
 
 from tuneloop import run_files
 from tuneloop.data.batching import epoch_micro_batches
-from tuneloop.data.collate import collator_for
+from tuneloop.data.collate import MicroBatch, collator_for
 from tuneloop.flops import mfu
 from tuneloop.plan import TrainingPlan
 from tuneloop.train import checkpoint
@@ -42,6 +42,7 @@ from tuneloop.train.objectives import Objective, ObjectiveModule
 from tuneloop.optim import build_scheduler
 from tuneloop.train.engines import engine_for
 from tuneloop.train.state import RunState
+from tuneloop.train.stream_steps import StreamedSteps
 from tuneloop.train.track import LossWindow, MetricsLog
 
 
@@ -72,16 +73,23 @@ class TrainingLoop:
         self.objective, self.identity, self.stop, self.hooks = objective, identity, stop, hooks
         self.output_dir = Path(cfg.output_dir)
         self.rank, self.world_size = accelerator.process_index, plan.world_size
-        # per unit (a row, or a preference pair): what the sampler deals out
-        self.lengths = np.asarray(prepared.train.unit_column("length"))
-        self.targets_per_row = np.asarray(prepared.train.unit_column("n_targets"))
-        # what a step's loss is averaged over, per unit: its target tokens, or 1 (a pair)
-        self.units_per_row = (self.targets_per_row if objective.unit == "tokens"
-                              else np.ones(len(self.lengths), dtype=np.int64))
         reference = reference or {}  # precomputed reference log-probs per store row: {"train": ..., "eval": ...}
         decoder_start = getattr(model.config, "decoder_start_token_id", None)  # encoder-decoders only
-        self.collate = collator_for(prepared.train, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
-                                    plan.padding, reference.get("train"), decoder_start)
+        self.streamed = None  # a streamed run's steps (stream_steps.py); else the store's, sampled as planned
+        if plan.streamed:
+            position = (checkpoint.read_stream_position(resume_from, self.rank, self.world_size)
+                        if resume_from is not None else None)
+            self.streamed = StreamedSteps(cfg, plan, tokenizer, accelerator, hooks, position, decoder_start,
+                                          getattr(model.config, "is_encoder_decoder", False))
+        else:
+            # per unit (a row, or a preference pair): what the sampler deals out
+            self.lengths = np.asarray(prepared.train.unit_column("length"))
+            self.targets_per_row = np.asarray(prepared.train.unit_column("n_targets"))
+            # what a step's loss is averaged over, per unit: its target tokens, or 1 (a pair)
+            self.units_per_row = (self.targets_per_row if objective.unit == "tokens"
+                                  else np.ones(len(self.lengths), dtype=np.int64))
+            self.collate = collator_for(prepared.train, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
+                                        plan.padding, reference.get("train"), decoder_start)
         self.eval_batches, self.eval_collate = [], None
         self.eval_rounds, self.eval_filler = 0, None  # the most eval batches a rank holds; one any rank can run
         if prepared.eval is not None:
@@ -119,7 +127,7 @@ class TrainingLoop:
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self) -> RunOutcome:
-        plan, state, accum = self.plan, self.state, self.plan.gradient_accumulation_steps
+        plan, state = self.plan, self.state
         eval_at, save_at = set(plan.eval_steps_at), set(plan.save_steps_at)
         if not self.resumed and 0 in eval_at:
             self.evaluate(0)
@@ -132,45 +140,34 @@ class TrainingLoop:
         outside_steps_before = self.seconds["eval"] + self.seconds["save"]
         first_step = None  # (seconds, real tokens on this rank) of this session's first step
 
-        for epoch in range(state.step // plan.steps_per_epoch, plan.epochs_to_run):
-            if state.step == plan.total_steps or stopped_by:
-                break
-            with self.hooks.phase("sampler"):  # epoch 0's were made by the plan (a million rows pack in seconds)
-                per_rank = (plan.first_epoch_batches if epoch == 0 and plan.first_epoch_batches is not None
-                            else epoch_micro_batches(self.lengths, plan.train_batching, epoch))
-            # on resume, the first epoch starts at the exact micro-batch after the checkpoint
-            first = (state.step - epoch * plan.steps_per_epoch) * accum
-            for start in range(first, plan.micro_batches_per_epoch, accum):
-                if state.step == plan.total_steps or stopped_by:
-                    break
-                step_rows = [row for batches in per_rank for micro in batches[start:start + accum] for row in micro]
-                step_tokens = sum(int(self.targets_per_row[row].sum()) for row in step_rows)
-                step_units = sum(int(self.units_per_row[row].sum()) for row in step_rows)
-                lr, grad_norm = self.train_step(per_rank[self.rank][start:start + accum], step_tokens, step_units)
-                step = state.step
-                if self.accelerator.is_main_process:
-                    self.hooks.stepped(step)
-                if first_step is None:
-                    first_step = self.time_first_step(train_start)
+        planned = self.planned_steps() if self.streamed is None else None
+        while state.step < plan.total_steps and not stopped_by:
+            window, step_tokens, step_units = self.next_step(planned)
+            lr, grad_norm = self.train_step(window, step_tokens, step_units)
+            step = state.step
+            if self.accelerator.is_main_process:
+                self.hooks.stepped(step)
+            if first_step is None:
+                first_step = self.time_first_step(train_start)
 
-                # a save also logs, so the metrics of a resumed run equal those of an uninterrupted one (the
-                # window being averaged is not part of the run state)
-                logged = step % self.cfg.logging_steps == 0 or step == plan.total_steps or step in save_at
-                if logged:
-                    self.log_train_line(step, lr, grad_norm)
-                if step in eval_at:
-                    self.evaluate(step)
-                    if state.plateaued(self.cfg.early_stopping_patience):
-                        stopped_by = "early_stopping"
-                if step in save_at:
+            # a save also logs, so the metrics of a resumed run equal those of an uninterrupted one (the
+            # window being averaged is not part of the run state)
+            logged = step % self.cfg.logging_steps == 0 or step == plan.total_steps or step in save_at
+            if logged:
+                self.log_train_line(step, lr, grad_norm)
+            if step in eval_at:
+                self.evaluate(step)
+                if state.plateaued(self.cfg.early_stopping_patience):
+                    stopped_by = "early_stopping"
+            if step in save_at:
+                self.save(step)
+            # a signal during the last step changes nothing: the run is complete and saves its model
+            if step < plan.total_steps and not stopped_by and self.stop.requested(self.accelerator, step):
+                stopped_by = "signal"
+                if step not in save_at:
+                    if not logged:
+                        self.log_train_line(step, lr, grad_norm)
                     self.save(step)
-                # a signal during the last step changes nothing: the run is complete and saves its model
-                if step < plan.total_steps and not stopped_by and self.stop.requested(self.accelerator, step):
-                    stopped_by = "signal"
-                    if step not in save_at:
-                        if not logged:
-                            self.log_train_line(step, lr, grad_norm)
-                        self.save(step)
 
         self.watchdog.check_before_save(self.accelerator)  # the final model is not saved from a diverged run
         train_seconds = time.perf_counter() - train_start
@@ -189,6 +186,29 @@ class TrainingLoop:
                           first_step[0] if first_step else None, first_real, self.seconds["eval"],
                           self.seconds["save"], training_seconds,
                           [{"weights": held[i], "optimizer": held[i + 1]} for i in range(0, len(held), 2)])
+
+    def next_step(self, planned) -> tuple[list, int, int]:
+        """The next step's micro-batches on this rank (collated, or as store rows the step collates), its target
+        tokens and its units (what the loss is averaged over) on every rank: a stream's, or the `planned` ones."""
+        if self.streamed is not None:
+            batches, targets = self.streamed.next_step()
+            return batches, targets, targets  # (a stream trains the language-model loss: its unit is the token)
+        return next(planned)
+
+    def planned_steps(self):
+        """The plan's steps over the prepared rows, from the run state's step on (a resume starts mid-epoch)."""
+        plan, accum = self.plan, self.plan.gradient_accumulation_steps
+        for epoch in range(self.state.step // plan.steps_per_epoch, plan.epochs_to_run):
+            with self.hooks.phase("sampler"):  # epoch 0's were made by the plan (a million rows pack in seconds)
+                per_rank = (plan.first_epoch_batches if epoch == 0 and plan.first_epoch_batches is not None
+                            else epoch_micro_batches(self.lengths, plan.train_batching, epoch))
+            # on resume, the first epoch starts at the exact micro-batch after the checkpoint
+            first = (self.state.step - epoch * plan.steps_per_epoch) * accum
+            for start in range(first, plan.micro_batches_per_epoch, accum):
+                step_rows = [row for batches in per_rank for micro in batches[start:start + accum] for row in micro]
+                step_tokens = sum(int(self.targets_per_row[row].sum()) for row in step_rows)
+                step_units = sum(int(self.units_per_row[row].sum()) for row in step_rows)
+                yield per_rank[self.rank][start:start + accum], step_tokens, step_units
 
     @contextlib.contextmanager
     def timed(self, what: str):
@@ -217,8 +237,11 @@ class TrainingLoop:
         step_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
         step_stats = None  # the objective's per-unit sums (rewards, ...), when it has some
         for index, rows in enumerate(window):
-            with hooks.phase("collate"):
-                batch = self.collate(rows)
+            if isinstance(rows, MicroBatch):  # a streamed step's, collated before its tokens were counted
+                batch = rows
+            else:
+                with hooks.phase("collate"):
+                    batch = self.collate(rows)
             hooks.micro_batch(batch)
             with hooks.phase("to(device)"):
                 batch = batch.to(accelerator.device)
@@ -296,7 +319,8 @@ class TrainingLoop:
             weights = engine.full_state_dict() if whole else None  # collective, for a sharded model
 
             def write_on_every_rank() -> None:
-                checkpoint.write_rank_rng(self.output_dir, step, self.rank)
+                checkpoint.write_rank_rng(self.output_dir, step, self.rank,
+                                          self.streamed.position if self.streamed is not None else None)
                 if engine.writes_shards:  # collective
                     engine.save_shards(run_files.pending_shards(self.output_dir, step))
 
@@ -331,6 +355,9 @@ class TrainingLoop:
             self.hooks.logged(metrics)
 
     def epoch_at(self, step: int) -> float:
+        """The passes over the data so far (a stream's: the pass it is in, counted from 0, as it has no length)."""
+        if self.streamed is not None:
+            return self.streamed.passes
         return round(step / self.plan.steps_per_epoch, 4)
 
     def gather_counts(self, counts: int | list[int]) -> list[int]:

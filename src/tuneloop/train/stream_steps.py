@@ -1,0 +1,101 @@
+"""The steps of a streamed run: each rank's rows read as the loop reaches them (data/stream.py), in step with
+the other ranks.
+
+With prepared data every rank can count every rank's target tokens before a step (the sampler is
+deterministic), so the loss is normalised without a collective. A stream cannot: a rank knows only its own
+rows. So each step, every rank reads and collates its micro-batches first, then one all-reduce of two numbers
+(the step's target tokens on this rank, and whether this rank's share of the pass ran out) gives every rank
+the step's token count. That is one small collective per step, issued before the step's forwards: on a GPU
+its result is read on the host, so the host waits for the previous step's kernels to finish there (the next
+step's rows are already read and collated by then); on one process there is no collective at all.
+
+Passes are synchronised: when any rank's share of a pass runs out before it fills a step, every rank drops
+the rows it read for that step and starts the next pass together, so no rank waits at a collective the
+others never reach and every step holds the plan's number of rows. A pass that cannot fill one step on
+every rank is an error rather than an endless loop.
+
+Each rank's StreamPosition (the pass, its rows read, the tokens read but not yet trained) is saved in its
+checkpoint file and restored on resume, so a resumed run reads exactly the rows the interrupted one would
+have read next.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tuneloop.data.collate import MicroBatch, collator_for
+from tuneloop.data.prepare import ChunkTokenizer, Limits, entry_rules
+from tuneloop.data.stream import MemoryRows, StreamPosition, TokenStream
+from tuneloop.errors import UserError
+
+WHOLE_DOCUMENTS = 1 << 62  # packed streams cut long documents into rows: the tokenizer drops none for length
+
+
+class StreamedSteps:
+    """This rank's micro-batches, step by step, for a streamed run."""
+
+    def __init__(self, cfg, plan, tokenizer, accelerator, hooks, position: StreamPosition | None = None,
+                 decoder_start_token_id: int | None = None, encoder_decoder: bool = False):
+        self.accelerator, self.hooks = accelerator, hooks
+        self.micro_batch_size = cfg.micro_batch_size
+        self.rows_per_step = cfg.micro_batch_size * plan.gradient_accumulation_steps
+        packed = plan.train_batching.mode == "packed"
+        entries = cfg.streamed_datasets
+        limits = Limits(WHOLE_DOCUMENTS if packed else cfg.sequence_len, cfg.train_on_inputs,
+                        encoder_decoder=encoder_decoder)
+        tokenize = ChunkTokenizer(tokenizer, entry_rules(cfg, entries, tokenizer), limits)
+        self.stream = TokenStream(entries, tokenize, cfg.sequence_len, accelerator.process_index, plan.world_size,
+                                  packed, position)
+        self.pad_token_id, self.packed, self.padding = tokenizer.pad_token_id, packed, plan.padding
+        self.decoder_start_token_id = decoder_start_token_id
+        # a resumed stream is inside a pass that already filled a step (saves come after whole steps)
+        self.steps_in_pass = 1 if position is not None and (position.rows_read or position.carry_ids) else 0
+
+    @property
+    def passes(self) -> int:
+        """Passes over the data started so far (the same on every rank)."""
+        return self.stream.position.passes
+
+    @property
+    def position(self) -> StreamPosition:
+        return self.stream.position
+
+    def next_step(self) -> tuple[list[MicroBatch], int]:
+        """This rank's micro-batches of the next step, and the step's target tokens over every rank."""
+        while True:
+            with self.hooks.phase("read stream"):
+                rows = []
+                while len(rows) < self.rows_per_step:
+                    row = self.stream.next_row()
+                    if row is None:
+                        break
+                    rows.append(row)
+            ran_out = len(rows) < self.rows_per_step
+            batches = [] if ran_out else self.collated(rows)
+            targets, out = self.summed([sum(batch.n_targets for batch in batches), int(ran_out)])
+            if not out:
+                self.steps_in_pass += 1
+                return batches, targets
+            if self.steps_in_pass == 0:
+                raise UserError(f"data: a whole pass over the streamed data does not fill one step of "
+                                f"{self.rows_per_step} rows on every one of the {self.accelerator.num_processes} "
+                                "ranks; use more data, or lower micro_batch_size or gradient_accumulation_steps")
+            self.stream.start_next_pass()  # on every rank at once: the rows read for this step belong to the old one
+            self.steps_in_pass = 0
+
+    def collated(self, rows: list) -> list[MicroBatch]:
+        with self.hooks.phase("collate"):
+            batches = []
+            for start in range(0, len(rows), self.micro_batch_size):
+                store = MemoryRows(rows[start:start + self.micro_batch_size])
+                collate = collator_for(store, self.pad_token_id, self.packed, self.padding,
+                                       decoder_start_token_id=self.decoder_start_token_id)
+                batches.append(collate(store.units))
+            return batches
+
+    def summed(self, counts: list[int]) -> list[int]:
+        """The counts summed over every rank (one collective; none on one process)."""
+        if self.accelerator.num_processes == 1:
+            return counts
+        local = torch.tensor(counts, dtype=torch.int64, device=self.accelerator.device)
+        return [int(value) for value in self.accelerator.reduce(local, reduction="sum").tolist()]

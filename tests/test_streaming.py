@@ -1,0 +1,122 @@
+"""Streamed runs (pretraining_dataset, streaming: true) through the real `tuneloop train`:
+
+- the plan is what ran: max_steps steps of full sequence_len rows, every real token counted, over several
+  passes of data that wraps (passes start on every rank together);
+- a run killed mid-save resumes from its last checkpoint to the same weights as an uninterrupted run (each
+  rank's stream position is in the checkpoint);
+- two ranks read disjoint shares (data/stream.py's own tests show the shares; here two real ranks train a
+  stream whose passes run out on different ranks at different times, and finish the plan);
+- an encoder-decoder streams source/target rows (the forum's shape);
+- what a stream cannot do is refused, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import (assert_user_error, base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows,
+                      write_config, write_jsonl)
+from test_resume import assert_identical, start_train, weights
+from test_seq2seq import pairs, tiny_t5_dir  # noqa: F401  (fixtures)
+
+from tuneloop.run_files import complete_checkpoints
+from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
+from tuneloop.train.guards import SIGNAL_AT_STEP_ENV
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    """Raw text rows of very different lengths (a pass fills only a few steps, so passes wrap)."""
+    rows = [{"text": f"{row['instruction']} {row['output']}"} for row in tiny_rows(10, seed=11)]
+    return write_jsonl(tmp_path_factory.mktemp("texts") / "corpus.jsonl", rows)
+
+
+def pretraining_keys(corpus, **keys) -> dict:
+    return {"datasets": None, "pretraining_dataset": [{"path": str(corpus), "text_column": "text"}],
+            "streaming": True, "sequence_len": 32, "micro_batch_size": 2, "gradient_accumulation_steps": 2,
+            "max_steps": 12, "learning_rate": 2e-3, "warmup_steps": 2, **keys}
+
+
+def test_a_streamed_run_takes_the_planned_steps_of_full_rows_over_several_passes(tmp_path, tiny_model_dir, texts):
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, texts,
+                                                             **pretraining_keys(texts)))
+    planned = run_in_process("plan", str(config))
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert "streamed, packed" in planned.stdout and "128 tokens per step (4 × 32)" in planned.stdout
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = tmp_path / "out"
+    plan, summary = json.loads((out / "plan.json").read_text()), json.loads((out / "summary.json").read_text())
+    lines = [line for line in read_metrics(out) if "loss" in line]
+    assert [line["step"] for line in lines] == list(range(1, 13)) and summary["steps"] == plan["total_steps"] == 12
+    assert summary["real_tokens"] == plan["total_real_tokens"] == 12 * 4 * 32  # every row full, every step
+    assert 0 < lines[-1]["tokens"] < 12 * 4 * 32  # the targets: each piece's first token predicts nothing
+    assert lines[-1]["epoch"] >= 2 and lines[0]["epoch"] == 0  # the data wrapped: passes 0, 1, 2, ...
+
+
+@pytest.mark.slow
+def test_a_streamed_run_killed_mid_save_resumes_to_the_same_weights(tmp_path, tiny_model_dir, texts):
+    keys = pretraining_keys(texts, save_steps=4, save_total_limit=3, auto_resume_from_checkpoints=True,
+                            save_strategy=None)
+    straight = write_config(tmp_path / "straight.yml", **base_config(tmp_path / "straight", tiny_model_dir, texts,
+                                                                     **keys))
+    assert run_in_process("train", str(straight)).returncode == 0
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path / "run", tiny_model_dir, texts, **keys))
+    crashed = start_train(config, env={CRASH_DURING_SAVE_ENV: "8"})
+    crashed.communicate(timeout=300)
+    # killed while writing checkpoint-8: checkpoint-4, inside the second pass over the data, is the newest whole one
+    assert crashed.returncode != 0 and [p.name for p in complete_checkpoints(tmp_path / "run" / "out")] == \
+        ["checkpoint-4"]
+    resumed = run_in_process("train", str(config))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_identical(weights(tmp_path / "run" / "out"), weights(tmp_path / "straight" / "out"))
+
+
+@pytest.mark.slow
+def test_two_ranks_stream_their_own_shares_through_synchronised_passes_and_resume(tmp_path, tiny_model_dir, texts):
+    """Rank 0 is signalled after step 5: both ranks save step 6 (with their stream positions) and stop; a single
+    process may not take the checkpoint over; two ranks resume it and finish the plan."""
+    keys = pretraining_keys(texts, gradient_accumulation_steps=1, save_strategy=None, save_steps=100,
+                            auto_resume_from_checkpoints=True)
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, texts, **keys))
+    stopped = run_two_ranks("train", str(config), env={SIGNAL_AT_STEP_ENV: "0:5"})
+    assert stopped.returncode != 0 and "exitcode  : 75" in stopped.stderr, stopped.stderr[-3000:]
+    out = tmp_path / "out"
+    assert [path.name for path in complete_checkpoints(out)] == ["checkpoint-6"]
+    # another number of ranks would split the stream into other shares: refused even when forced
+    assert_user_error(run_in_process("train", str(config), "--force-resume"), "written by 2 ranks", "this run has 1")
+    resumed = run_two_ranks("train", str(config))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    plan = json.loads((out / "plan.json").read_text())
+    lines = [line for line in read_metrics(out) if "loss" in line]
+    assert plan["world_size"] == 2 and [line["step"] for line in lines] == list(range(1, 13))
+    assert lines[-1]["epoch"] >= 2  # several passes, each rank's share running out at its own time
+
+
+def test_an_encoder_decoder_streams_source_target_rows(tmp_path, tiny_t5_dir, pairs):  # noqa: F811
+    config = write_config(tmp_path / "run.yml", **base_config(
+        tmp_path, tiny_t5_dir, pairs, datasets=[{"path": str(pairs), "type": "seq2seq"}], streaming=True,
+        sequence_len=64, micro_batch_size=4, max_steps=30, test_datasets=[{"path": str(pairs), "type": "seq2seq"}],
+        evals_per_epoch=1, eval_on_start=True))
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = tmp_path / "out"
+    metrics = read_metrics(out)
+    assert [line["step"] for line in metrics if "loss" in line] == list(range(1, 31))
+    evals = [line["eval_loss"] for line in metrics if "eval_loss" in line]
+    assert len(evals) == 2 and evals[-1] < evals[0]
+    assert [line for line in metrics if "loss" in line][-1]["epoch"] >= 1  # 96 rows, 4 a step: a second pass
+
+
+def test_what_a_stream_cannot_do_is_refused(tmp_path, tiny_model_dir, texts):
+    def refused(*fragments, **keys):
+        config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, texts, **keys))
+        assert_user_error(run_in_process("plan", str(config)), *fragments)
+
+    refused("set `max_steps`", **pretraining_keys(texts, max_steps=None))
+    refused("`val_set_size`", "test_datasets", **pretraining_keys(texts, val_set_size=0.1))
+    refused("`group_by_length`", **pretraining_keys(texts, group_by_length=True))
+    refused("`pretraining_dataset` replaces `datasets`",
+            **pretraining_keys(texts, datasets=[{"path": str(texts), "type": "completion"}]))
+    refused("skipping rows", **pretraining_keys(texts, pretraining_dataset=[{"path": str(texts), "skip": 5}]))
