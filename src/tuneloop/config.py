@@ -12,10 +12,11 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, field_validator,
+                      model_validator)
 
 from tuneloop import axolotl_keys
 from tuneloop.data.chat_templates import check_template_name
@@ -228,6 +229,15 @@ class PretrainingDataset(_Strict):
                              **({"field": self.text_column} if raw else {}))
 
 
+PRETRAINING_FORM, DATASET_FORM = "pretraining entry", "dataset entry"  # (left out of error messages' key paths)
+
+
+def _pretraining_entry_form(value) -> str:
+    """axolotl takes a pretraining entry (path, text_column, ...) or any dataset entry (type, field, ...)."""
+    keys = set(value) if isinstance(value, dict) else set(value.model_fields_set)
+    return PRETRAINING_FORM if keys <= set(PretrainingDataset.model_fields) else DATASET_FORM
+
+
 class TrainTokenizer(_Strict):
     """tuneloop's own key: a tokenizer trained on the run's training text (with the `tokenizers` library) before
     the data is prepared, for a model trained from scratch. It is cached beside the prepared data and saved with
@@ -301,7 +311,10 @@ class TuneloopConfig(_Strict):
     # data
     datasets: list[DatasetConfig] = Field(default_factory=list)
     # read as a stream instead of prepared whole (axolotl's keys): raw text packed into full rows, for max_steps
-    pretraining_dataset: Optional[list[PretrainingDataset]] = None
+    # (an entry is axolotl's pretraining form, or a dataset entry of any type, as axolotl also takes)
+    pretraining_dataset: Optional[list[Annotated[
+        Union[Annotated[PretrainingDataset, Tag(PRETRAINING_FORM)], Annotated[DatasetConfig, Tag(DATASET_FORM)]],
+        Discriminator(_pretraining_entry_form)]]] = None
     streaming: bool = False
     test_datasets: list[DatasetConfig] = Field(default_factory=list)
     val_set_size: float = 0.0
@@ -665,8 +678,10 @@ class TuneloopConfig(_Strict):
 
     @property
     def streamed_datasets(self) -> list["DatasetConfig"]:
-        return [entry.as_dataset() for entry in self.pretraining_dataset] if self.pretraining_dataset \
-            else self.datasets
+        if not self.pretraining_dataset:
+            return self.datasets
+        return [entry.as_dataset() if isinstance(entry, PretrainingDataset) else entry
+                for entry in self.pretraining_dataset]
 
     @property
     def streams_packed(self) -> bool:
@@ -680,8 +695,7 @@ class TuneloopConfig(_Strict):
             return
         if self.datasets and self.pretraining_dataset:
             raise ValueError("`pretraining_dataset` replaces `datasets` (its text is read as a stream): keep one")
-        for entry in self.pretraining_dataset or []:
-            entry.as_dataset()  # a text_column that would be ignored
+        self.streamed_datasets  # (a text_column that would be ignored is refused here)
         if not self.max_steps:
             raise ValueError("a streamed dataset (`pretraining_dataset` or `streaming: true`) is read as the run "
                              "goes, so its length is unknown: set `max_steps`")
@@ -1028,7 +1042,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 def _validation_lines(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"] if not str(part).startswith(("function-", "literal[")))
+        key = ".".join(str(part) for part in item["loc"] if not str(part).startswith(("function-", "literal["))
+                       and part not in (PRETRAINING_FORM, DATASET_FORM))
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "missing":
             message = "is required"

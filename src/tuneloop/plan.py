@@ -327,7 +327,8 @@ def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
             text += (f" The ratio is the world size ({plan.world_size}): you probably counted per-device "
                      "batches; one step here consumes a global batch from every rank.")
         found.append(text)
-    if plan.padding_fraction is not None and plan.padding_fraction > 0.20:
+    if plan.padding_fraction is not None and plan.padding_fraction > 0.20 and not (
+            cfg.group_by_length and plan.encoder_tokens is not None):  # (nothing left to suggest)
         remedy = ("`group_by_length: true` would reclaim most of it" if plan.encoder_tokens is not None
                   else "`sample_packing: true` (or `group_by_length: true`) would reclaim most of it")
         found.append(f"{plan.padding_fraction:.0%} of the computed tokens are padding; {remedy}.")
