@@ -29,7 +29,8 @@ def describe_config(cfg: TuneloopConfig) -> list[str]:
     datasets = ", ".join(f"{_dataset_kind(entry)} ({entry.path})" for entry in cfg.streamed_datasets)
     if cfg.streams:
         datasets = f"streamed: {datasets}"
-    batching = "packed" if cfg.sample_packing or cfg.pretraining_dataset else "grouped by length" if cfg.group_by_length else "padded"
+    batching = ("packed" if cfg.sample_packing or cfg.pretraining_dataset
+                else "grouped by length" if cfg.group_by_length else "padded")
     length = f"max_steps {cfg.max_steps}" if cfg.max_steps else f"{cfg.num_epochs} epoch(s)"
     units = "rows"
     objective = []
