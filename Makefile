@@ -24,8 +24,9 @@ install: $(BIN)/tuneloop
 quickstart: install
 	$(BIN)/tuneloop train examples/quickstart.yml --overwrite
 
+# two workers: the suite's tests are single-threaded (OMP_NUM_THREADS=1) and this machine has two cores
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -ra
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -ra -n 2
 
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/compare.py --quick

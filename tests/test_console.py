@@ -8,6 +8,7 @@ import io
 import json
 import re
 
+import pytest
 from conftest import base_config, read_metrics, tiny_rows, write_config, write_jsonl
 
 from tuneloop.console import ProgressBar
@@ -18,6 +19,12 @@ class Terminal(io.StringIO):
 
     def isatty(self) -> bool:
         return True
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    """The 120 columns a terminal without a size gets (pytest-xdist sets COLUMNS=80 in its workers)."""
+    monkeypatch.setenv("COLUMNS", "120")
 
 
 def test_on_a_terminal_a_live_bar_counts_the_plan_and_eval_lines_stay_above_it(tmp_path, tiny_model_dir):
