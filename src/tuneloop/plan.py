@@ -271,8 +271,9 @@ def make_stream_plan(cfg: TuneloopConfig, eval_rows: int, world_size: int, packe
         world_size=world_size, micro_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=accum,
         global_batch_size=global_rows, batching=f"streamed, {mode}", sequence_len=cfg.sequence_len, train_rows=0,
         train_tokens=0, trainable_tokens=0, eval_rows=eval_rows, dropped_too_long=0,
-        micro_batches_per_epoch=total_steps * accum, rows_cut_per_epoch=0, steps_per_epoch=total_steps,
-        total_steps=total_steps, epochs_to_run=1, epochs_covered=None, warmup_steps=warmup, eval_steps_at=eval_at,
+        # (a stream's epochs are unknown: a longer run resumes as a longer run, with its schedule stretched)
+        micro_batches_per_epoch=None, rows_cut_per_epoch=0, steps_per_epoch=None,
+        total_steps=total_steps, epochs_to_run=None, epochs_covered=None, warmup_steps=warmup, eval_steps_at=eval_at,
         eval_count=len(eval_at), save_steps_at=save_at, save_count=len(save_at), tokens_per_step=None,
         total_trainable_tokens=None, total_real_tokens=real, packing_efficiency=1.0 if packed else None,
         padding_fraction=None, max_micro_batch_tokens=widest, learning_rate=cfg.learning_rate,
@@ -349,7 +350,7 @@ def plan_warnings(cfg: TuneloopConfig, plan: TrainingPlan) -> list[str]:
         found.append(f"{', '.join(asked_for_evals)} set, but there is no eval set (val_set_size or test_datasets): "
                      "no eval will run" + (", and early stopping cannot stop the run" if cfg.early_stopping_patience
                                            else "") + ".")
-    if plan.micro_batches_per_epoch < plan.gradient_accumulation_steps:
+    if not plan.streamed and plan.micro_batches_per_epoch < plan.gradient_accumulation_steps:
         found.append(f"the global batch ({plan.global_batch_size} rows) is larger than one epoch of data "
                      f"({plan.micro_batches_per_epoch} micro-batches per rank): every step is a partial batch; "
                      "lower micro_batch_size or gradient_accumulation_steps.")

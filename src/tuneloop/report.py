@@ -33,7 +33,7 @@ def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: d
         f"| stopped by | {summary.get('stopped_by') or 'end of plan'} |",
         f"| global batch | {plan['global_batch_size']} rows ({plan['micro_batch_size']} × "
         f"{plan['gradient_accumulation_steps']} × {plan['world_size']} ranks), {plan['batching']} |",
-        f"| trained tokens | {train[-1]['tokens'] if train else 0} of {plan['total_trainable_tokens']} planned |",
+        f"| trained tokens | {train[-1]['tokens'] if train else 0} of {_planned_tokens(plan)} planned |",
         f"| train time | {summary.get('train_seconds', '?')} s |",
     ]
     if speeds:
@@ -74,6 +74,12 @@ def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: d
     run_files.record(output_dir, path.name)
     path.write_text("\n".join(lines))
     return path
+
+
+def _planned_tokens(plan: dict):
+    """The plan's trained tokens; a stream's are counted as it is read."""
+    planned = plan["total_trainable_tokens"]
+    return planned if planned is not None else "an unknown number (a stream)"
 
 
 def write_plot(output_dir: Path, plan: dict, metrics: list[dict]) -> Path | None:

@@ -63,6 +63,9 @@ def check_encoder_decoder_settings(cfg: TuneloopConfig) -> None:
         raise UserError(f"config: `{key}: true` packs rows for a causal model, and this is an encoder-decoder model "
                         "(its relative positions and cross-attention do not separate packed rows): set it to false; "
                         "`group_by_length: true` reclaims most of the padding")
+    if cfg.train_on_inputs:
+        raise UserError("config: `train_on_inputs: true` trains the prompt's tokens too, and an encoder-decoder's "
+                        "prompt is its encoder's input, which it does not predict: remove it")
     if cfg.pretraining_dataset:
         raise UserError("config: `pretraining_dataset` trains a causal model on raw text; an encoder-decoder's "
                         "pretraining (T5's span corruption) is not something tuneloop does. Stream source/target rows "
