@@ -173,6 +173,9 @@ def test_seq2seq_refusals_name_the_key(tmp_path, tiny_t5_dir, tiny_model_dir, pa
     refused("`overrides_of_model_config.d_modle`", **seq2seq_keys(pairs, overrides_of_model_config={"d_modle": 8}))
     refused("`model_type: AutoModelForCausalLM`", **seq2seq_keys(pairs, model_type="AutoModelForCausalLM"))
     refused("`train_tokenizer`", "pretrained", **seq2seq_keys(pairs, train_tokenizer={"vocab_size": 100}))
+    refused("`train_on_inputs: true`", **seq2seq_keys(pairs, train_on_inputs=True))
+    refused("`pretraining_dataset`", "span corruption", datasets=None, pretraining_dataset=[{"path": str(pairs)}],
+            max_steps=2)
     # a config folder that holds weights, without saying whether to use them
     refused("`reinit_weights: true`", **seq2seq_keys(pairs, base_model=None, base_model_config=str(tiny_t5_dir)))
 
