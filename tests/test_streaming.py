@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import (assert_user_error, base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows,
-                      write_config, write_jsonl)
+from conftest import (assert_every_rank_stopped_with, assert_user_error, base_config, read_metrics, run_in_process,
+                      run_two_ranks, tiny_rows, write_config, write_jsonl)
 from test_resume import assert_identical, start_train, weights
 from test_seq2seq import pairs, tiny_t5_dir  # noqa: F401  (fixtures)
 
@@ -53,6 +53,8 @@ def test_a_streamed_run_takes_the_planned_steps_of_full_rows_over_several_passes
     assert summary["real_tokens"] == plan["total_real_tokens"] == 12 * 4 * 32  # every row full, every step
     assert 0 < lines[-1]["tokens"] < 12 * 4 * 32  # the targets: each piece's first token predicts nothing
     assert lines[-1]["epoch"] >= 2 and lines[0]["epoch"] == 0  # the data wrapped: passes 0, 1, 2, ...
+    assert summary["stream"]["passes_started"] == lines[-1]["epoch"] + 1
+    assert summary["stream"]["rows_read"] >= 10 * (summary["stream"]["passes_started"] - 1)
 
 
 @pytest.mark.slow
@@ -120,3 +122,50 @@ def test_what_a_stream_cannot_do_is_refused(tmp_path, tiny_model_dir, texts):
     refused("`pretraining_dataset` replaces `datasets`",
             **pretraining_keys(texts, datasets=[{"path": str(texts), "type": "completion"}]))
     refused("skipping rows", **pretraining_keys(texts, pretraining_dataset=[{"path": str(texts), "skip": 5}]))
+
+
+@pytest.mark.slow
+def test_a_bad_row_in_one_ranks_share_stops_every_rank_with_its_message(tmp_path, tiny_model_dir):
+    rows = tiny_rows(12, seed=2)
+    del rows[5]["output"]  # row 5 is rank 1's (rows are dealt g % 2): rank 0 never reads it
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, streaming=True,
+                                                             max_steps=4, micro_batch_size=2))
+    assert_every_rank_stopped_with(run_two_ranks("train", str(config)), "rows.jsonl:6: missing field `output`")
+
+
+def test_packed_rows_inside_untrained_prompts_are_skipped_not_a_division_by_zero(tmp_path, tiny_model_dir):
+    rows = [dict(row, input=" ".join([row["instruction"]] * 6)) for row in tiny_rows(8, seed=4)]
+    data = write_jsonl(tmp_path / "rows.jsonl", rows)  # long prompts (not trained), short replies
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, streaming=True,
+                                                             sample_packing=True, sequence_len=16, max_steps=6,
+                                                             micro_batch_size=1))
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stream = json.loads((tmp_path / "out" / "summary.json").read_text())["stream"]
+    assert stream["rows_without_targets"] > 0 and stream["rows_read"] > 0
+    assert "packed rows without a trained token skipped" in result.stdout
+    assert all(line["loss"] == line["loss"] for line in read_metrics(tmp_path / "out") if "loss" in line)  # no NaN
+
+
+def test_a_tokenizer_trained_for_a_pretraining_stream_learns_from_its_text(tmp_path, texts):
+    from transformers import AutoTokenizer
+
+    keys = base_config(tmp_path, tmp_path, texts, **pretraining_keys(texts),
+                       base_model_config="llama", overrides_of_model_config={
+                           "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "num_key_value_heads": 1},
+                       train_tokenizer={"type": "bpe", "vocab_size": 400, "min_frequency": 1})
+    del keys["base_model"]
+    config = write_config(tmp_path / "run.yml", **keys)
+    assert run_in_process("plan", str(config)).returncode == 0
+    folders = list((tmp_path / "prepared").glob("tokenizer-*"))
+    tokenizer = AutoTokenizer.from_pretrained(folders[0])
+    assert len(folders) == 1 and len(tokenizer) > 256 + 3  # merges learnt from the stream's text, not bytes alone
+    words = open(texts).read().split('"text": "')[1].split()[:3]
+    assert len(tokenizer(" ".join(words))["input_ids"]) < len(" ".join(words))  # whole words or pieces, not bytes
+    # other text, another tokenizer (the key holds the data's bytes)
+    write_jsonl(texts.parent / "other.jsonl", [{"text": "entirely different words here"}] * 20)
+    other = dict(keys, pretraining_dataset=[{"path": str(texts.parent / "other.jsonl")}])
+    assert run_in_process("plan", str(write_config(tmp_path / "other.yml", **other))).returncode == 0
+    assert len(list((tmp_path / "prepared").glob("tokenizer-*"))) == 2

@@ -26,7 +26,7 @@ def describe_config(cfg: TuneloopConfig) -> list[str]:
             f", with a {spec.type} tokenizer of {spec.vocab_size} tokens trained on the data" if spec else "")
     else:
         trained = "full fine-tuning"
-    datasets = ", ".join(f"{_dataset_kind(entry)} ({entry.path})" for entry in cfg.streamed_datasets)
+    datasets = ", ".join(f"{_dataset_kind(entry)} ({entry.path})" for entry in cfg.train_entries)
     if cfg.streams:
         datasets = f"streamed: {datasets}"
     batching = ("packed" if cfg.sample_packing or cfg.pretraining_dataset

@@ -67,9 +67,8 @@ PAIRED_ONLY_KEYS = ("field_chosen", "field_rejected", "chosen_format", "rejected
 UNPAIRED_ONLY_KEYS = ("field_completion", "field_label", "completion_format")
 
 
-# dataset keys that only a chat dataset reads (set on another type, they would be ignored: refused instead)
 # the text-to-text (encoder-decoder) model families: their *ForConditionalGeneration classes are seq2seq models,
-# not the multimodal ones of the same suffix (model.py checks the class against transformers' own mapping)
+# not the multimodal ones of the same suffix (model.py checks that the class and the checkpoint agree)
 SEQ2SEQ_FAMILIES = ("T5", "MT5", "UMT5", "LongT5", "Bart", "MBart", "PLBart", "Pegasus", "PegasusX", "BigBirdPegasus",
                     "Blenderbot", "BlenderbotSmall", "LED", "M2M100", "NllbMoe", "FSMT", "Mvp", "ProphetNet",
                     "SwitchTransformers", "T5Gemma", "Marian")
@@ -80,6 +79,7 @@ def is_seq2seq_class(name: str) -> bool:
     return name != family and family in SEQ2SEQ_FAMILIES
 
 
+# dataset keys that only a chat dataset reads (set on another type, they would be ignored: refused instead)
 CHAT_ONLY_KEYS = ("field_messages", "message_field_role", "message_field_content", "message_property_mappings",
                   "roles", "roles_to_train", "train_on_eos", "train_on_eot", "drop_system_message", "field_thinking",
                   "template_thinking_key", "chat_template", "chat_template_jinja")
@@ -268,6 +268,13 @@ class TrainTokenizer(_Strict):
             if needed not in value:
                 raise ValueError(f"needs `{needed}` (padding and the end of every target use it)")
         return value
+
+    @model_validator(mode="after")
+    def _unknown_for_unigram(self):
+        if self.type == "unigram" and "unk_token" not in self.special_tokens:
+            raise ValueError("a unigram tokenizer needs `special_tokens.unk_token`: a character it never saw in "
+                             "training (in eval rows or a prompt) has no other token to become")
+        return self
 
 
 class TuneloopConfig(_Strict):
@@ -677,7 +684,8 @@ class TuneloopConfig(_Strict):
         return self.streaming or bool(self.pretraining_dataset)
 
     @property
-    def streamed_datasets(self) -> list["DatasetConfig"]:
+    def train_entries(self) -> list["DatasetConfig"]:
+        """The training data's entries: `datasets`, or pretraining_dataset's as dataset entries."""
         if not self.pretraining_dataset:
             return self.datasets
         return [entry.as_dataset() if isinstance(entry, PretrainingDataset) else entry
@@ -695,7 +703,7 @@ class TuneloopConfig(_Strict):
             return
         if self.datasets and self.pretraining_dataset:
             raise ValueError("`pretraining_dataset` replaces `datasets` (its text is read as a stream): keep one")
-        self.streamed_datasets  # (a text_column that would be ignored is refused here)
+        self.train_entries  # (a text_column that would be ignored is refused here)
         if not self.max_steps:
             raise ValueError("a streamed dataset (`pretraining_dataset` or `streaming: true`) is read as the run "
                              "goes, so its length is unknown: set `max_steps`")
@@ -708,7 +716,7 @@ class TuneloopConfig(_Strict):
                        "dataset_shard_num": "shard a stream (each rank already reads its own share)"}[key]
                 raise ValueError(f"`{key}` cannot be used with a streamed dataset: tuneloop does not {why}")
         if any(entry.type is not None and not isinstance(entry.type, str) or entry.type in PREFERENCE_FORMATS
-               or entry.type in UNPAIRED_FORMATS for entry in self.streamed_datasets) or self.rl:
+               or entry.type in UNPAIRED_FORMATS for entry in self.train_entries) or self.rl:
             raise ValueError("preference data (`rl:`) is prepared whole: remove `streaming`")
 
     @property
@@ -720,6 +728,10 @@ class TuneloopConfig(_Strict):
         if self.base_model is None and self.base_model_config is None:
             raise ValueError("`base_model` is required (the model to fine-tune); to train from scratch give "
                              "`base_model_config` (a folder with a config.json, or a model type such as t5)")
+        named = [key for key in ("pad_token", "eos_token", "unk_token") if key in self.special_tokens]
+        if self.train_tokenizer and named:
+            raise ValueError(f"`special_tokens.{named[0]}` and `train_tokenizer` both name it: a trained tokenizer's "
+                             "special tokens are `train_tokenizer.special_tokens`; move it there")
         if not self.from_scratch:
             if self.train_tokenizer:
                 raise ValueError("`train_tokenizer` makes new token ids, which mean nothing to the pretrained weights "

@@ -294,5 +294,13 @@ def done_line(summary: dict, evals: list[dict], output_dir, compiled: bool, earl
                     is not None else "") + f"{memory['host_rss']:.2f} GB host RSS"
         estimate = f" (plan estimate {memory['estimated']:.2f} GB)" if memory.get("estimated") is not None else ""
         parts.append(f"peak memory {measured}{estimate}")
+    stream = summary.get("stream")
+    if stream:  # what a streamed run read, and what it left out (a prepared run's plan says it before training)
+        left_out = stream["dropped_too_long"] + stream["dropped_no_trained_tokens"]
+        passes = stream["passes_started"]
+        parts.append(f"stream: {passes} pass{'es' if passes != 1 else ''} started, {stream['rows_read']} rows read, "
+                     f"{left_out} left out ({stream['dropped_too_long']} longer than sequence_len)"
+                     + (f", {stream['rows_without_targets']} packed rows without a trained token skipped"
+                        if stream["rows_without_targets"] else ""))
     early = " (early stopping: best model kept)" if early_stopped else ""
     return "; ".join(parts) + f"{early}; model saved to {output_dir}"

@@ -43,6 +43,30 @@ def model_kind(cfg: TuneloopConfig, config=None) -> ModelKind:
     return named_kind(cfg) or kind_of_config(config if config is not None else model_config(cfg))
 
 
+def check_encoder_decoder_settings(cfg: TuneloopConfig) -> None:
+    """What an encoder-decoder (T5) run cannot do, refused before any data is read."""
+    if cfg.sample_packing or cfg.eval_sample_packing:
+        key = "sample_packing" if cfg.sample_packing else "eval_sample_packing"
+        raise UserError(f"config: `{key}: true` packs rows for a causal model, and this is an encoder-decoder model "
+                        "(its relative positions and cross-attention do not separate packed rows): set it to false; "
+                        "`group_by_length: true` reclaims most of the padding")
+    if cfg.train_on_inputs:
+        raise UserError("config: `train_on_inputs: true` trains the prompt's tokens too, and an encoder-decoder's "
+                        "prompt is its encoder's input, which it does not predict: remove it")
+    if cfg.pretraining_dataset:
+        raise UserError("config: `pretraining_dataset` trains a causal model on raw text; an encoder-decoder's "
+                        "pretraining (T5's span corruption) is not something tuneloop does. Stream source/target rows "
+                        "with `datasets` (type seq2seq) and `streaming: true`")
+    for entry in cfg.train_entries + cfg.test_datasets:  # found now, not when a stream reaches the entry
+        if entry.type == "completion":
+            raise UserError(f"config: `type: completion` trains the whole text, and an encoder-decoder model needs a "
+                            f"prompt for its encoder and a target for its decoder ({entry.path}): use `type: "
+                            "seq2seq` with field_source/field_target, alpaca, or a chat dataset")
+    if cfg.rl:
+        raise UserError(f"config: `rl: {cfg.rl}` is preference training of causal models; tuneloop does not train "
+                        "encoder-decoder models on preference pairs yet")
+
+
 def auto_class(kind: ModelKind):
     import transformers
 
@@ -158,7 +182,7 @@ def model_config(cfg: TuneloopConfig, tokenizer=None):
     key = "base_model_config" if cfg.base_model_config else "base_model"
     name = cfg.base_model_config or cfg.base_model
     try:
-        if name in CONFIG_MAPPING and not Path(name).expanduser().exists():
+        if cfg.base_model_config and name in CONFIG_MAPPING and not Path(name).expanduser().exists():
             config = AutoConfig.for_model(name)
         else:
             source = _checked_source(name, key)
@@ -346,7 +370,7 @@ def built_from_config(cfg: TuneloopConfig, built, config, attention: str | None)
     try:
         if hasattr(built, "from_config"):  # an Auto class
             return built.from_config(config, trust_remote_code=cfg.trust_remote_code, **options)
-        return built._from_config(config, torch_dtype=options["dtype"], attn_implementation=attention)
+        return built._from_config(config, dtype=options["dtype"], attn_implementation=attention)
     except (ValueError, TypeError, torch.OutOfMemoryError) as error:
         raise UserError(f"model: cannot build a {config.model_type} model from its config: {error}") from None
 

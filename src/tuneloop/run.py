@@ -43,7 +43,7 @@ def prepare_data(cfg: TuneloopConfig, force: bool = False, hooks: RunHooks | Non
     from transformers.utils import logging as transformers_logging
 
     from tuneloop.data.prepare import prepare, prepare_streamed_eval
-    from tuneloop.model import load_tokenizer, model_kind
+    from tuneloop.model import check_encoder_decoder_settings, load_tokenizer, model_kind
 
     transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
     encoder_decoder = model_kind(cfg).encoder_decoder
@@ -54,25 +54,6 @@ def prepare_data(cfg: TuneloopConfig, force: bool = False, hooks: RunHooks | Non
     preparation = prepare_streamed_eval if cfg.streams else prepare  # a stream is read as the run goes
     return tokenizer, preparation(cfg, tokenizer, force=force, report=hooks.preparing, notice=hooks.notice,
                                   encoder_decoder=encoder_decoder)
-
-
-def check_encoder_decoder_settings(cfg: TuneloopConfig) -> None:
-    """What an encoder-decoder (T5) run cannot do, refused before any data is read."""
-    if cfg.sample_packing or cfg.eval_sample_packing:
-        key = "sample_packing" if cfg.sample_packing else "eval_sample_packing"
-        raise UserError(f"config: `{key}: true` packs rows for a causal model, and this is an encoder-decoder model "
-                        "(its relative positions and cross-attention do not separate packed rows): set it to false; "
-                        "`group_by_length: true` reclaims most of the padding")
-    if cfg.train_on_inputs:
-        raise UserError("config: `train_on_inputs: true` trains the prompt's tokens too, and an encoder-decoder's "
-                        "prompt is its encoder's input, which it does not predict: remove it")
-    if cfg.pretraining_dataset:
-        raise UserError("config: `pretraining_dataset` trains a causal model on raw text; an encoder-decoder's "
-                        "pretraining (T5's span corruption) is not something tuneloop does. Stream source/target rows "
-                        "with `datasets` (type seq2seq) and `streaming: true`")
-    if cfg.rl:
-        raise UserError(f"config: `rl: {cfg.rl}` is preference training of causal models; tuneloop does not train "
-                        "encoder-decoder models on preference pairs yet")
 
 
 def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int, device_memory_gb: float | None = None):
@@ -442,6 +423,7 @@ def summary_of(outcome, plan, seconds: dict | None = None) -> dict:
             "last_eval_loss": outcome.evals[-1]["eval_loss"] if outcome.evals else None,
             "seconds": time_split(outcome, seconds or {}),
             "held_bytes_per_rank": outcome.held_per_rank,  # weights and optimizer state, counted on each rank
+            **({"stream": outcome.stream} if outcome.stream is not None else {}),
             "peak_memory_gb": peak_memory(plan)}
 
 

@@ -161,7 +161,7 @@ class ChunkTokenizer:
     def source_target(self, rows: list, entry, entry_index: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """An encoder-decoder's rows: (encoder tokens then target tokens, their labels, how many are the encoder's)."""
         if entry.type is None:  # tokens as transformers' seq2seq collator takes them: input_ids, labels
-            return [pretokenized_pair(row, self.vocabulary) for row in rows]
+            return [pretokenized_pair(row, self.vocabulary, self.tokenizer.pad_token_id) for row in rows]
         if entry.type == "completion":
             raise UserError(f"data: `type: completion` trains the whole text, and an encoder-decoder model needs a "
                             f"prompt for its encoder and a target for its decoder ({entry.path}): use `type: "
@@ -304,7 +304,7 @@ def _ending_with(ids: np.ndarray, eos: int | None) -> np.ndarray:
     return np.append(ids, eos)
 
 
-def pretokenized_pair(row, vocabulary: int) -> tuple[np.ndarray, np.ndarray, int]:
+def pretokenized_pair(row, vocabulary: int, pad_token_id: int | None) -> tuple[np.ndarray, np.ndarray, int]:
     """An encoder-decoder row given as tokens, as transformers' DataCollatorForSeq2Seq takes it: `input_ids` for
     the encoder and `labels` for the decoder (-100 where not trained)."""
     input_ids, labels = row.values.get("input_ids"), row.values.get("labels")
@@ -319,7 +319,7 @@ def pretokenized_pair(row, vocabulary: int) -> tuple[np.ndarray, np.ndarray, int
                         f"{vocabulary} (labels may also be -100); were these rows made with another tokenizer?")
     targets = np.asarray(labels, dtype=np.int64)
     # a -100 target has no token to feed the decoder on the next position: pad's id stands in (never predicted)
-    decoder_tokens = np.where(targets == IGNORE_INDEX, 0, targets)
+    decoder_tokens = np.where(targets == IGNORE_INDEX, pad_token_id or 0, targets)
     return (np.concatenate([np.asarray(input_ids, dtype=np.int64), decoder_tokens]),
             np.concatenate([np.full(len(input_ids), IGNORE_INDEX), targets]), len(input_ids))
 
@@ -676,14 +676,14 @@ def stream_key(cfg, tokenizer, encoder_decoder: bool = False) -> str:
     the settings that change the rows, and each file's path, size and modification time (a stream may be too
     large to hash whole before every run)."""
     digest = hashlib.sha256()
-    settings = {"version": PREPARE_VERSION, "streamed": [entry.model_dump() for entry in cfg.streamed_datasets],
+    settings = {"version": PREPARE_VERSION, "streamed": [entry.model_dump() for entry in cfg.train_entries],
                 "sequence_len": cfg.sequence_len, "packed": cfg.streams_packed, "train_on_inputs": cfg.train_on_inputs,
                 "encoder_decoder": encoder_decoder,
                 "chat_template": resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)}
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     digest.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
-    for entry in cfg.streamed_datasets:
+    for entry in cfg.train_entries:
         for file in data_files_of(entry):
             status = file.stat()
             digest.update(f"{file.resolve()}:{status.st_size}:{status.st_mtime_ns}".encode())

@@ -112,6 +112,7 @@ class TokenStream:
         self.sequence_len, self.rank, self.world_size = sequence_len, rank, world_size
         self.packed, self.chunk_rows = packed, chunk_rows
         self.stats = PrepareStats()  # rows read and dropped by `tokenize` since this stream was made (not resumed)
+        self.rows_without_targets = 0  # packed rows skipped since this stream was made: no trained token in them
         self._start(position or StreamPosition())
 
     def _start(self, position: StreamPosition) -> None:
@@ -172,17 +173,22 @@ class TokenStream:
     def next_row(self) -> TokenChunk | None:
         """The next row of this rank: a TokenChunk whose rows are the row's sequences (pieces). None when this
         rank's share of the current pass is used up (the caller decides when all ranks start the next pass)."""
-        if self._pass_done:
-            return None
         wanted = self.sequence_len if self.packed else 1  # a whole row of tokens, or one whole sequence
-        while self._pending_tokens < wanted:
-            if not self._tokenize_next_job():
-                self._end_pass()
-                return None
-        if self.packed:
-            return row_chunk(self._take_packed_row())
-        source = self._pending_sources.popleft() if self._pending_sources else None
-        return row_chunk([self._take(len(self._pending[0][0]))], source)
+        while not self._pass_done:
+            while self._pending_tokens < wanted:
+                if not self._tokenize_next_job():
+                    self._end_pass()
+                    return None
+            if not self.packed:
+                source = self._pending_sources.popleft() if self._pending_sources else None
+                return row_chunk([self._take(len(self._pending[0][0]))], source)
+            row = row_chunk(self._take_packed_row())
+            if row.n_targets.sum():
+                return row
+            # a full row cut from inside untrained text (a long prompt) teaches nothing, and a step of such rows
+            # would have no token to average over: skipped (unpacked, the tokenizer drops such sequences)
+            self.rows_without_targets += 1
+        return None
 
     def _take_packed_row(self) -> list[Piece]:
         pieces, room = [], self.sequence_len

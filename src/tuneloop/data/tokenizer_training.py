@@ -33,7 +33,7 @@ TOKENIZER_VERSION = 1  # bump when the way a tokenizer is trained changes
 
 
 def trained_tokenizer(cfg, encoder_decoder: bool):
-    """The tokenizer `cfg.train_tokenizer` describes, trained on cfg.datasets' text (once per cache key)."""
+    """The tokenizer `cfg.train_tokenizer` describes, trained on the training rows' text (once per cache key)."""
     from transformers import PreTrainedTokenizerFast
 
     folder = Path(cfg.dataset_prepared_path) / f"tokenizer-{tokenizer_key(cfg, encoder_decoder)}"
@@ -46,11 +46,11 @@ def tokenizer_key(cfg, encoder_decoder: bool) -> str:
     from tuneloop.data.prepare import data_files_digest
 
     settings = {"version": TOKENIZER_VERSION, "train_tokenizer": cfg.train_tokenizer.model_dump(),
-                "datasets": [entry.model_dump() for entry in cfg.datasets], "encoder_decoder": encoder_decoder,
+                "datasets": [entry.model_dump() for entry in cfg.train_entries], "encoder_decoder": encoder_decoder,
                 "shard": [cfg.dataset_shard_num, cfg.dataset_shard_idx], "chat_template": cfg.chat_template,
                 "chat_template_jinja": cfg.chat_template_jinja}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
-    digest.update(data_files_digest(cfg, cfg.datasets).encode())
+    digest.update(data_files_digest(cfg, cfg.train_entries).encode())
     return digest.hexdigest()[:16]
 
 
@@ -111,21 +111,23 @@ def _wrapped(backend, spec, encoder_decoder: bool):
 
 
 def _training_texts(cfg, spec) -> Iterator[str]:
-    """Every training row's rendered text, streamed (the same rows and renderers the preparation uses)."""
+    """Every training row's rendered text, streamed (the same rows and renderers the preparation uses; a
+    streamed run's, pretraining_dataset's included)."""
     from tuneloop.data.chat_templates import resolve_template
     from tuneloop.data.prepare import read_jobs
 
     shell = _wrapped(_untrained(spec), spec, encoder_decoder=False)  # renders chat templates; encodes nothing
     shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
+    entries = cfg.train_entries  # `datasets`, or pretraining_dataset's entries
     contexts = []
-    for entry in cfg.datasets:
+    for entry in entries:
         if entry.type is None:
             raise UserError(f"config: `train_tokenizer` learns from text, and the dataset {entry.path} holds token "
                             "ids (no `type`); give its text with a `type`, or a tokenizer with `tokenizer_config`")
         template = resolve_template(entry.chat_template or cfg.chat_template,
                                     entry.chat_template_jinja or cfg.chat_template_jinja, shell)
         contexts.append(RenderContext(shell, template, tuple(cfg.eot_tokens or ())))
-    for job in read_jobs(cfg.datasets, None, shard):
-        entry, context = cfg.datasets[job.entry_index], contexts[job.entry_index]
+    for job in read_jobs(entries, None, shard):
+        entry, context = entries[job.entry_index], contexts[job.entry_index]
         for raw in job.rows:
             yield render_row(parse_row(raw), entry, context).text

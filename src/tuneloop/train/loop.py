@@ -61,6 +61,7 @@ class RunOutcome:
     save_seconds: float = 0.0  # checkpoints and the final model
     training_seconds: float = 0.0  # train_seconds without the evals and checkpoints inside the loop
     held_per_rank: list = field(default_factory=list)  # each rank's weights and optimizer bytes (engines.held_bytes)
+    stream: dict | None = None  # a streamed run: its passes, and the rows every rank read and left out this session
 
 
 class TrainingLoop:
@@ -181,11 +182,17 @@ class TrainingLoop:
             torch.tensor([self.real_tokens, first_step[1] if first_step else 0], device=device), reduction="sum"))
         held = self.engine.held_bytes()
         held = self.gather_counts([held["weights"], held["optimizer"]])
+        stream = None
+        if self.streamed is not None:
+            names, counts = zip(*self.streamed.counts().items())
+            every_rank = self.gather_counts(list(counts))
+            stream = {"passes_started": self.streamed.passes + 1,
+                      **{name: sum(every_rank[i::len(names)]) for i, name in enumerate(names)}}
         return RunOutcome(state.step, state.tokens_seen, train_seconds, real_total,
                           sum(self.gather_counts(state.targets_collated)), state.evals, stopped_by,
                           first_step[0] if first_step else None, first_real, self.seconds["eval"],
                           self.seconds["save"], training_seconds,
-                          [{"weights": held[i], "optimizer": held[i + 1]} for i in range(0, len(held), 2)])
+                          [{"weights": held[i], "optimizer": held[i + 1]} for i in range(0, len(held), 2)], stream)
 
     def next_step(self, planned) -> tuple[list, int, int]:
         """The next step's micro-batches on this rank (collated, or as store rows the step collates), its target

@@ -9,6 +9,10 @@ the step's token count. That is one small collective per step, issued before the
 its result is read on the host, so the host waits for the previous step's kernels to finish there (the next
 step's rows are already read and collated by then); on one process there is no collective at all.
 
+A bad row is met by the one rank whose share holds it: its message joins the same all-reduce (as a flag,
+then gathered), so every rank stops at that step with the same error instead of the others waiting at the
+next collective.
+
 Passes are synchronised: when any rank's share of a pass runs out before it fills a step, every rank drops
 the rows it read for that step and starts the next pass together, so no rank waits at a collective the
 others never reach and every step holds the plan's number of rows. A pass that cannot fill one step on
@@ -40,7 +44,7 @@ class StreamedSteps:
         self.micro_batch_size = cfg.micro_batch_size
         self.rows_per_step = cfg.micro_batch_size * plan.gradient_accumulation_steps
         packed = plan.train_batching.mode == "packed"
-        entries = cfg.streamed_datasets
+        entries = cfg.train_entries
         limits = Limits(WHOLE_DOCUMENTS if packed else cfg.sequence_len, cfg.train_on_inputs,
                         encoder_decoder=encoder_decoder)
         tokenize = ChunkTokenizer(tokenizer, entry_rules(cfg, entries, tokenizer), limits)
@@ -63,16 +67,25 @@ class StreamedSteps:
     def next_step(self) -> tuple[list[MicroBatch], int]:
         """This rank's micro-batches of the next step, and the step's target tokens over every rank."""
         while True:
-            with self.hooks.phase("read stream"):
-                rows = []
-                while len(rows) < self.rows_per_step:
-                    row = self.stream.next_row()
-                    if row is None:
-                        break
-                    rows.append(row)
-            ran_out = len(rows) < self.rows_per_step
-            batches = [] if ran_out else self.collated(rows)
-            targets, out = self.summed([sum(batch.n_targets for batch in batches), int(ran_out)])
+            batches, ran_out, failure = [], False, None
+            try:
+                with self.hooks.phase("read stream"):
+                    rows = []
+                    while len(rows) < self.rows_per_step:
+                        row = self.stream.next_row()
+                        if row is None:
+                            break
+                        rows.append(row)
+                ran_out = len(rows) < self.rows_per_step
+                batches = [] if ran_out else self.collated(rows)
+            except UserError as error:  # a bad row in this rank's share
+                failure = str(error)
+            except ValueError as error:  # rows a stream cannot carry (stream.py)
+                failure = f"data: {error}"
+            targets, out, failed = self.summed([sum(batch.n_targets for batch in batches), int(ran_out),
+                                                int(failure is not None)])
+            if failed:
+                raise UserError(self.first_failure(failure))
             if not out:
                 self.steps_in_pass += 1
                 return batches, targets
@@ -82,6 +95,21 @@ class StreamedSteps:
                                 "ranks; use more data, or lower micro_batch_size or gradient_accumulation_steps")
             self.stream.start_next_pass()  # on every rank at once: the rows read for this step belong to the old one
             self.steps_in_pass = 0
+
+    def first_failure(self, failure: str | None) -> str:
+        """The first failing rank's message, on every rank (a collective when there are several)."""
+        if self.accelerator.num_processes == 1:
+            return failure
+        from accelerate.utils import gather_object
+
+        return next(message for message in gather_object([failure]) if message is not None)
+
+    def counts(self) -> dict:
+        """What this rank's stream read and left out since this session started (not carried over a resume)."""
+        stats = self.stream.stats
+        return {"rows_read": stats.rows_read, "dropped_too_long": stats.dropped_too_long,
+                "dropped_no_trained_tokens": stats.dropped_no_trained_tokens,
+                "rows_without_targets": self.stream.rows_without_targets}
 
     def collated(self, rows: list) -> list[MicroBatch]:
         with self.hooks.phase("collate"):
