@@ -270,11 +270,10 @@ def tokenize_source_target(rendered: list, tokenizer, encoder) -> list[tuple[np.
     eos = tokenizer.eos_token_id
     sources, targets, spans = [], [], []
     for row in rendered:
-        start = row.trained_spans[0][0] if row.trained_spans else len(row.text)
-        end = max((span_end for _, span_end in row.trained_spans), default=start)
-        sources.append(row.text[:start])
-        targets.append(row.text[start:end])
-        spans.append([(span_start - start, span_end - start) for span_start, span_end in row.trained_spans])
+        source, target, target_spans = source_and_target(row)
+        sources.append(source)
+        targets.append(target)
+        spans.append(target_spans)
     source_encodings = encoder.encode_batch(sources, add_special_tokens=rendered[0].add_special_tokens)
     target_encodings = encoder.encode_batch(targets, add_special_tokens=True)
     results = []
@@ -295,6 +294,15 @@ def tokenize_source_target(rendered: list, tokenizer, encoder) -> list[tuple[np.
         results.append((np.concatenate([source_ids, target_ids]),
                         np.concatenate([np.full(len(source_ids), IGNORE_INDEX), labels]), len(source_ids)))
     return results
+
+
+def source_and_target(row) -> tuple[str, str, list[tuple[int, int]]]:
+    """A rendered row as an encoder-decoder reads it: the text before its first trained span (the source), the
+    text from there to the end of its last trained span (the target), and the trained spans within the target."""
+    start = row.trained_spans[0][0] if row.trained_spans else len(row.text)
+    end = max((span_end for _, span_end in row.trained_spans), default=start)
+    return (row.text[:start], row.text[start:end],
+            [(span_start - start, span_end - start) for span_start, span_end in row.trained_spans])
 
 
 def _ending_with(ids: np.ndarray, eos: int | None) -> np.ndarray:

@@ -29,7 +29,7 @@ from tuneloop.data.formats import RenderContext, render_row
 from tuneloop.data.load import parse_row
 from tuneloop.errors import UserError
 
-TOKENIZER_VERSION = 1  # bump when the way a tokenizer is trained changes
+TOKENIZER_VERSION = 2  # bump when the way a tokenizer is trained changes
 
 
 def trained_tokenizer(cfg, encoder_decoder: bool):
@@ -58,7 +58,7 @@ def _train_into(cfg, encoder_decoder: bool, folder: Path) -> None:
     """Trains and saves into `folder` atomically (a reader sees a whole tokenizer or none)."""
     spec = cfg.train_tokenizer
     backend = _untrained(spec)
-    backend.train_from_iterator(_training_texts(cfg, spec), trainer=_trainer(spec), length=None)
+    backend.train_from_iterator(_training_texts(cfg, spec, encoder_decoder), trainer=_trainer(spec), length=None)
     wrapped = _wrapped(backend, spec, encoder_decoder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     temp = Path(tempfile.mkdtemp(prefix=".tmp-tokenizer-", dir=folder.parent))
@@ -110,11 +110,12 @@ def _wrapped(backend, spec, encoder_decoder: bool):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **spec.special_tokens)
 
 
-def _training_texts(cfg, spec) -> Iterator[str]:
+def _training_texts(cfg, spec, encoder_decoder: bool) -> Iterator[str]:
     """Every training row's rendered text, streamed (the same rows and renderers the preparation uses; a
-    streamed run's, pretraining_dataset's included)."""
+    streamed run's, pretraining_dataset's included). An encoder-decoder's source and target are two texts, as
+    they are tokenized: no piece spans the seam between them."""
     from tuneloop.data.chat_templates import resolve_template
-    from tuneloop.data.prepare import read_jobs
+    from tuneloop.data.prepare import read_jobs, source_and_target
 
     shell = _wrapped(_untrained(spec), spec, encoder_decoder=False)  # renders chat templates; encodes nothing
     shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
@@ -130,4 +131,8 @@ def _training_texts(cfg, spec) -> Iterator[str]:
     for job in read_jobs(entries, None, shard):
         entry, context = entries[job.entry_index], contexts[job.entry_index]
         for raw in job.rows:
-            yield render_row(parse_row(raw), entry, context).text
+            rendered = render_row(parse_row(raw), entry, context)
+            if encoder_decoder:
+                yield from source_and_target(rendered)[:2]
+            else:
+                yield rendered.text
