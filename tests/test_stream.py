@@ -287,3 +287,26 @@ def test_encoder_decoder_rows_stream_one_a_row_and_resume_with_their_encoder_len
                          decoder_start_token_id=tokenizer.pad_token_id)(MemoryRows(whole[:3]).units)
     assert batch.n_targets == sum(int(row.n_targets[0]) for row in whole[:3])
     assert batch.inputs["input_ids"].shape[0] == 3 and "decoder_input_ids" in batch.inputs
+
+
+def test_a_seeded_stream_shuffles_each_chunk_and_resumes_in_the_same_order(tokenizer, text_entries):
+    def stream(position=None, seed=7):
+        return TokenStream(text_entries, chunk_tokenizer(tokenizer, text_entries), 16, 0, 1, packed=False,
+                           position=position, chunk_rows=5, shuffle_seed=seed)
+
+    def numbers(rows) -> list[int]:
+        return [int(re.search(r"row(\d+)", tokenizer.decode(row.input_ids)).group(1)) for row in rows]
+
+    in_order, shuffled = numbers(drain(stream(seed=None))), numbers(drain(stream()))
+    assert sorted(shuffled) == in_order and shuffled != in_order  # the same rows, in another order
+    # a local shuffle: each chunk of 5 rows keeps its rows (the first two chunks: rows 0-4 and 5-9)
+    assert [sorted(shuffled[i:i + 5]) for i in (0, 5)] == [in_order[i:i + 5] for i in (0, 5)]
+    second = stream()
+    drain(second)
+    second.start_next_pass()
+    assert numbers(drain(second)) != shuffled  # each pass in a new order
+    for k in (2, 7):
+        interrupted = stream()
+        for _ in range(k):
+            interrupted.next_row()
+        assert numbers(drain(stream(interrupted.position))) == shuffled[k:]

@@ -35,7 +35,7 @@ FEATURES = {
     "training_methods": ("another training method", "other training methods (ReLoRA, LISA, jagged restarts, NEFTune, "
                          "PoSE, distillation, diffusion LMs, EAFT, Spectrum, load-best-model, automatic batch size)"),
     "pretraining": ("a pretraining stream option", "pretraining stream options (attention across packed documents, "
-                    "sample concatenation, multipack buffer sizes)"),
+                    "sample concatenation)"),
     "data_options": ("a dataset option", "dataset options tuneloop does not have yet (custom transforms, "
                      "per-message training flags, tools, sharded hub datasets, deduplication, curriculum, length "
                      "strategies, a default system message)"),
@@ -70,6 +70,7 @@ def _keys(text: str) -> set[str]:
 
 
 SPEED_OR_LOGGING = _keys("""
+    streaming_multipack_buffer_size
     tokenizer_use_fast tokenizer_legacy tokenizer_save_jinja_files experimental_skip_move_to_device use_kernels
     hub_model_id hub_strategy hub_revision save_safetensors qlora_sharded_model_loading lora_on_cpu merge_lora
     merge_method torchdistx_path
@@ -146,7 +147,7 @@ _REFUSED_BY_FEATURE = {
         kd_temperature_min spectrum_top_fraction spectrum_model_name metric_for_best_model greater_is_better
         load_best_model_at_end""",
     "pretraining": """
-        pretrain_multipack_attn pretraining_sample_concatenation streaming_multipack_buffer_size""",
+        pretrain_multipack_attn pretraining_sample_concatenation""",
     "data_options": """
         role_boundaries shuffle_before_merging_datasets dataset_exact_deduplication excess_length_strategy
         eval_sequence_len min_sample_len sample_packing_sequentially curriculum_sampling multipack_real_batches

@@ -8,8 +8,9 @@ order (entry 0's rows, then entry 1's, ...), and row g is rank g % world_size's.
 (reading is cheap) and tokenizes only its own rows, `chunk_rows` of them at a time, one entry per chunk (a
 chunk's rows share their entry's rules).
 
-The data is read in file order, every pass the same: a stream does not shuffle (shuffle the files beforehand
-if their order matters).
+The data is read in file order. With `shuffle_seed`, each chunk's sequences (a rank's next `chunk_rows` rows)
+come in a seeded order of their own, different each pass: a local shuffle, like a shuffle buffer of one chunk
+(rows far apart in the files never trade places: shuffle the files beforehand if their order runs deep).
 
 Packed (pretraining), the kept sequences' tokens run on, concatenated, and are cut into rows of exactly
 `sequence_len` tokens; a row's sequences are the pieces it holds, so the collator restarts positions and
@@ -103,7 +104,7 @@ class TokenStream:
 
     def __init__(self, entries: list, tokenize: Callable[[ChunkJob], ChunkResult], sequence_len: int,
                  rank: int, world_size: int, packed: bool, position: StreamPosition | None = None,
-                 chunk_rows: int = 256):
+                 chunk_rows: int = 256, shuffle_seed: int | None = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not one of world_size={world_size} ranks")
         if sequence_len < 1 or chunk_rows < 1:
@@ -111,6 +112,7 @@ class TokenStream:
         self.entries, self.tokenize = entries, tokenize
         self.sequence_len, self.rank, self.world_size = sequence_len, rank, world_size
         self.packed, self.chunk_rows = packed, chunk_rows
+        self.shuffle_seed = shuffle_seed  # None: file order; else each chunk's sequences in a seeded order
         self.stats = PrepareStats()  # rows read and dropped by `tokenize` since this stream was made (not resumed)
         self.rows_without_targets = 0  # packed rows skipped since this stream was made: no trained token in them
         self._start(position or StreamPosition())
@@ -159,13 +161,20 @@ class TokenStream:
         if tokens.label is not None:
             raise ValueError("a stream carries single sequences: labelled (KTO) rows, which come in pairs, are "
                              "prepared whole")
-        if tokens.source_length is not None:
-            if self.packed:
-                raise ValueError("encoder-decoder rows are streamed one a row, not packed")
-            self._pending_sources.extend(int(n) for n in tokens.source_length)
+        if tokens.source_length is not None and self.packed:
+            raise ValueError("encoder-decoder rows are streamed one a row, not packed")
+        sequences = split_pieces(tokens.input_ids, tokens.labels, tokens.length)
+        sources = [] if tokens.source_length is None else [int(n) for n in tokens.source_length]
+        if self.shuffle_seed is not None:
+            # a seeded order per chunk, from where the chunk starts in this rank's pass: a resume (which skips
+            # whole chunks and carries the rest) sees the same order, and each pass a new one
+            order = np.random.default_rng([self.shuffle_seed, self.rank, self._passes, self._rows_read]).permutation(
+                len(sequences))
+            sequences = [sequences[i] for i in order]
+            sources = [sources[i] for i in order] if sources else sources
         self._rows_read += len(job.rows)
         self.stats.add(result.stats)
-        sequences = split_pieces(tokens.input_ids, tokens.labels, tokens.length)
+        self._pending_sources.extend(sources)
         self._pending.extend(sequences)
         self._pending_tokens += sum(len(ids) for ids, _ in sequences)
         return True

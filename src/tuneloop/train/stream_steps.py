@@ -48,8 +48,9 @@ class StreamedSteps:
         limits = Limits(WHOLE_DOCUMENTS if packed else cfg.sequence_len, cfg.train_on_inputs,
                         encoder_decoder=encoder_decoder)
         tokenize = ChunkTokenizer(tokenizer, entry_rules(cfg, entries, tokenizer), limits)
+        # (shuffle_merged_datasets is always true: a stream shuffles each chunk of rows, by seed)
         self.stream = TokenStream(entries, tokenize, cfg.sequence_len, accelerator.process_index, plan.world_size,
-                                  packed, position)
+                                  packed, position, shuffle_seed=cfg.seed)
         self.pad_token_id, self.packed, self.padding = tokenizer.pad_token_id, packed, plan.padding
         self.decoder_start_token_id = decoder_start_token_id
         # a resumed stream is inside a pass that already filled a step (saves come after whole steps)
