@@ -115,7 +115,8 @@ def _training_texts(cfg, spec, encoder_decoder: bool) -> Iterator[str]:
     streamed run's, pretraining_dataset's included). An encoder-decoder's source and target are two texts, as
     they are tokenized: no piece spans the seam between them."""
     from tuneloop.data.chat_templates import resolve_template
-    from tuneloop.data.prepare import read_jobs, source_and_target
+    from tuneloop.data.prepare import read_jobs
+    from tuneloop.data.source_target import source_and_target
 
     shell = _wrapped(_untrained(spec), spec, encoder_decoder=False)  # renders chat templates; encodes nothing
     shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
