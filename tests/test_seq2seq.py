@@ -75,6 +75,18 @@ def test_seq2seq_two_ranks_equal_one_process(tmp_path, tiny_t5_dir, pairs, accum
     assert relative_difference(two_ranks, accumulated_t5_update) < 1e-5
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", [
+    {"fsdp": ["full_shard"], "fsdp_config": {"fsdp_version": 2}},  # T5Block, from the model's _no_split_modules
+    {"deepspeed": "zero3"},  # (the tied head gathered with the embedding it shares)
+], ids=["fsdp2", "zero3"])
+def test_seq2seq_sharded_over_two_ranks_equals_one_process(tmp_path, tiny_t5_dir, pairs, accumulated_t5_update,
+                                                          engine):
+    two_ranks = one_step_update(tmp_path, tiny_t5_dir, pairs, "sharded", launcher=launcher("torchrun"),
+                                **seq2seq_keys(pairs, micro_batch_size=2, gradient_accumulation_steps=2, **engine))
+    assert relative_difference(two_ranks, accumulated_t5_update) < 1e-5
+
+
 def test_seq2seq_masks_decoder_padding_out_of_the_loss_and_encoder_padding_out_of_attention(tmp_path, tiny_t5_dir,
                                                                                            pairs):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
