@@ -301,7 +301,8 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
             extra["chat_template"] = raw["chat_template"]
     else:
         # tuneloop's own tokenizer for the run (chat template included) measures the rows' lengths
-        probe = load_tokenizer(config_from_dict(tuneloop_config(setup, model_dir, workdir, workdir, extra)))
+        probe = load_tokenizer(config_from_dict(tuneloop_config(setup, model_dir, workdir, workdir, extra)),
+                               encoder_decoder=False)
         made = mixed_length_rows(probe, setup["train_rows"] + setup["eval_rows"], setup["min_len"],
                                  setup["max_len"], seed=0)
         train_rows, eval_rows = made[:setup["train_rows"]], made[setup["train_rows"]:]
@@ -313,7 +314,7 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
     config_path = workdir / "tuneloop.yml"
     config_path.write_text(yaml.safe_dump(train_raw, sort_keys=False))
     train_cfg, eval_cfg = config_from_dict(train_raw), config_from_dict(eval_raw)
-    tokenizer = load_tokenizer(train_cfg)
+    tokenizer = load_tokenizer(train_cfg, encoder_decoder=False)
     train_prepared = prepare(train_cfg, tokenizer)  # the tuneloop children hit this same cache
     eval_prepared = prepare(eval_cfg, tokenizer)
     lengths = list(train_prepared.train["length"])
@@ -326,6 +327,8 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
         "gradient_accumulation_steps": setup["gradient_accumulation_steps"],
         "sequence_len": train_cfg.sequence_len, "learning_rate": train_cfg.learning_rate, "seed": train_cfg.seed,
         "bf16": setup["device"] == "cuda", "workdir": str(workdir),
+        "bf16_rows_left_out": bf16_rows_left_out(setup["device"]),
+        "bf16_rows": bf16_rows_left_out(setup["device"]) is None,
         "data": {"train_rows": len(lengths), "eval_rows": len(eval_prepared.train),
                  "train_tokens": int(sum(lengths)), "min_len": int(min(lengths)), "max_len": int(max(lengths)),
                  "median_len": float(statistics.median(lengths)),
@@ -366,7 +369,19 @@ def run_child(job: dict, variant: str, round_index: int, threads: int, timeout: 
 
 
 def variants_for(job: dict) -> list[str]:
-    return [name for name in VARIANTS if not (job["device"] == "cuda" and name in BF16_ONLY)]
+    return [name for name in VARIANTS if name not in BF16_ONLY or job["bf16_rows"]]
+
+
+def bf16_rows_left_out(device: str) -> str | None:
+    """Why the bf16-only rows are not run here, or None where they are (a CPU with native bf16)."""
+    from tuneloop.hardware import native_bf16
+
+    if device == "cuda":
+        return "on a GPU every row runs bf16"
+    if native_bf16() is None:
+        return ("this CPU has no native bf16: tuneloop's `bf16: auto` would train in fp32, as the fp32 rows do, and "
+                "the Trainer's bf16 would be emulated")
+    return None
 
 
 def precision_of(job: dict, name: str) -> str:
@@ -520,7 +535,7 @@ def job_tokenizer(job: dict):
     from tuneloop.config import load_config
     from tuneloop.model import load_tokenizer
 
-    return load_tokenizer(load_config(job["config_path"]))
+    return load_tokenizer(load_config(job["config_path"]), encoder_decoder=False)
 
 
 def train_loss_of_last_log(log_history: list[dict]) -> float | None:
@@ -665,10 +680,12 @@ def child_bare(job: dict, profile: bool = False) -> dict:
 
     from tuneloop.config import load_config
     from tuneloop.data.batching import epoch_micro_batches
-    from tuneloop.plan import train_spec
+    from tuneloop.plan.build import train_spec
+    from tuneloop.resolved import resolve_config
 
     lengths = np.asarray(TokenRows(job["train_cache"])["length"])
-    micro_batches = epoch_micro_batches(lengths, train_spec(load_config(job["config_path"]), 1), 0)[0]
+    cfg = load_config(job["config_path"])
+    micro_batches = epoch_micro_batches(lengths, train_spec(cfg, resolve_config(cfg), 1), 0)[0]
     batch_sampler = [[row[0] for row in micro] for micro in micro_batches]
     dataloader = DataLoader(train, batch_sampler=batch_sampler, collate_fn=collator)
     # as in Accelerate's docs, except fused=True: every variant then runs the same optimizer as the
@@ -849,6 +866,8 @@ def main(argv=None) -> int:
             job["tuneloop_set"] = args.tuneloop_set
             print(f"[{model_key}] prepared {job['data']['train_rows']} train / {job['data']['eval_rows']} held-out "
                   f"rows in {time.perf_counter() - started:.1f} s (workdir {job['workdir']})", flush=True)
+            if job["bf16_rows_left_out"]:
+                print(f"  bf16 rows left out ({', '.join(BF16_ONLY)}): {job['bf16_rows_left_out']}", flush=True)
             runs = {name: [] for name in variants_for(job)}
             if not args.profile_only:
                 for round_index in range(repeats):
@@ -874,6 +893,7 @@ def main(argv=None) -> int:
                                                              "gradient_accumulation_steps", "learning_rate",
                                                              "seed", "bf16", "tuneloop_set")},
                             "final_loss_is": "eval loss per target token on the held-out rows, after training",
+                            "bf16_rows_left_out": job["bf16_rows_left_out"],
                             "rows": rows, "profile": profiles})
     finally:
         if not args.workdir:

@@ -134,9 +134,9 @@ def check_bf16_train(workdir: Path, model_dir: Path) -> dict:
     import math
 
     from tuneloop.config import load_config
-    from tuneloop.hardware import mixed_precision
+    from tuneloop.resolved import resolve_run
 
-    precision = mixed_precision(load_config(config))
+    precision = resolve_run(load_config(config)).precision.mixed
     ok = len(steps) == plan["total_steps"] and all(math.isfinite(m["loss"]) for m in steps)
     summary = json.loads((out / "summary.json").read_text())
     return {"ok": ok, "mixed_precision": precision, "steps": len(steps), "planned": plan["total_steps"],

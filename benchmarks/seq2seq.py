@@ -130,7 +130,7 @@ def build_model_folder(setup: dict, train_file: Path, eval_file: Path, workdir: 
     from tuneloop.model import load_tokenizer, model_config
 
     cfg = config_from_dict(tokenizer_config(setup, [train_file, eval_file], workdir))
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg, encoder_decoder=True)
     config = model_config(cfg, tokenizer)
     config.use_cache = False  # no decoder KV cache built in training, in any variant (tuneloop sets it anyway)
     torch.manual_seed(0)
@@ -199,7 +199,7 @@ def make_setup(preset: str, args, workdir: Path) -> dict:
     config_path = workdir / "tuneloop.yml"
     config_path.write_text(yaml.safe_dump(train_raw, sort_keys=False))
     train_cfg, eval_cfg = config_from_dict(train_raw), config_from_dict(eval_raw)
-    tokenizer = load_tokenizer(train_cfg)  # the model folder's: what the tuneloop child loads
+    tokenizer = load_tokenizer(train_cfg, encoder_decoder=True)  # the model folder's: what the tuneloop child loads
     train_prepared = prepare(train_cfg, tokenizer, encoder_decoder=True)  # the tuneloop child hits this cache
     eval_prepared = prepare(eval_cfg, tokenizer, encoder_decoder=True)
 

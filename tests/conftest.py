@@ -129,10 +129,21 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
                           text=True, timeout=timeout)
 
 
-def run_two_ranks(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`tuneloop ARGS` on 2 gloo ranks through torchrun, as a user launches it."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "tuneloop", *args]
+def two_rank_launcher(kind: str = "torchrun") -> list[str]:
+    """The command that starts 2 gloo ranks of `-m tuneloop ...`, as a user launches them: torchrun, or accelerate.
+    On a CPU machine accelerate 1.15 wants --multi_gpu without --cpu (it refuses both; --cpu alone starts ONE
+    process); tuneloop's Accelerator(cpu=True) then runs gloo DDP."""
+    port = str(free_port())
+    if kind == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    return [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", port]
+
+
+def run_two_ranks(*args: str, env: dict | None = None, timeout: int = 600,
+                  kind: str = "torchrun") -> subprocess.CompletedProcess:
+    """`tuneloop ARGS` on 2 gloo ranks (two_rank_launcher), one thread each."""
+    command = [*two_rank_launcher(kind), "-m", "tuneloop", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 

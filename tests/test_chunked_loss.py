@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import tuneloop.train.chunked_loss as chunked_loss
+import tuneloop.output_head as output_head_module
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
 from tuneloop.train.objectives import language_model_loss, output_head, summed_token_loss
@@ -22,7 +22,7 @@ from tuneloop.train.objectives import language_model_loss, output_head, summed_t
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(chunked_loss, "LOGITS_PER_CHUNK", 64 * 400)  # 64 tokens of a 400-token vocabulary a chunk
+    monkeypatch.setattr(output_head_module, "LOGITS_PER_CHUNK", 64 * 400)  # 64 tokens of a 400-token vocabulary a chunk
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -135,18 +135,20 @@ def test_a_model_with_logit_soft_capping_keeps_the_plain_loss():
 
 def test_the_memory_estimate_follows_the_loss_path(tiny_model_dir):
     from tuneloop.config import config_from_dict
-    from tuneloop.memory import estimate_memory
-    from tuneloop.model import model_facts
+    from tuneloop.plan.memory import estimate_memory
+    from tuneloop.resolved import resolve_config
+    from tuneloop.model import MODEL_KINDS, model_facts
 
     estimates = {}
     for chunked in (None, False):
         cfg = config_from_dict({"base_model": str(tiny_model_dir), "datasets": [{"path": "x"}],
                                 "chunked_cross_entropy": chunked})
-        facts = model_facts(cfg)
+        facts = model_facts(cfg, MODEL_KINDS["causal"])
         assert facts.chunked_loss is (chunked is None)
-        estimates[chunked] = estimate_memory(cfg, facts, tokens_per_micro_batch=1 << 20, precision="no")
+        estimates[chunked] = estimate_memory(cfg, facts, tokens_per_micro_batch=1 << 20, precision="no",
+                                             engine=resolve_config(cfg).engine)
     vocab, hidden = 400, 64
     whole_logits = (1 << 20) * vocab * 4 * 2
-    one_chunk = chunked_loss.chunk_tokens(vocab) * vocab * 4 * 2 + vocab * hidden * 4
+    one_chunk = output_head_module.chunk_tokens(vocab) * vocab * 4 * 2 + vocab * hidden * 4
     saved = estimates[False].activations_gb - estimates[None].activations_gb
     assert saved == pytest.approx((whole_logits - one_chunk) / 1e9, abs=2e-3)

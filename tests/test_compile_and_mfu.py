@@ -19,7 +19,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tuneloop.config import config_from_dict
 from tuneloop.data.collate import Padding, padding_for
-from tuneloop.flops import attention_context, count_flops, count_matmul_weights, gpu_table_peak
+from tuneloop.model import count_matmul_weights
+from tuneloop.plan.flops import attention_context, count_flops, gpu_table_peak
+from tuneloop.resolved import resolve_config
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +101,10 @@ def test_step_lines_and_summary_carry_mfu_from_the_plans_numbers(tmp_path, tiny_
 def test_under_compile_widths_round_up_to_64_but_never_past_sequence_len():
     cfg = config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "sequence_len": 200,
                             "torch_compile": True})
-    padding = padding_for(cfg)
+    padding = padding_for(cfg, resolve_config(cfg).compiled)
     assert [padding.width(n) for n in (1, 64, 65, 190, 193, 200)] == [64, 64, 128, 192, 200, 200]
-    assert padding_for(cfg.model_copy(update={"torch_compile": False})) == Padding(None, 1, 200)
+    eager = cfg.model_copy(update={"torch_compile": False})
+    assert padding_for(eager, resolve_config(eager).compiled) == Padding(None, 1, 200)
 
 
 @pytest.mark.slow

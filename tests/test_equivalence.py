@@ -8,14 +8,11 @@ Each run takes one SGD step with lr 1 and no clipping, so the weight change is t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import base_config, free_port, run_in_process, tiny_rows, write_config, write_jsonl
+from conftest import base_config, run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -23,21 +20,22 @@ from tuneloop.config import config_from_dict
 from tuneloop.data.batching import epoch_micro_batches
 from tuneloop.data.collate import Collator
 from tuneloop.data.prepare import prepare
-from tuneloop.plan import train_spec
+from tuneloop.plan.build import train_spec
+from tuneloop.resolved import resolve_config
 from tuneloop.train.objectives import summed_token_loss
 
 ONE_SGD_STEP = {"optimizer": "sgd", "learning_rate": 1.0, "max_grad_norm": 0, "max_steps": 1,
                 "lr_scheduler": "constant", "num_epochs": 1}
 
 
-def one_step_update(tmp_path, model_dir, data, name, launcher=(), **keys) -> dict:
-    """The weight change of one step: `tuneloop train` in this process, or under `launcher` (several ranks)."""
+def one_step_update(tmp_path, model_dir, data, name, launcher: str | None = None, **keys) -> dict:
+    """The weight change of one step: `tuneloop train` in this process, or on 2 ranks started by `launcher`
+    (torchrun or accelerate)."""
     run_dir = tmp_path / name
     run_dir.mkdir()
     config = write_config(run_dir / "run.yml", **base_config(run_dir, model_dir, data, **ONE_SGD_STEP, **keys))
     if launcher:
-        result = subprocess.run([*launcher, "-m", "tuneloop", "train", str(config)], capture_output=True, text=True,
-                                timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        result = run_two_ranks("train", str(config), kind=launcher)
     else:
         result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -77,7 +75,7 @@ def test_accumulating_4_micro_batches_of_2_equals_one_batch_of_8(tmp_path, tiny_
                                        micro_batch_size=2))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prepared = prepare(cfg, tokenizer)
-    micro = epoch_micro_batches(np.asarray(prepared.train["length"]), train_spec(cfg, 1), 0)[0][:4]
+    micro = epoch_micro_batches(np.asarray(prepared.train["length"]), train_spec(cfg, resolve_config(cfg), 1), 0)[0][:4]
     collate = Collator(prepared.train, tokenizer.pad_token_id, packed=False)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     counts = []
@@ -92,21 +90,11 @@ def test_accumulating_4_micro_batches_of_2_equals_one_batch_of_8(tmp_path, tiny_
     assert difference > 1e-2
 
 
-def launcher(kind: str) -> tuple:
-    port = str(free_port())
-    if kind == "torchrun":
-        return (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port)
-    # on a CPU machine accelerate 1.15 wants --multi_gpu without --cpu (it refuses both; --cpu alone starts
-    # ONE process); tuneloop's Accelerator(cpu=True) then runs gloo DDP
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    return (accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", port)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["torchrun", "accelerate"])
 def test_two_ddp_ranks_equal_one_process(tmp_path, tiny_model_dir, uneven_data, accumulated_update, kind):
     one_process = accumulated_update  # 4 micro-batches of 2 in one process
-    two_ranks = one_step_update(tmp_path, tiny_model_dir, uneven_data, "ddp", launcher=launcher(kind),
+    two_ranks = one_step_update(tmp_path, tiny_model_dir, uneven_data, "ddp", launcher=kind,
                                 micro_batch_size=2, gradient_accumulation_steps=2)
     plan = (tmp_path / "ddp" / "out" / "plan.json").read_text()
     assert '"world_size": 2' in plan and '"global_batch_size": 8' in plan

@@ -5,13 +5,17 @@ fire where they should and stay silent on a clean config."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl
 
 from tuneloop.config import config_from_dict
-from tuneloop.plan import make_plan
+from tuneloop.data.prepare import PreparedData, PrepareStats
+from tuneloop.data.source import PreparedRows
+from tuneloop.plan.build import data_plan
+from tuneloop.resolved import resolve_config
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +73,33 @@ def test_plan_for_two_ranks_equals_a_real_two_rank_run(tmp_path, tiny_model_dir,
 
 # ---- warnings ----------------------------------------------------------------------------------
 
+class ArrayStore:
+    """The columns of a prepared store that the plan reads, over arrays (no tokenizer, no files)."""
+
+    group = 1
+
+    def __init__(self, lengths: np.ndarray, targets: np.ndarray):
+        self.columns = {"length": lengths, "n_targets": targets}
+
+    def unit_column(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.columns[name]
+
+    @property
+    def units(self) -> int:
+        return len(self.columns["length"])
+
+
 def plan_for(lengths, targets=None, eval_rows=10, dropped=0, world_size=1, **keys):
+    """The plan of the data alone, for rows of these lengths (and trained tokens)."""
     cfg = config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], **keys})
     lengths = np.asarray(lengths)
     targets = np.asarray(targets if targets is not None else lengths // 2)
-    return make_plan(cfg, lengths, targets, eval_rows, dropped, world_size)
+    prepared = PreparedData(ArrayStore(lengths, targets), None,
+                            PrepareStats(eval_rows=eval_rows, dropped_too_long=dropped), Path("cache"))
+    return data_plan(cfg, resolve_config(cfg), PreparedRows(prepared, encoder_decoder=False), world_size)
 
 
 UNIFORM = [100] * 400
@@ -126,22 +152,22 @@ def test_global_batch_larger_than_the_data_and_warmup_as_long_as_the_run():
 def test_memory_estimate_counts_the_real_parameters_and_warns_above_the_device(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from tuneloop.memory import MemoryEstimate, estimate_memory
-    from tuneloop.model import model_facts
-    from tuneloop.plan import attach_memory_estimate
+    from tuneloop.model import MODEL_KINDS, model_facts
+    from tuneloop.plan.memory import MemoryEstimate, estimate_memory, memory_warning
 
     cfg = config_from_dict({"base_model": str(tiny_model_dir), "datasets": [{"path": "x"}]})
-    facts = model_facts(cfg)
-    estimate = estimate_memory(cfg, facts, tokens_per_micro_batch=4096, precision="no")
+    facts = model_facts(cfg, MODEL_KINDS["causal"])
+    engine = resolve_config(cfg).engine
+    estimate = estimate_memory(cfg, facts, tokens_per_micro_batch=4096, precision="no", engine=engine)
     real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
     assert estimate.parameters == estimate.trainable_parameters == real
     assert estimate.weights_gb == round(real * 4 / 1e9, 3) and estimate.optimizer_gb == round(real * 8 / 1e9, 3)
-    bigger = estimate_memory(cfg, facts, tokens_per_micro_batch=8192, precision="no")
+    bigger = estimate_memory(cfg, facts, tokens_per_micro_batch=8192, precision="no", engine=engine)
     assert bigger.activations_gb > estimate.activations_gb
 
-    plan = plan_for(UNIFORM, micro_batch_size=4)
-    attach_memory_estimate(plan, estimate)
-    assert plan.estimated_memory_gb == estimate.total_gb and not plan.warnings
-    too_big = MemoryEstimate(10**10, 10**10, 40.0, 40.0, 80.0, 20.0, 180.0, "NVIDIA H200", 143.8)
-    attach_memory_estimate(plan, too_big)
-    assert any("estimated memory 180.0 GB" in w and "144 GB of NVIDIA H200" in w for w in plan.warnings)
+    assert memory_warning(estimate) is None  # 0.1 GB on this machine
+    too_big = MemoryEstimate(parameters=10**10, trainable_parameters=10**10, weights_gb=40.0, gradients_gb=40.0,
+                             optimizer_gb=80.0, activations_gb=20.0, total_gb=180.0, device="NVIDIA H200",
+                             device_gb=143.8)
+    warning = memory_warning(too_big)
+    assert "estimated memory 180.0 GB" in warning and "144 GB of NVIDIA H200" in warning

@@ -173,12 +173,13 @@ def test_the_loss_and_its_gradient_equal_a_hand_computation(tmp_path, tiny_model
 def test_a_lora_runs_reference_is_its_base_with_the_adapter_off(tmp_path, tiny_model_dir, pairs_file,
                                                                   prepared_pairs):
     from tuneloop.model import load_model
+    from tuneloop.resolved import resolve_run
     from tuneloop.train.reference import live_reference_model
 
     tokenizer, prepared = prepared_pairs
     cfg = config_from_dict(preference_config(tmp_path, tiny_model_dir, pairs_file, adapter="lora",
                                              lora_target_linear=True, lora_r=4))
-    model = load_model(cfg, tokenizer)
+    model = load_model(cfg, resolve_run(cfg), tokenizer)
     with torch.no_grad():  # a trained adapter: its B matrices are no longer zero
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
@@ -196,12 +197,12 @@ def test_a_lora_runs_reference_is_its_base_with_the_adapter_off(tmp_path, tiny_m
 
 
 # ---- whole runs -------------------------------------------------------------------------------------------
-def one_step_update(tmp_path, model_dir, data, name, launcher=False, **keys) -> dict:
+def one_step_update(tmp_path, model_dir, data, name, launcher: str | None = None, **keys) -> dict:
     run_dir = tmp_path / name
     run_dir.mkdir()
     config = write_config(run_dir / "run.yml", **preference_config(run_dir, model_dir, data, **ONE_SGD_STEP,
                                                                    rl_beta=0.5, **keys))
-    result = run_two_ranks("train", str(config)) if launcher else run_in_process("train", str(config))
+    result = run_two_ranks("train", str(config), kind=launcher) if launcher else run_in_process("train", str(config))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     after = load_file(run_dir / "out" / "model.safetensors")
     before = load_file(model_dir / "model.safetensors")
@@ -228,7 +229,7 @@ def test_dpo_accumulating_4_micro_batches_of_2_pairs_equals_one_batch_of_8(tmp_p
 
 @pytest.mark.slow
 def test_dpo_on_two_ranks_equals_one_process(tmp_path, tiny_model_dir, pairs_file, accumulated_dpo_update):
-    two_ranks = one_step_update(tmp_path, tiny_model_dir, pairs_file, "ddp", launcher=True, micro_batch_size=2,
+    two_ranks = one_step_update(tmp_path, tiny_model_dir, pairs_file, "ddp", launcher="torchrun", micro_batch_size=2,
                                 gradient_accumulation_steps=2)
     plan = json.loads((tmp_path / "ddp" / "out" / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["global_batch_size"] == 8 and plan["unit"] == "pairs"
@@ -411,12 +412,12 @@ def test_bad_preference_rows_and_keys_are_clear_errors(tmp_path, tiny_model_dir)
     assert_user_error(run_in_process("plan", str(config)), "rows.jsonl:3", "missing field `rejected`")
 
     for keys, message in ((dict(rl="kto_pair"), "its successor is `rl: kto`"),
-                          (dict(rl="orpo", rl_beta=0.2), "`rl: orpo` has none"),
+                          (dict(rl="orpo", rl_beta=0.2), "this run is `rl: orpo`, which does not read it"),
                           (dict(rl="dpo", simpo_gamma=0.5), "`simpo_gamma` shapes SimPO's loss"),
                           (dict(rl="dpo", dpo_loss_type=["sigmoid", "ipo"], dpo_loss_weights=[1.0]),
                            "2 losses in `dpo_loss_type`"),
                           (dict(rl=None, datasets=[{"path": str(data), "type": "chat_template.argilla"}]),
-                           "is preference data (chosen/rejected pairs, or labelled rows): set `rl: dpo`"),
+                           "is preference data (chosen/rejected pairs, or labelled rows): set `rl:` to one of"),
                           (dict(train_on_inputs=True), "the prompt is never part of it")):
         keys = {**preference_config(tmp_path, tiny_model_dir, data), **keys}
         assert_user_error(run_in_process("plan", str(write_config(tmp_path / "bad.yml", **keys))), message)

@@ -37,7 +37,7 @@ def test_one_and_two_processes_write_the_same_cache_under_the_same_key(tmp_path,
     results = {}
     for processes in (1, 2):
         cfg = config_for(tmp_path, tiny_model_dir, data, f"prepared-{processes}", dataset_processes=processes)
-        results[processes] = prepare_module.prepare(cfg, load_tokenizer(cfg))
+        results[processes] = prepare_module.prepare(cfg, load_tokenizer(cfg, encoder_decoder=False))
     one, two = results[1], results[2]
     assert one.worker_processes == 0 and two.worker_processes >= 1  # the second really ran in workers
     assert one.cache_dir.name == two.cache_dir.name  # the process count is not part of the key
@@ -77,7 +77,8 @@ def test_a_script_without_a_main_guard_still_prepares_its_data_in_its_own_proces
         cfg = config_from_dict({{"base_model": {str(tiny_model_dir)!r}, "sequence_len": 256,
                                  "datasets": [{{"path": {str(data)!r}, "type": "alpaca"}}],
                                  "dataset_prepared_path": {str(tmp_path / "prepared")!r}, "dataset_processes": 2}})
-        prepared = prepare.prepare(cfg, load_tokenizer(cfg), notice=lambda text: print("notice:", text))
+        tokenizer = load_tokenizer(cfg, encoder_decoder=False)
+        prepared = prepare.prepare(cfg, tokenizer, notice=lambda text: print("notice:", text))
         print("rows", len(prepared.train))
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
@@ -154,7 +155,7 @@ def test_data_files_are_hashed_once_until_they_change(tmp_path, tiny_model_dir):
 
     data = write_jsonl(tmp_path / "rows.jsonl", tiny_rows(40))
     cfg = config_for(tmp_path, tiny_model_dir, data, "prepared")
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = load_tokenizer(cfg, encoder_decoder=False)
     first = prepare_module.prepare(cfg, tokenizer).cache_dir
     memo = json.loads((tmp_path / "prepared" / prepare_module.FILE_DIGESTS).read_text())
     assert memo[str(data.resolve())]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_user_error, base_config, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
-from test_equivalence import launcher, one_step_update, relative_difference
+from test_equivalence import one_step_update, relative_difference
 
 from tuneloop.config import config_from_dict
 from tuneloop.data.collate import collator_for
@@ -70,7 +70,7 @@ def test_seq2seq_accumulating_4_micro_batches_of_2_equals_one_batch_of_8(tmp_pat
 
 @pytest.mark.slow
 def test_seq2seq_two_ranks_equal_one_process(tmp_path, tiny_t5_dir, pairs, accumulated_t5_update):
-    two_ranks = one_step_update(tmp_path, tiny_t5_dir, pairs, "ddp", launcher=launcher("torchrun"),
+    two_ranks = one_step_update(tmp_path, tiny_t5_dir, pairs, "ddp", launcher="torchrun",
                                 **seq2seq_keys(pairs, micro_batch_size=2, gradient_accumulation_steps=2))
     assert relative_difference(two_ranks, accumulated_t5_update) < 1e-5
 
@@ -82,7 +82,7 @@ def test_seq2seq_two_ranks_equal_one_process(tmp_path, tiny_t5_dir, pairs, accum
 ], ids=["fsdp2", "zero3"])
 def test_seq2seq_sharded_over_two_ranks_equals_one_process(tmp_path, tiny_t5_dir, pairs, accumulated_t5_update,
                                                           engine):
-    two_ranks = one_step_update(tmp_path, tiny_t5_dir, pairs, "sharded", launcher=launcher("torchrun"),
+    two_ranks = one_step_update(tmp_path, tiny_t5_dir, pairs, "sharded", launcher="torchrun",
                                 **seq2seq_keys(pairs, micro_batch_size=2, gradient_accumulation_steps=2, **engine))
     assert relative_difference(two_ranks, accumulated_t5_update) < 1e-5
 

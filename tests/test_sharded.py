@@ -5,13 +5,11 @@ weights as one process on the same global batch, resume exactly after a SIGKILL,
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import base_config, free_port, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
+from conftest import base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 
 STEPS = {"optimizer": "adamw_torch", "learning_rate": 1e-2, "max_grad_norm": 1.0, "max_steps": 3,
@@ -19,13 +17,6 @@ STEPS = {"optimizer": "adamw_torch", "learning_rate": 1e-2, "max_grad_norm": 1.0
 FSDP = {"fsdp": ["full_shard", "auto_wrap"],
         "fsdp_config": {"fsdp_version": 2, "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
                         "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}
-
-
-def torchrun(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "tuneloop", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
 
 def trained(tmp_path, model_dir, data, name, ranks: int, **keys) -> dict:
@@ -36,7 +27,7 @@ def trained(tmp_path, model_dir, data, name, ranks: int, **keys) -> dict:
     accumulation = 4 // ranks
     config = write_config(run_dir / "run.yml", **base_config(run_dir, model_dir, data, **STEPS, micro_batch_size=2,
                                                              gradient_accumulation_steps=accumulation, **keys))
-    result = torchrun("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
+    result = run_two_ranks("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     plan = json.loads((run_dir / "out" / "plan.json").read_text())
     summary = json.loads((run_dir / "out" / "summary.json").read_text())
@@ -109,7 +100,7 @@ def test_a_sharded_run_killed_mid_save_resumes_bit_identical_and_leaves_a_plain_
 
     from tuneloop.run_files import complete_checkpoints
     from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
-    from tuneloop.train.engines import SHARDS
+    from tuneloop.engines.base import SHARDS
 
     def config_of(name: str) -> str:
         run_dir = tmp_path / name
@@ -117,9 +108,9 @@ def test_a_sharded_run_killed_mid_save_resumes_bit_identical_and_leaves_a_plain_
         return str(write_config(run_dir / "run.yml",
                                 **base_config(run_dir, tiny_model_dir, data, **RESUMABLE, **ENGINE_KEYS[engine])))
 
-    straight = torchrun("train", config_of("straight"))
+    straight = run_two_ranks("train", config_of("straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
-    crashed = torchrun("train", config_of("crashed"), env={CRASH_DURING_SAVE_ENV: "6"})
+    crashed = run_two_ranks("train", config_of("crashed"), env={CRASH_DURING_SAVE_ENV: "6"})
     assert crashed.returncode != 0
     out = tmp_path / "crashed" / "out"
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]
@@ -135,7 +126,7 @@ def test_a_sharded_run_killed_mid_save_resumes_bit_identical_and_leaves_a_plain_
     else:
         assert_user_error(forced, "was written by 2 ranks and this run has 1")
 
-    resumed = torchrun("train", config_of("crashed"))
+    resumed = run_two_ranks("train", config_of("crashed"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
     expected = load_file(tmp_path / "straight" / "out" / "model.safetensors")
@@ -162,7 +153,7 @@ def test_lora_under_fsdp2_two_ranks_equal_one_process(tmp_path, tiny_model_dir, 
         config = write_config(run_dir / "run.yml", **base_config(
             run_dir, tiny_model_dir, data, **STEPS, **lora, micro_batch_size=2, gradient_accumulation_steps=4 // ranks,
             **keys))
-        result = torchrun("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
+        result = run_two_ranks("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
         return load_file(run_dir / "out" / "adapter_model.safetensors")
 
@@ -310,7 +301,7 @@ def test_dpo_with_its_reference_under_fsdp2_two_ranks_equal_one_process(tmp_path
         config = write_config(run_dir / "run.yml", **base_config(
             run_dir, tiny_model_dir, pairs, **{**STEPS, **dpo}, micro_batch_size=2,
             gradient_accumulation_steps=4 // ranks, **keys))
-        result = torchrun("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
+        result = run_two_ranks("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
         runs[name] = load_file(run_dir / "out" / "model.safetensors")
     before = load_file(tiny_model_dir / "model.safetensors")

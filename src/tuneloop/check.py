@@ -7,11 +7,12 @@ needs of the machine, without reading data or the model and without importing to
 from __future__ import annotations
 
 from tuneloop.config import TuneloopConfig
-from tuneloop.hardware import hardware_needs, requested_attention
+from tuneloop.hardware import hardware_needs
+from tuneloop.resolved import Resolved, resolve_config
 from tuneloop.rl_methods import RL_METHODS, reference_source
 
 
-def describe_config(cfg: TuneloopConfig) -> list[str]:
+def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
     """What the run is, one line per part."""
     if cfg.adapter:
         targets = ("all linear layers" if cfg.lora_target_linear else
@@ -27,10 +28,9 @@ def describe_config(cfg: TuneloopConfig) -> list[str]:
     else:
         trained = "full fine-tuning"
     datasets = ", ".join(f"{_dataset_kind(entry)} ({entry.path})" for entry in cfg.train_entries)
-    if cfg.streams:
+    if resolved.streamed:
         datasets = f"streamed: {datasets}"
-    batching = ("packed" if cfg.sample_packing or cfg.pretraining_dataset
-                else "grouped by length" if cfg.group_by_length else "padded")
+    batching = {"packed": "packed", "group_by_length": "grouped by length", "random": "padded"}[resolved.batching]
     length = f"max_steps {cfg.max_steps}" if cfg.max_steps else f"{cfg.num_epochs} epoch(s)"
     units = "rows"
     objective = []
@@ -46,10 +46,10 @@ def describe_config(cfg: TuneloopConfig) -> list[str]:
         f"  batch                {cfg.micro_batch_size} {units}/micro-batch × {cfg.gradient_accumulation_steps} "
         f"accumulation, {batching}, sequence_len {cfg.sequence_len}, {length}",
         *objective,
-        *([f"  engine               {cfg.distributed.describe()}"] if cfg.distributed.engine != "ddp" else []),
+        *([f"  engine               {resolved.engine.describe()}"] if resolved.engine.name != "ddp" else []),
         f"  optimizer            {cfg.optimizer}, learning rate {cfg.learning_rate:g}, {cfg.lr_scheduler} schedule",
         f"  precision            bf16: {cfg.bf16}{', fp16' if cfg.fp16 else ''}; attention "
-        f"{requested_attention(cfg)} (SDPA where the machine cannot run it)",
+        f"{resolved.attention.asked} (SDPA where the machine cannot run it)",
     ]
 
 
@@ -60,8 +60,9 @@ def _dataset_kind(entry) -> str:
 
 
 def check_report(cfg: TuneloopConfig) -> list[str]:
-    lines = ["tuneloop check: accepted", *describe_config(cfg)]
-    needs = hardware_needs(cfg)
+    resolved = resolve_config(cfg)
+    lines = ["tuneloop check: accepted", *describe_config(cfg, resolved)]
+    needs = hardware_needs(cfg, resolved)
     lines += [f"  needs                {need}" for need in needs] or ["  needs                nothing special: "
                                                                      "runs on a CPU or a GPU"]
     return lines

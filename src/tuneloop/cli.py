@@ -40,25 +40,30 @@ def command_check(args) -> int:
 
 def command_plan(args) -> int:
     from tuneloop.console import ConsoleHooks
-    from tuneloop.plan import describe, world_size_from_env
-    from tuneloop.run import plan_run, prepare_data
+    from tuneloop.plan.build import build_plan, world_size_from_env
+    from tuneloop.plan.text import describe
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
 
     cfg = _config(args)
     hooks = ConsoleHooks(sys.stderr if args.json else None)  # (--json keeps stdout for the plan alone)
-    tokenizer, prepared = prepare_data(cfg, hooks=hooks)
+    resolved = resolve_run(cfg)
+    tokenizer, rows = prepare_data(cfg, resolved, hooks=hooks)
     hooks.prepared()
-    plan = plan_run(cfg, tokenizer, prepared, args.world_size or world_size_from_env(), args.device_memory)
+    plan = build_plan(cfg, resolved, rows, tokenizer, args.world_size or world_size_from_env(), args.device_memory)
     print(json.dumps(plan.to_json(), indent=2) if args.json else describe(plan))
     return 0
 
 
 def command_preprocess(args) -> int:
     from tuneloop.console import ConsoleHooks
+    from tuneloop.resolved import resolve_run
     from tuneloop.run import prepare_data
 
     cfg = _config(args)
     hooks = ConsoleHooks()
-    tokenizer, prepared = prepare_data(cfg, force=args.force, hooks=hooks)
+    tokenizer, rows = prepare_data(cfg, resolve_run(cfg), force=args.force, hooks=hooks)
+    prepared = rows.prepared
     hooks.prepared()
     stats = prepared.stats
     if prepared.train is None:  # a streamed run reads its training rows as it goes

@@ -223,7 +223,7 @@ class ConsoleHooks(RunHooks):
             self.preparation = None
 
     def planned(self, plan, resume_from) -> None:
-        from tuneloop.plan import describe
+        from tuneloop.plan.text import describe
         from tuneloop.run_files import step_of
 
         self.prepared()
@@ -271,7 +271,7 @@ class ConsoleHooks(RunHooks):
 
 def done_line(summary: dict, evals: list[dict], output_dir, compiled: bool, early_stopped: bool) -> str:
     """The last line of a finished run, from summary.json's values (and the eval lines' steps)."""
-    from tuneloop.plan import plural
+    from tuneloop.plan.text import plural
 
     first_step = (f" (the first, compiling: {summary['first_step_seconds']:.1f} s)"
                   if summary.get("first_step_seconds") and compiled else "")

@@ -1,4 +1,6 @@
-"""Load the tokenizer and the model: model kind, attention choice, precision, adapters, checkpointing."""
+"""Load the tokenizer and the model: model kinds, loading or building from a config (from scratch), adapters,
+checkpointing, and what the plan knows of the model (ModelFacts). What kind of model, which attention kernel and
+which precision a run uses is decided once, in resolved.py; the loaders here are given it."""
 
 from __future__ import annotations
 
@@ -13,14 +15,16 @@ from tuneloop.registry import Registry
 
 @dataclass(frozen=True)
 class ModelKind:
+    name: str
     auto_class: str  # the transformers Auto class that builds and loads it
     peft_task_type: str  # what peft calls it, for LoRA
     encoder_decoder: bool = False  # the prompt goes to an encoder, the trained text is the decoder's labels
 
 
 MODEL_KINDS: Registry[ModelKind] = Registry("model kind", "model_type")
-MODEL_KINDS.add("causal", ModelKind("AutoModelForCausalLM", peft_task_type="CAUSAL_LM"))
-MODEL_KINDS.add("seq2seq", ModelKind("AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM", encoder_decoder=True))
+MODEL_KINDS.add("causal", ModelKind("causal", "AutoModelForCausalLM", peft_task_type="CAUSAL_LM"))
+MODEL_KINDS.add("seq2seq", ModelKind("seq2seq", "AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM",
+                                     encoder_decoder=True))
 
 
 def kind_of_config(config) -> ModelKind:
@@ -30,17 +34,12 @@ def kind_of_config(config) -> ModelKind:
 
 def named_kind(cfg: TuneloopConfig) -> ModelKind | None:
     """The kind `model_type` names (AutoModelForSeq2SeqLM, a seq2seq family's class, or a causal one), if set."""
-    from tuneloop.config import is_seq2seq_class
+    from tuneloop.config.schema import is_seq2seq_class
 
     if not cfg.model_type:
         return None
     seq2seq = cfg.model_type == "AutoModelForSeq2SeqLM" or is_seq2seq_class(cfg.model_type)
     return MODEL_KINDS["seq2seq" if seq2seq else "causal"]
-
-
-def model_kind(cfg: TuneloopConfig, config=None) -> ModelKind:
-    """`model_type` when it names one, else the model's config (`is_encoder_decoder`: T5, BART, ...)."""
-    return named_kind(cfg) or kind_of_config(config if config is not None else model_config(cfg))
 
 
 def check_encoder_decoder_settings(cfg: TuneloopConfig) -> None:
@@ -85,13 +84,13 @@ def _checked_source(name: str, key: str) -> str:
     return name
 
 
-def model_class(cfg: TuneloopConfig, config=None):
+def model_class(cfg: TuneloopConfig, kind: ModelKind):
     """The class that loads the model: `model_type` (axolotl's key: an Auto class or a concrete class), else the
     kind's Auto class."""
     import transformers
 
     if not cfg.model_type:
-        return auto_class(model_kind(cfg, config))
+        return auto_class(kind)
     found = getattr(transformers, cfg.model_type, None)
     if found is None:
         raise UserError(f"config: `model_type: {cfg.model_type}` is not a class transformers has")
@@ -101,7 +100,7 @@ def model_class(cfg: TuneloopConfig, config=None):
 def check_model_class(cfg: TuneloopConfig, config) -> None:
     """A concrete `model_type` must be what the checkpoint says it is (a LlamaForCausalLM class loading a
     Mistral checkpoint would quietly drop or misplace weights)."""
-    model_class(cfg, config)  # a class transformers has
+    model_class(cfg, kind_of_config(config))  # a class transformers has
     source = cfg.base_model_config or cfg.base_model
     named, actual = named_kind(cfg), kind_of_config(config)
     if named is not None and named != actual:
@@ -116,14 +115,15 @@ def check_model_class(cfg: TuneloopConfig, config) -> None:
                         f"{', '.join(architectures)}; set `model_type: {actual.auto_class}` or the right class")
 
 
-def load_tokenizer(cfg: TuneloopConfig):
-    """The run's tokenizer: trained on the data (`train_tokenizer`), `tokenizer_config`'s, or the model's."""
+def load_tokenizer(cfg: TuneloopConfig, *, encoder_decoder: bool):
+    """The run's tokenizer: trained on the data (`train_tokenizer`: an encoder-decoder's learns from source and
+    target apart), `tokenizer_config`'s, or the model's."""
     import transformers
 
     if cfg.train_tokenizer:
         from tuneloop.data.tokenizer_training import trained_tokenizer
 
-        return _with_added_tokens(cfg, trained_tokenizer(cfg, encoder_decoder=model_kind(cfg).encoder_decoder))
+        return _with_added_tokens(cfg, trained_tokenizer(cfg, encoder_decoder=encoder_decoder))
     key = "tokenizer_config" if cfg.tokenizer_config else "base_model" if cfg.base_model else "base_model_config"
     source = _checked_source(cfg.tokenizer_config or cfg.base_model or cfg.base_model_config, key)
     tokenizer_class = getattr(transformers, cfg.tokenizer_type or "AutoTokenizer", None)
@@ -242,22 +242,21 @@ class ModelFacts:
     max_positions: int | None  # n_positions / max_position_embeddings, where the config has one
     learned_positions: bool  # a position-embedding table of max_positions rows: longer rows cannot run at all
     chunked_loss: bool = False  # the loss meets the output projection in chunks (no whole logits tensor)
-    matmul_weights: tuple[int, int] = (0, 0)  # (frozen, trained) weights tokens are multiplied by: flops.py
+    matmul_weights: tuple[int, int] = (0, 0)  # (frozen, trained) weights tokens are multiplied by: plan/flops.py
 
 
-def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
+def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFacts:
     """The model built on the meta device (no memory, no weights read), with the adapter or the freezing it
     will train with, so the counts are the real ones."""
     import torch
 
     from tuneloop.adapters import add_adapter, freeze_all_but
-    from tuneloop.flops import count_matmul_weights
-    from tuneloop.train.objectives import uses_chunked_loss
+    from tuneloop.output_head import loss_meets_head_in_chunks
 
     config = model_config(cfg, tokenizer)
     try:
         with torch.device("meta"):
-            built = model_class(cfg, config)
+            built = model_class(cfg, kind)
             model = (built.from_config(config, trust_remote_code=cfg.trust_remote_code) if hasattr(built, "from_config")
                      else built._from_config(config))  # a concrete class (model_type: LlamaForCausalLM)
     except (OSError, ValueError) as error:
@@ -272,12 +271,29 @@ def model_facts(cfg: TuneloopConfig, tokenizer=None) -> ModelFacts:
         isinstance(module, torch.nn.Embedding) and module is not inputs and module.num_embeddings == max_positions
         for module in model.modules())
     if cfg.adapter:
-        model = add_adapter(cfg, model, model_kind(cfg, config).peft_task_type)
+        model = add_adapter(cfg, model, kind.peft_task_type)
     elif cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return ModelFacts(config, parameters, trainable, max_positions, learned, uses_chunked_loss(cfg, model),
+    return ModelFacts(config, parameters, trainable, max_positions, learned, loss_meets_head_in_chunks(cfg, model),
                       count_matmul_weights(model))
+
+
+def count_matmul_weights(model) -> tuple[int, int]:
+    """(frozen, trained) weights of the matrices tokens are multiplied by: every Linear (an adapter's too, and
+    a tied output head once) and GPT-2's Conv1D; embeddings are looked up, not multiplied (plan/flops.py)."""
+    import torch
+
+    frozen = trained = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            continue
+        if weight.requires_grad:
+            trained += weight.numel()
+        else:
+            frozen += weight.numel()
+    return frozen, trained
 
 
 def check_sequence_len(cfg: TuneloopConfig, facts: ModelFacts) -> str | None:
@@ -334,19 +350,20 @@ def weights_dtype(cfg: TuneloopConfig):
     return torch.bfloat16 if cfg.bfloat16 else torch.float16 if cfg.float16 else torch.float32
 
 
-def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
-    """The model to train; from a checkpoint's weights when resuming (the adapter's, for LoRA)."""
+def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None):
+    """The model to train (of the run's kind, with its attention kernel: resolved.py); from a checkpoint's weights
+    when resuming (the adapter's, for LoRA)."""
     from safetensors import SafetensorError
 
     from tuneloop.adapters import quantization_config
-    from tuneloop.hardware import attention_implementation, quantized_loading
+    from tuneloop.hardware import quantized_loading
 
     config = model_config(cfg, tokenizer)
-    built = model_class(cfg, config)
-    attention = attention_implementation(cfg)[0]
+    built = model_class(cfg, resolved.model_kind)
+    attention = resolved.attention.used
     if cfg.from_scratch and checkpoint is None:
-        return _prepared_for_training(cfg, built_from_config(cfg, built, config, attention), tokenizer, False,
-                                      checkpoint)
+        return _prepared_for_training(cfg, resolved.model_kind, built_from_config(cfg, built, config, attention),
+                                      tokenizer, False, checkpoint)
     if checkpoint is not None and not cfg.adapter:  # the checkpoint's whole weights (an adapter's sit on the base)
         source, options = str(checkpoint), {}
     else:
@@ -359,7 +376,7 @@ def load_model(cfg: TuneloopConfig, tokenizer, checkpoint=None):
                                       attn_implementation=attention, **options)
     except (OSError, ValueError, SafetensorError) as error:  # missing, unreadable or damaged weights
         raise UserError(f"model: cannot load {source!r}: {type(error).__name__}: {error}") from None
-    return _prepared_for_training(cfg, model, tokenizer, quantized, checkpoint)
+    return _prepared_for_training(cfg, resolved.model_kind, model, tokenizer, quantized, checkpoint)
 
 
 def built_from_config(cfg: TuneloopConfig, built, config, attention: str | None):
@@ -375,7 +392,7 @@ def built_from_config(cfg: TuneloopConfig, built, config, attention: str | None)
         raise UserError(f"model: cannot build a {config.model_type} model from its config: {error}") from None
 
 
-def _prepared_for_training(cfg: TuneloopConfig, model, tokenizer, quantized, checkpoint):
+def _prepared_for_training(cfg: TuneloopConfig, kind: ModelKind, model, tokenizer, quantized, checkpoint):
     """The loaded or built model made ready: cache off, embeddings grown to the tokenizer, checkpointing,
     the adapter or the frozen parameters."""
     from tuneloop.adapters import add_adapter, freeze_all_but, prepare_quantized
@@ -389,7 +406,7 @@ def _prepared_for_training(cfg: TuneloopConfig, model, tokenizer, quantized, che
     if cfg.gradient_checkpointing == "offload" or (cfg.gradient_checkpointing and not quantized):
         enable_checkpointing(cfg, model)
     if cfg.adapter:
-        return add_adapter(cfg, model, model_kind(cfg, model.config).peft_task_type, checkpoint)
+        return add_adapter(cfg, model, kind.peft_task_type, checkpoint)
     if cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
     return model

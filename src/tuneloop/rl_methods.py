@@ -1,14 +1,33 @@
-"""Preference training methods (`rl:`), by name: what each needs, read by the config and the plan.
+"""Preference training methods (`rl:`), by name: what each needs and which keys it reads, for the config and
+the plan.
 
-The losses themselves are train/preference.py's (torch); this table stays light because the config is
-validated before torch loads. A method is one entry here and one loss there.
+The losses themselves are train/preference.py's LOSSES (torch), one function per method under the same name;
+this table stays light because the config is validated before torch loads. A method is one entry here (its
+data, its reference, its keys and their defaults) and one loss there; a test walks both tables.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tuneloop.registry import Registry
+
+# every preference key, and what it does (the config refuses one that the run's method does not read)
+PREFERENCE_KEYS = {
+    "rl_beta": "is the beta of DPO, IPO, KTO and SimPO",
+    "dpo_beta": "is the beta of DPO, IPO, KTO and SimPO (axolotl's older name of rl_beta)",
+    "dpo_loss_type": "names DPO's losses",
+    "dpo_loss_weights": "weighs DPO's losses",
+    "dpo_label_smoothing": "smooths DPO's sigmoid loss",
+    "precompute_ref_log_probs": "computes a reference model's log-probs once, before training",
+    "orpo_alpha": "weighs ORPO's odds ratio",
+    "kto_desirable_weight": "weighs KTO's rows",
+    "kto_undesirable_weight": "weighs KTO's rows",
+    "simpo_gamma": "shapes SimPO's loss",
+    "cpo_alpha": "shapes SimPO's loss",
+}
+DPO_KEYS = ("rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_label_smoothing",
+            "precompute_ref_log_probs")
 
 
 @dataclass(frozen=True)
@@ -17,14 +36,21 @@ class RLMethod:
     uses_reference: bool  # a frozen reference model's log-probabilities are part of the loss
     unit: str = "pairs"  # what its loss is averaged over, and accumulation normalises by: "pairs" or "rows"
     paired: bool = True  # its data: chosen/rejected pairs, or unpaired rows with a desirable/undesirable label
+    keys: tuple[str, ...] = ()  # the PREFERENCE_KEYS it reads
+    defaults: dict = field(default_factory=dict)  # the value of each of its keys that is left unset
 
 
 RL_METHODS: Registry[RLMethod] = Registry("preference method", "rl")
-RL_METHODS.add("dpo", RLMethod(("sigmoid", "ipo", "hinge"), uses_reference=True))  # sigmoid by default
-RL_METHODS.add("ipo", RLMethod(("ipo",), uses_reference=True))  # DPO with the IPO loss
-RL_METHODS.add("orpo", RLMethod((), uses_reference=False))  # odds ratio + NLL of the chosen reply
-RL_METHODS.add("kto", RLMethod((), uses_reference=True, unit="rows", paired=False))  # unpaired, labelled rows
-RL_METHODS.add("simpo", RLMethod((), uses_reference=False))  # length-normalised margin + cpo_alpha × NLL
+RL_METHODS.add("dpo", RLMethod(("sigmoid", "ipo", "hinge"), uses_reference=True, keys=DPO_KEYS))  # sigmoid default
+RL_METHODS.add("ipo", RLMethod(("ipo",), uses_reference=True, keys=DPO_KEYS))  # DPO with the IPO loss
+RL_METHODS.add("orpo", RLMethod((), uses_reference=False, keys=("orpo_alpha",),  # odds ratio + NLL of the chosen
+                                defaults={"orpo_alpha": 0.1}))
+RL_METHODS.add("kto", RLMethod((), uses_reference=True, unit="rows", paired=False,  # unpaired, labelled rows
+                               keys=("rl_beta", "dpo_beta", "precompute_ref_log_probs", "kto_desirable_weight",
+                                     "kto_undesirable_weight")))
+RL_METHODS.add("simpo", RLMethod((), uses_reference=False,  # length-normalised margin + cpo_alpha × NLL (TRL's CPO)
+                                 keys=("rl_beta", "dpo_beta", "simpo_gamma", "cpo_alpha"),
+                                 defaults={"simpo_gamma": 0.5, "cpo_alpha": 1.0}))
 
 # names axolotl knows that tuneloop does not train, and what to say
 NOT_OFFERED = {
@@ -33,13 +59,10 @@ NOT_OFFERED = {
 }
 
 
-def check_rl(name: str) -> str:
-    from tuneloop.axolotl_keys import FEATURES
-
-    if name in RL_METHODS:
-        return RL_METHODS.canonical(name)
-    why = NOT_OFFERED.get(name, f"`rl: {name}` is not a method tuneloop trains ({RL_METHODS.choices()})")
-    raise ValueError(f"asks for {FEATURES['preference'][0]}, which tuneloop does not do yet: {why}")
+def setting(cfg, key: str):
+    """A preference key's value for the run's method: the config's, else the method's default."""
+    value = getattr(cfg, key)
+    return RL_METHODS[cfg.rl].defaults.get(key) if value is None else value
 
 
 def keeps_reference_copy(cfg) -> bool:

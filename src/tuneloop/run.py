@@ -37,108 +37,19 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> Tunel
     return resolve_aliases(load_config(path, overrides))
 
 
-def prepare_data(cfg: TuneloopConfig, force: bool = False, hooks: RunHooks | None = None):
-    """(tokenizer, prepared data): the rows tokenized, masked and cached once (data/prepare.py); `hooks` hear of
-    the progress of a cache being built, and of what the user should know about it."""
+def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunHooks | None = None):
+    """(tokenizer, training rows): the rows tokenized, masked and cached once, or a stream read as the run goes
+    (data/source.py); `hooks` hear of the progress of a cache being built, and of what the user should know."""
     from transformers.utils import logging as transformers_logging
 
-    from tuneloop.data.prepare import prepare, prepare_streamed_eval
-    from tuneloop.model import check_encoder_decoder_settings, load_tokenizer, model_kind
+    from tuneloop.data.source import prepare_rows
+    from tuneloop.model import check_encoder_decoder_settings, load_tokenizer
 
     transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
-    encoder_decoder = model_kind(cfg).encoder_decoder
-    if encoder_decoder:
+    if resolved.encoder_decoder:
         check_encoder_decoder_settings(cfg)
-    tokenizer = load_tokenizer(cfg)
-    hooks = hooks or RunHooks()
-    preparation = prepare_streamed_eval if cfg.streams else prepare  # a stream is read as the run goes
-    return tokenizer, preparation(cfg, tokenizer, force=force, report=hooks.preparing, notice=hooks.notice,
-                                  encoder_decoder=encoder_decoder)
-
-
-def plan_run(cfg: TuneloopConfig, tokenizer, prepared, world_size: int, device_memory_gb: float | None = None):
-    """Every number of the run (plan.py), with what the model and the machine add: the memory estimate per rank
-    (on `device_memory_gb` GB devices when planning for other machines),
-    the precision and attention chosen (and why, where it is not the one asked for), and the sequence
-    length checked against the model's positions."""
-    import numpy as np
-
-    from tuneloop.flops import count_flops, run_peak
-    from tuneloop.hardware import attention_implementation, precision
-    from tuneloop.memory import estimate_memory
-    from tuneloop.rl_methods import reference_source
-    from tuneloop.train.compiling import compiles
-    from tuneloop.model import check_sequence_len, model_facts, model_kind
-    from tuneloop.plan import attach_memory_estimate, make_plan, make_stream_plan
-
-    mixed, why = precision(cfg)
-    facts = model_facts(cfg, tokenizer)
-    encoder_decoder = model_kind(cfg, facts.config).encoder_decoder
-    too_long = check_sequence_len(cfg, facts)
-    stats = prepared.stats
-    train = prepared.train
-    if cfg.streams:
-        plan = make_stream_plan(cfg, stats.eval_rows, world_size, cfg.streams_packed and not encoder_decoder,
-                                encoder_decoder)
-    else:
-        plan = make_plan(cfg, np.asarray(train.unit_column("length")), np.asarray(train.unit_column("n_targets")),
-                         stats.eval_rows, stats.dropped_too_long, world_size, stats.dropped_no_trained_tokens,
-                         np.asarray(train["length"]), train.group,
-                         np.asarray(train["source_length"]) if encoder_decoder else None)
-    plan.model = model_line(cfg, facts)
-    plan.dropped_identical_pairs = stats.dropped_identical_pairs
-    plan.reference = reference_source(cfg)
-    plan.precision = f"{PRECISION_NAMES[mixed]} ({why})"
-    plan.attention, attention_note = attention_implementation(cfg)
-    plan.warnings += [note for note in (too_long, attention_note) if note]
-    plan.engine = cfg.distributed.describe(world_size)
-    if cfg.distributed.engine == "deepspeed":  # its file's set values must agree with the plan: refused now, not later
-        from tuneloop.distributed import filled_deepspeed_config
-
-        try:
-            filled_deepspeed_config(cfg.distributed, cfg.micro_batch_size, plan.gradient_accumulation_steps,
-                                    world_size, cfg.max_grad_norm, mixed, getattr(facts.config, "hidden_size", None))
-        except ValueError as error:
-            raise UserError(f"config: {error}") from None
-    attach_memory_estimate(plan, estimate_memory(cfg, facts, plan.max_micro_batch_tokens, mixed, world_size,
-                                                 device_memory_gb))
-    # per sequence (a stream's rows are full rows of sequence_len: attention over whole rows is the upper bound)
-    lengths = np.asarray(train["length"]) if train is not None else np.full(1, cfg.sequence_len)
-    count = count_flops(facts.config, *facts.matmul_weights, lengths)
-    plan.flops_per_token, plan.attention_context = count.per_token, count.attention_context
-    if count.per_token is None:
-        plan.peak_source = count.why_not
-    else:
-        # (`tuneloop plan --world-size N` outside a launcher: the N ranks are taken to share this host)
-        peak = run_peak(mixed, cfg.peak_tflops, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-        plan.peak_flops, plan.peak_source = peak.flops, peak.source
-    if compiles(cfg):
-        plan.torch_compile = f"torch.compile ({cfg.torch_compile_backend or 'inductor'}" + (
-            f", mode {cfg.torch_compile_mode})" if cfg.torch_compile_mode else ")")
-    return plan
-
-
-def model_line(cfg: TuneloopConfig, facts) -> str:
-    """What the plan says of the model: its class, its size, and where its weights come from."""
-    name = type(facts.config).__name__.removesuffix("Config")
-    if cfg.from_scratch:
-        source = f"random weights (from scratch) from the config of {cfg.base_model_config or cfg.base_model}"
-    else:
-        source = f"weights of {cfg.base_model}"
-    return f"{name}, {facts.parameters:,} parameters; {source}"
-
-
-def data_key(cfg: TuneloopConfig, tokenizer, prepared) -> str:
-    """What a checkpoint records of the data it was trained on: the prepared cache's key, or the stream's."""
-    if not cfg.streams:
-        return prepared.cache_dir.name
-    from tuneloop.data.prepare import stream_key
-    from tuneloop.model import model_kind
-
-    return stream_key(cfg, tokenizer, model_kind(cfg).encoder_decoder)
-
-
-PRECISION_NAMES = {"no": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}
+    tokenizer = load_tokenizer(cfg, encoder_decoder=resolved.encoder_decoder)
+    return tokenizer, prepare_rows(cfg, resolved, tokenizer, force=force, hooks=hooks or RunHooks())
 
 
 def ranks_on_this_host() -> int:
@@ -166,6 +77,7 @@ class TrainingSession:
     def __init__(self, cfg: TuneloopConfig, hooks: RunHooks | None = None):
         self.cfg = cfg
         self.hooks = hooks or RunHooks()
+        self.resolved = None  # what the run is (resolved.py): decided when the session opens
         self.accelerator = None
         self.trackers = None  # main process: the trackers the config asks for (trackers.py), started with the plan
         self.seconds: dict[str, float] = {}  # wall time of the steps before the loop: data, model load
@@ -175,10 +87,13 @@ class TrainingSession:
         from accelerate import Accelerator
         from accelerate.utils import set_seed
 
-        from tuneloop.hardware import mixed_precision
+        from tuneloop.engines.base import join_process_group
+        from tuneloop.resolved import resolve_run
 
-        _host_and_device_group(self.cfg)
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(self.cfg))
+        self.resolved = resolve_run(self.cfg)
+        join_process_group(self.resolved.engine)  # (before Accelerate's, which then uses it)
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                                       mixed_precision=self.resolved.precision.mixed)
         if self.cfg.tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         set_seed(self.cfg.seed)
@@ -204,42 +119,43 @@ class TrainingSession:
                 self.trackers.finish(result.summary if result is not None else None)
 
     def _run(self, overwrite: bool, force_resume: bool, ignore_memory_estimate: bool, started: float) -> RunResult:
-        from tuneloop.config import result_settings
+        from tuneloop.config.schema import result_settings
         from tuneloop.hardware import check_hardware
         from tuneloop.model import apply_run_template, load_model
-        from tuneloop.plan import check_memory_fits
+        from tuneloop.plan.build import build_plan
+        from tuneloop.plan.memory import check_memory_fits
         from tuneloop.train.guards import StopRequests
         from tuneloop.train.loop import TrainingLoop
         from tuneloop.train.objectives import objective_of
         from tuneloop.train.resume import check_finished_run_matches, check_output_dir_apart, finished_run
 
-        cfg, accelerator = self.cfg, self.accelerator
+        cfg, resolved, accelerator = self.cfg, self.resolved, self.accelerator
         output_dir = Path(cfg.output_dir)
         check_output_dir_apart(cfg)
-        check_hardware(cfg)
+        check_hardware(cfg, resolved)
         settings = result_settings(cfg)
         if cfg.auto_resume_from_checkpoints and not overwrite and finished_run(output_dir):
             check_finished_run_matches(output_dir, settings)
             return RunResult(output_dir, already_finished=True)
         # rank 0 fills the data cache, the others read it
         clock = time.perf_counter()
-        tokenizer, prepared = self._on_main_first(lambda: prepare_data(cfg, hooks=self.hooks))
+        tokenizer, rows = self._on_main_first(lambda: prepare_data(cfg, resolved, hooks=self.hooks))
         self.seconds["data"] = time.perf_counter() - clock
         apply_run_template(cfg, tokenizer)  # after the data: a dataset may have asked for the tokenizer's own
-        plan = plan_run(cfg, tokenizer, prepared, accelerator.num_processes)
+        plan = build_plan(cfg, resolved, rows, tokenizer, accelerator.num_processes)
         if not ignore_memory_estimate:
             check_memory_fits(plan, ranks_on_this_host() if accelerator.device.type == "cpu" else 1)
-        identity = {"data_key": data_key(cfg, tokenizer, prepared), "settings": settings}
+        identity = {"data_key": rows.key, "settings": settings}
         resume = self._decided_on_main(lambda: self._start_output_dir(plan, identity, overwrite, force_resume))
         clock = time.perf_counter()
         # a sharded engine's checkpoint may hold its weights only in shards: the loop loads them into the model
-        model = load_model(cfg, tokenizer, checkpoint=None if cfg.distributed.sharded else resume)
-        reference_model, reference = self._reference(model, tokenizer, prepared, resume)
+        model = load_model(cfg, resolved, tokenizer, checkpoint=None if resolved.engine.sharded else resume)
+        reference_model, reference = self._reference(model, tokenizer, rows, resume)
         self.seconds["model_load"] = time.perf_counter() - clock
         hooks = self.hooks if self.trackers is None else TogetherHooks(self.hooks, self.trackers)
         try:
             with StopRequests() as stop:
-                loop = TrainingLoop(cfg, plan, prepared, tokenizer, model, accelerator,
+                loop = TrainingLoop(cfg, plan, rows, tokenizer, model, accelerator,
                                     objective_of(cfg, reference_model), identity, stop, hooks, resume_from=resume,
                                     reference=reference)
                 outcome = loop.run()
@@ -254,25 +170,25 @@ class TrainingSession:
                 result.error = error
         return result
 
-    def _reference(self, model, tokenizer, prepared, resume: Path | None):
+    def _reference(self, model, tokenizer, rows, resume: Path | None):
         """A preference run's reference: (frozen model or None, precomputed log-probs or None). See
         train/reference.py; a supervised run has neither."""
         from tuneloop.model import load_model
         from tuneloop.train.reference import live_reference_model, precomputed_reference
 
-        cfg = self.cfg
+        cfg, resolved = self.cfg, self.resolved
         if not cfg.rl:
             return None, None
         if not cfg.precompute_ref_log_probs:
-            return live_reference_model(cfg, model, lambda: load_model(cfg, tokenizer), resume is not None,
+            return live_reference_model(cfg, model, lambda: load_model(cfg, resolved, tokenizer), resume is not None,
                                         self.accelerator.device), None
 
         def starting_model():  # a resumed full fine-tuning run holds trained weights: the reference is the base
-            return model if resume is None or cfg.adapter else load_model(cfg, tokenizer)
+            return model if resume is None or cfg.adapter else load_model(cfg, resolved, tokenizer)
 
-        def compute():
-            return precomputed_reference(cfg, starting_model, prepared, tokenizer, self.accelerator,
-                                         prepared.cache_dir.name)
+        def compute():  # (preference data is prepared whole, never streamed)
+            return precomputed_reference(cfg, resolved, starting_model, rows.prepared, tokenizer, self.accelerator,
+                                         rows.key)
 
         with self.hooks.phase("reference log-probs"):
             return None, self._on_main_first(compute)
@@ -408,7 +324,7 @@ def summary_of(outcome, plan, seconds: dict | None = None) -> dict:
     """The run in numbers. Throughput after the first step is what MFU is taken from: under torch.compile the
     first step is mostly compiling, and without it the first step still warms up allocators and caches.
     `seconds`: the wall time before the loop (data, model_load) and of the whole session (total)."""
-    from tuneloop.flops import mfu
+    from tuneloop.plan.flops import mfu
 
     def per_second(tokens: int, seconds: float | None) -> float | None:
         return round(tokens / seconds, 1) if seconds and seconds > 0 and tokens else None
@@ -467,23 +383,9 @@ def _forget_accelerate_state() -> None:
 
 
 def _forget_one_rank_group() -> None:
-    """The group of one that FSDP2/DeepSpeed needed in a single-process run (train/engines.py), closed with the run
+    """The group of one that FSDP2/DeepSpeed needed in a single-process run (engines/base.py), closed with the run
     so the next run in this process starts without it."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _host_and_device_group(cfg) -> None:
-    """FSDP2 offloading to the host reduces its gradient norm on host tensors: under a launcher on GPUs the process
-    group needs gloo for the CPU beside NCCL. Made before Accelerate's own (which it then uses)."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    if (cfg.distributed.engine == "fsdp2" and cfg.distributed.offload_weights and torch.cuda.is_available()
-            and "WORLD_SIZE" in os.environ and not dist.is_initialized()):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="cuda:nccl,cpu:gloo")

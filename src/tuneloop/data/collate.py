@@ -56,8 +56,8 @@ class Padding:
         return Padding(None, self.multiple, self.limit)
 
 
-def padding_for(cfg) -> Padding:
-    multiple = COMPILE_PAD_MULTIPLE if cfg.torch_compile else pad_multiple()
+def padding_for(cfg, compiled: bool) -> Padding:
+    multiple = COMPILE_PAD_MULTIPLE if compiled else pad_multiple()
     return Padding(cfg.sequence_len if cfg.pad_to_sequence_len else None, multiple, cfg.sequence_len)
 
 

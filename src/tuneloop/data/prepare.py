@@ -607,13 +607,13 @@ def prepare_streamed_eval(cfg, tokenizer, force: bool = False, report=None, noti
     return PreparedData(None, prepared.train, stats, prepared.cache_dir, prepared.worker_processes)
 
 
-def stream_key(cfg, tokenizer, encoder_decoder: bool = False) -> str:
+def stream_key(cfg, tokenizer, encoder_decoder: bool, packed: bool) -> str:
     """What a streamed run's checkpoints are checked against on resume: the streamed entries, the tokenizer and
     the settings that change the rows, and each file's path, size and modification time (a stream may be too
     large to hash whole before every run)."""
     digest = hashlib.sha256()
     settings = {"version": PREPARE_VERSION, "streamed": [entry.model_dump() for entry in cfg.train_entries],
-                "sequence_len": cfg.sequence_len, "packed": cfg.streams_packed, "train_on_inputs": cfg.train_on_inputs,
+                "sequence_len": cfg.sequence_len, "packed": packed, "train_on_inputs": cfg.train_on_inputs,
                 "encoder_decoder": encoder_decoder,
                 "chat_template": resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)}
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())

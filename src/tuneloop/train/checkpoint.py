@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from tuneloop import run_files
+from tuneloop.data.stream_steps import STREAM_POSITION
+from tuneloop.engines.base import SHARDS
 from tuneloop.errors import CheckpointFailed, UserError
 from tuneloop.run_files import complete_checkpoints
 from tuneloop.train.state import restore_rng_states, rng_states
@@ -37,9 +39,6 @@ CRASH_DURING_SAVE_ENV = "TUNELOOP_TEST_CRASH_DURING_SAVE"
 FULL_DISK_BYTES = 1 << 20
 
 
-STREAM_POSITION = "stream_position"  # in a rank's RNG file: where a streamed run's rank is in its stream
-
-
 def write_rank_rng(output_dir: Path, step: int, rank: int, stream_position=None) -> None:
     """Every rank, before the main process writes the checkpoint: ranks draw different amounts of
     randomness (dropout on different shapes), so each resumes from its own RNG state; in a streamed run, each
@@ -48,24 +47,6 @@ def write_rank_rng(output_dir: Path, step: int, rank: int, stream_position=None)
     if stream_position is not None:
         states[STREAM_POSITION] = stream_position.to_json()
     torch.save(states, run_files.pending_rank_rng(output_dir, step, rank))
-
-
-def read_stream_position(checkpoint: Path, rank: int, world_size: int):
-    """This rank's StreamPosition, as its streamed run saved it (on as many ranks: the shares are per rank)."""
-    from tuneloop.data.stream import StreamPosition
-
-    written_by = read_state(checkpoint)["plan"]["world_size"]
-    if written_by != world_size:
-        raise UserError(f"resume: {checkpoint} was written by {written_by} ranks and this run has {world_size}; a "
-                        "streamed run's ranks each read their own share of the data, which another number of ranks "
-                        f"would split differently. Launch {written_by} ranks, or start a fresh output_dir.")
-    saved = checkpoint / run_files.RANK_RNG.format(rank=rank)
-    position = torch.load(saved, weights_only=False).get(STREAM_POSITION) if saved.is_file() else None
-    if position is None:
-        raise UserError(f"resume: {checkpoint} holds no stream position for rank {rank}: it was written by a run "
-                        "that prepared its data, or by fewer ranks (a stream's shares are per rank). Resume it "
-                        "with the settings and ranks it was written with, or start a fresh output_dir.")
-    return StreamPosition.from_json(position)
 
 
 def write_on_every_rank(accelerator, output_dir: Path, what: str, on_main, on_every_rank=None,
@@ -135,8 +116,6 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer_
     write_on_every_rank). A failure removes the temporary folder and re-raises: the old checkpoints are never
     touched. `optimizer_state` None: it is in the shards. `model_state`: the weights gathered from a sharded model;
     `weights` False: the checkpoint's weights are only in its shards."""
-    from tuneloop.train.engines import SHARDS
-
     final = run_files.checkpoint_dir(output_dir, step)
     temp = run_files.temp_checkpoint_dir(output_dir, step)
     shutil.rmtree(temp, ignore_errors=True)
@@ -225,7 +204,7 @@ def incompatibilities(state: dict, plan: dict, identity: dict) -> list[str]:
     """What differs between a checkpoint's run and this one, in words: the prepared data, every setting that
     changes what is trained (config.result_settings; the run's length is resume.py's to judge), and the plan's
     batching over the data."""
-    from tuneloop.config import RUN_LENGTH_KEYS, changed_settings
+    from tuneloop.config.schema import RUN_LENGTH_KEYS, changed_settings
 
     changed = []
     if state.get("data_key") != identity["data_key"]:
@@ -253,8 +232,6 @@ def _engine_words(identity: dict) -> str:
 
 def load_training_state(checkpoint: Path, engine, scheduler, rank: int = 0) -> None:
     """The optimizer (from the training state, or the engine's shards), the scheduler and this rank's RNG."""
-    from tuneloop.train.engines import SHARDS
-
     saved = torch.load(checkpoint / run_files.TRAINING_STATE, weights_only=False)
     if engine.writes_shards:
         if not (checkpoint / SHARDS).is_dir():

@@ -15,12 +15,7 @@ from __future__ import annotations
 import torch
 
 from tuneloop.data.labels import IGNORE_INDEX
-
-LOGITS_PER_CHUNK = 1 << 25  # 32M fp32 logits (128 MB) per chunk: its tokens are this over the vocabulary size
-
-
-def chunk_tokens(vocabulary: int) -> int:
-    return max(1, LOGITS_PER_CHUNK // vocabulary)
+from tuneloop.output_head import chunk_tokens
 
 
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:

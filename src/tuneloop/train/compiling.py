@@ -22,21 +22,15 @@ import contextlib
 from tuneloop.errors import UserError
 
 
-def compiles(cfg) -> bool:
-    """`torch_compile: auto` is true, as in axolotl, whose auto means "torch is recent enough" (2.5.1)."""
-    return cfg.torch_compile in (True, "auto")
-
-
 def compile_for_training(cfg, model) -> str:
     """Compiles the step's part of `model` in place; returns what was compiled, in words."""
-    from tuneloop.train.objectives import uses_chunked_loss
-    from tuneloop.train.output_head import output_head
+    from tuneloop.output_head import loss_meets_head_in_chunks, output_head
 
     _set_inductor_options(cfg.torch_compile_options or {})
     options = {"backend": cfg.torch_compile_backend or "inductor"}
     if cfg.torch_compile_mode:
         options["mode"] = cfg.torch_compile_mode
-    if uses_chunked_loss(cfg, model):
+    if loss_meets_head_in_chunks(cfg, model):
         decoder, _ = output_head(model)
         decoder.compile(**options)
         return f"the decoder ({type(decoder).__name__}), {options['backend']}"
@@ -44,11 +38,11 @@ def compile_for_training(cfg, model) -> str:
     return f"the whole model ({type(model).__name__}), {options['backend']}"
 
 
-def eager_for_eval(cfg):
+def eager_for_eval(compiled: bool):
     """The context evals run in: eager where the model was compiled for training."""
     import torch
 
-    return torch.compiler.set_stance("force_eager") if compiles(cfg) else contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
 
 
 def _set_inductor_options(flags: dict) -> None:

@@ -29,24 +29,23 @@ import torch
 
 from tuneloop import run_files
 from tuneloop.data.batching import epoch_micro_batches
-from tuneloop.data.collate import MicroBatch, collator_for
-from tuneloop.flops import mfu
-from tuneloop.plan import TrainingPlan
+from tuneloop.data.collate import collator_for
+from tuneloop.engines.base import join_process_group
+from tuneloop.optim import build_scheduler
+from tuneloop.plan.build import TrainingPlan
+from tuneloop.plan.flops import mfu
 from tuneloop.train import checkpoint
-from tuneloop.train.compiling import compile_for_training, compiles, eager_for_eval
+from tuneloop.train.compiling import compile_for_training, eager_for_eval
 from tuneloop.train.evaluate import evaluate
 from tuneloop.train.guards import LossWatchdog, StopRequests
 from tuneloop.train.hooks import RunHooks
 from tuneloop.train.model_folder import has_best, publish_best, publish_final, save_best
 from tuneloop.train.objectives import Objective, ObjectiveModule
-from tuneloop.optim import build_scheduler
-from tuneloop.train.engines import engine_for
 from tuneloop.train.state import RunState
-from tuneloop.train.stream_steps import StreamedSteps
 from tuneloop.train.track import LossWindow, MetricsLog
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunOutcome:
     steps: int
     tokens: int
@@ -67,7 +66,7 @@ class RunOutcome:
 class TrainingLoop:
     """One run's loop on this rank. Built once (optimizer, scheduler, collators, restored state), run once."""
 
-    def __init__(self, cfg, plan: TrainingPlan, prepared, tokenizer, model, accelerator, objective: Objective,
+    def __init__(self, cfg, plan: TrainingPlan, rows, tokenizer, model, accelerator, objective: Objective,
                  identity: dict, stop: StopRequests, hooks: RunHooks, resume_from: Path | None = None,
                  reference: dict | None = None):
         self.cfg, self.plan, self.tokenizer, self.accelerator = cfg, plan, tokenizer, accelerator
@@ -76,21 +75,15 @@ class TrainingLoop:
         self.rank, self.world_size = accelerator.process_index, plan.world_size
         reference = reference or {}  # precomputed reference log-probs per store row: {"train": ..., "eval": ...}
         decoder_start = getattr(model.config, "decoder_start_token_id", None)  # encoder-decoders only
-        self.streamed = None  # a streamed run's steps (stream_steps.py); else the store's, sampled as planned
-        if plan.streamed:
-            position = (checkpoint.read_stream_position(resume_from, self.rank, self.world_size)
-                        if resume_from is not None else None)
-            self.streamed = StreamedSteps(cfg, plan, tokenizer, accelerator, hooks, position, decoder_start,
-                                          getattr(model.config, "is_encoder_decoder", False))
-        else:
-            # per unit (a row, or a preference pair): what the sampler deals out
-            self.lengths = np.asarray(prepared.train.unit_column("length"))
-            self.targets_per_row = np.asarray(prepared.train.unit_column("n_targets"))
-            # what a step's loss is averaged over, per unit: its target tokens, or 1 (a pair)
-            self.units_per_row = (self.targets_per_row if objective.unit == "tokens"
-                                  else np.ones(len(self.lengths), dtype=np.int64))
-            self.collate = collator_for(prepared.train, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
-                                        plan.padding, reference.get("train"), decoder_start)
+        self.resume_from = resume_from
+        self.state = RunState()
+        if resume_from is not None:
+            self.state = RunState.from_json(checkpoint.read_state(resume_from), self.rank, self.world_size)
+        # the training data, prepared or streamed (data/source.py), from the run state's step on
+        self.steps = rows.steps(plan, tokenizer, accelerator, hooks, start_step=self.state.step,
+                                resume_from=resume_from, reference=reference, decoder_start_token_id=decoder_start,
+                                unit=objective.unit)
+        prepared = rows.prepared
         self.eval_batches, self.eval_collate = [], None
         self.eval_rounds, self.eval_filler = 0, None  # the most eval batches a rank holds; one any rank can run
         if prepared.eval is not None:
@@ -103,20 +96,20 @@ class TrainingLoop:
             self.eval_collate = collator_for(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
                                              plan.padding.unfixed(), reference.get("eval"), decoder_start)
 
-        if compiles(cfg):  # before DDP wraps the model; in place, so names and checkpoints stay the eager ones
+        if plan.resolved.compiled:  # before DDP wraps the model; in place: names and checkpoints stay the eager ones
             compile_for_training(cfg, model)
         # what the loop runs (the model and its loss, wrapped by the engine: DDP, FSDP2 or DeepSpeed), its
         # optimizer, and the language model itself
-        self.engine = engine_for(cfg, plan, accelerator)
+        spec = plan.resolved.engine
+        join_process_group(spec)
+        self.engine = spec.build(cfg, plan, accelerator)
         if resume_from is not None:  # refused before the engine is built, not from inside it
             checkpoint.check_engine_can_resume(resume_from, self.engine)
         self.model, self.optimizer = self.engine.prepare(ObjectiveModule(model, objective))
         self.language_model = model
         # stepped by us, once per optimizer step
         self.scheduler = build_scheduler(cfg, plan, self.engine.scheduler_optimizer)
-        self.state = RunState()
         if resume_from is not None:
-            self.state = RunState.from_json(checkpoint.read_state(resume_from), self.rank, self.world_size)
             checkpoint.load_training_state(resume_from, self.engine, self.scheduler, self.rank)
         self.resumed = resume_from is not None
         self.metrics = MetricsLog(self.output_dir / run_files.METRICS, accelerator.is_main_process)
@@ -141,10 +134,10 @@ class TrainingLoop:
         outside_steps_before = self.seconds["eval"] + self.seconds["save"]
         first_step = None  # (seconds, real tokens on this rank) of this session's first step
 
-        planned = self.planned_steps() if self.streamed is None else None
+        steps = iter(self.steps)
         while state.step < plan.total_steps and not stopped_by:
-            window, step_tokens, step_units = self.next_step(planned)
-            lr, grad_norm = self.train_step(window, step_tokens, step_units)
+            planned = next(steps)
+            lr, grad_norm = self.train_step(planned.window, planned.targets, planned.units)
             step = state.step
             if self.accelerator.is_main_process:
                 self.hooks.stepped(step)
@@ -182,40 +175,14 @@ class TrainingLoop:
             torch.tensor([self.real_tokens, first_step[1] if first_step else 0], device=device), reduction="sum"))
         held = self.engine.held_bytes()
         held = self.gather_counts([held["weights"], held["optimizer"]])
-        stream = None
-        if self.streamed is not None:
-            names, counts = zip(*self.streamed.counts().items())
-            every_rank = self.gather_counts(list(counts))
-            stream = {"passes_started": self.streamed.passes + 1,
-                      **{name: sum(every_rank[i::len(names)]) for i, name in enumerate(names)}}
-        return RunOutcome(state.step, state.tokens_seen, train_seconds, real_total,
-                          sum(self.gather_counts(state.targets_collated)), state.evals, stopped_by,
-                          first_step[0] if first_step else None, first_real, self.seconds["eval"],
-                          self.seconds["save"], training_seconds,
-                          [{"weights": held[i], "optimizer": held[i + 1]} for i in range(0, len(held), 2)], stream)
-
-    def next_step(self, planned) -> tuple[list, int, int]:
-        """The next step's micro-batches on this rank (collated, or as store rows the step collates), its target
-        tokens and its units (what the loss is averaged over) on every rank: a stream's, or the `planned` ones."""
-        if self.streamed is not None:
-            batches, targets = self.streamed.next_step()
-            return batches, targets, targets  # (a stream trains the language-model loss: its unit is the token)
-        return next(planned)
-
-    def planned_steps(self):
-        """The plan's steps over the prepared rows, from the run state's step on (a resume starts mid-epoch)."""
-        plan, accum = self.plan, self.plan.gradient_accumulation_steps
-        for epoch in range(self.state.step // plan.steps_per_epoch, plan.epochs_to_run):
-            with self.hooks.phase("sampler"):  # epoch 0's were made by the plan (a million rows pack in seconds)
-                per_rank = (plan.first_epoch_batches if epoch == 0 and plan.first_epoch_batches is not None
-                            else epoch_micro_batches(self.lengths, plan.train_batching, epoch))
-            # on resume, the first epoch starts at the exact micro-batch after the checkpoint
-            first = (self.state.step - epoch * plan.steps_per_epoch) * accum
-            for start in range(first, plan.micro_batches_per_epoch, accum):
-                step_rows = [row for batches in per_rank for micro in batches[start:start + accum] for row in micro]
-                step_tokens = sum(int(self.targets_per_row[row].sum()) for row in step_rows)
-                step_units = sum(int(self.units_per_row[row].sum()) for row in step_rows)
-                yield per_rank[self.rank][start:start + accum], step_tokens, step_units
+        return RunOutcome(
+            steps=state.step, tokens=state.tokens_seen, train_seconds=train_seconds, real_tokens=real_total,
+            targets_collated=sum(self.gather_counts(state.targets_collated)), evals=state.evals,
+            stopped_by=stopped_by, first_step_seconds=first_step[0] if first_step else None,
+            first_step_real_tokens=first_real, eval_seconds=self.seconds["eval"], save_seconds=self.seconds["save"],
+            training_seconds=training_seconds,
+            held_per_rank=[{"weights": held[i], "optimizer": held[i + 1]} for i in range(0, len(held), 2)],
+            stream=self.steps.read_counts(self.gather_counts))
 
     @contextlib.contextmanager
     def timed(self, what: str):
@@ -232,7 +199,7 @@ class TrainingLoop:
         if self.accelerator.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - train_start
-        if self.cfg.torch_compile:
+        if self.plan.resolved.compiled:
             self.loss_window.restart_clock()
         return seconds, self.real_tokens
 
@@ -243,12 +210,9 @@ class TrainingLoop:
         scale = self.world_size / step_units  # every engine averages over ranks; the step's loss is a mean per unit
         step_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
         step_stats = None  # the objective's per-unit sums (rewards, ...), when it has some
-        for index, rows in enumerate(window):
-            if isinstance(rows, MicroBatch):  # a streamed step's, collated before its tokens were counted
-                batch = rows
-            else:
-                with hooks.phase("collate"):
-                    batch = self.collate(rows)
+        for index, micro in enumerate(window):
+            with hooks.phase("collate"):
+                batch = self.steps.collate(micro)
             hooks.micro_batch(batch)
             with hooks.phase("to(device)"):
                 batch = batch.to(accelerator.device)
@@ -297,7 +261,7 @@ class TrainingLoop:
             self.watchdog.check(self.accelerator)
 
     def evaluate(self, step: int) -> None:
-        with self.hooks.phase("eval"), self.timed("eval"), eager_for_eval(self.cfg):
+        with self.hooks.phase("eval"), self.timed("eval"), eager_for_eval(self.plan.resolved.compiled):
             # a sharded engine gathers weights in every forward: each rank runs as many as the busiest one
             lockstep = (self.eval_rounds, self.eval_filler) if self.engine.lockstep_eval else None
             result = evaluate(self.engine.eval_runner(), self.eval_batches, self.eval_collate, self.objective,
@@ -321,13 +285,11 @@ class TrainingLoop:
 
             engine = self.engine
             # a sharded model's checkpoint holds its shards; its whole weights only when asked (FULL_STATE_DICT)
-            whole = not engine.writes_shards or not self.cfg.distributed.sharded \
-                or self.cfg.distributed.full_weights_in_checkpoints
+            whole = engine.saves_whole_weights
             weights = engine.full_state_dict() if whole else None  # collective, for a sharded model
 
             def write_on_every_rank() -> None:
-                checkpoint.write_rank_rng(self.output_dir, step, self.rank,
-                                          self.streamed.position if self.streamed is not None else None)
+                checkpoint.write_rank_rng(self.output_dir, step, self.rank, self.steps.position)
                 if engine.writes_shards:  # collective
                     engine.save_shards(run_files.pending_shards(self.output_dir, step))
 
@@ -363,9 +325,7 @@ class TrainingLoop:
 
     def epoch_at(self, step: int) -> float:
         """The passes over the data so far (a stream's: the pass it is in, counted from 0, as it has no length)."""
-        if self.streamed is not None:
-            return self.streamed.passes
-        return round(step / self.plan.steps_per_epoch, 4)
+        return self.steps.epoch_at(step)
 
     def gather_counts(self, counts: int | list[int]) -> list[int]:
         """Every rank's count(s), on every rank, rank by rank (collective)."""

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.registry import Registry
 from tuneloop.rl_methods import RL_METHODS
+from tuneloop.output_head import output_head
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
-from tuneloop.train.output_head import output_head
 
 def summed_token_loss(logits, targets):
     """Sum (not mean) of cross-entropy over target positions; the caller divides by the step's token count."""
@@ -126,10 +126,6 @@ def objective_of(cfg, reference_model=None) -> Objective:
     return OBJECTIVES[cfg.rl if cfg is not None and cfg.rl else "language_model"](cfg, reference_model)
 
 
-def uses_chunked_loss(cfg, model) -> bool:
-    return (cfg is None or cfg.chunked_cross_entropy is not False) and output_head(model) is not None
-
-
 class ObjectiveModule(torch.nn.Module):
     """The model the loop trains: a language model and its objective in one forward, which is what DDP wraps."""
 
@@ -137,6 +133,12 @@ class ObjectiveModule(torch.nn.Module):
         super().__init__()
         self.model = model
         self.objective = objective
+
+    def weights_used_outside_their_module(self) -> list:
+        """The weights this forward uses without calling the module that holds them: the output head's, which the
+        chunked losses meet directly (an engine that gathers a module's weights when it runs, ZeRO-3, is told)."""
+        head = output_head(self.model)
+        return [head[1]] if head is not None else []
 
     def forward(self, inputs: dict, targets: torch.Tensor, extra: dict, evaluating: bool = False):
         """(the summed loss, stats); with `evaluating`, the eval sums. Eval goes through here too, so that an engine

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tuneloop.data.labels import IGNORE_INDEX
-from tuneloop.train.chunked_loss import chunk_tokens
-from tuneloop.train.output_head import output_head
+from tuneloop.output_head import chunk_tokens, output_head
+from tuneloop.registry import Registry
+from tuneloop.rl_methods import RL_METHODS, setting
 
 
 
@@ -81,34 +82,32 @@ def reference_mode(model):
         yield
 
 
-@dataclass
+@dataclass(frozen=True)
 class PairLosses:
-    """Which losses, how they are weighed, and their settings (cfg's rl keys resolved)."""
+    """The run's method and its settings: each key the method reads (rl_methods.py), the config's value or the
+    method's default; the DPO family's losses and their weights."""
 
-    method: str  # dpo, ipo, orpo, kto
-    loss_types: list[str]
-    weights: list[float]
-    beta: float
-    label_smoothing: float = 0.0
+    method: str  # an RL_METHODS name
+    loss_types: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()
+    beta: float = 0.1
+    dpo_label_smoothing: float = 0.0
     orpo_alpha: float = 0.0
-    desirable_weight: float = 1.0  # KTO's weights of desirable and undesirable rows
-    undesirable_weight: float = 1.0
+    kto_desirable_weight: float = 1.0  # KTO's weights of desirable and undesirable rows
+    kto_undesirable_weight: float = 1.0
     simpo_gamma: float = 0.5  # SimPO's target margin, and the weight of its NLL term (TRL's CPO defaults)
     cpo_alpha: float = 1.0
 
     @classmethod
     def from_config(cls, cfg) -> "PairLosses":
-        if cfg.rl == "orpo":
-            return cls("orpo", [], [], 0.0, orpo_alpha=cfg.orpo_alpha if cfg.orpo_alpha is not None else 0.1)
-        if cfg.rl == "simpo":
-            return cls("simpo", [], [], cfg.beta,
-                       simpo_gamma=cfg.simpo_gamma if cfg.simpo_gamma is not None else 0.5,
-                       cpo_alpha=cfg.cpo_alpha if cfg.cpo_alpha is not None else 1.0)
-        if cfg.rl == "kto":
-            return cls("kto", [], [], cfg.beta, desirable_weight=cfg.kto_desirable_weight,
-                       undesirable_weight=cfg.kto_undesirable_weight)
-        types = cfg.dpo_loss_type or (["ipo"] if cfg.rl == "ipo" else ["sigmoid"])
-        return cls(cfg.rl, types, cfg.dpo_loss_weights or [1.0] * len(types), cfg.beta, cfg.dpo_label_smoothing)
+        method = RL_METHODS[cfg.rl]
+        types = tuple(cfg.dpo_loss_type or method.loss_types[:1])  # the method's first loss by default
+        read = {key: setting(cfg, key) for key in method.keys if key in SETTING_KEYS}
+        return cls(cfg.rl, types, tuple(cfg.dpo_loss_weights or [1.0] * len(types)), cfg.beta, **read)
+
+
+SETTING_KEYS = {"dpo_label_smoothing", "orpo_alpha", "kto_desirable_weight", "kto_undesirable_weight",
+                "simpo_gamma", "cpo_alpha"}
 
 
 def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor,
@@ -123,7 +122,7 @@ def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tens
     total = torch.zeros_like(margin)
     for name, weight in zip(settings.loss_types, settings.weights):
         if name == "sigmoid":
-            smoothing = settings.label_smoothing
+            smoothing = settings.dpo_label_smoothing
             loss = -(1 - smoothing) * F.logsigmoid(beta * margin) - smoothing * F.logsigmoid(-beta * margin)
         elif name == "hinge":
             loss = torch.relu(1 - beta * margin)
@@ -136,7 +135,7 @@ def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tens
     return total, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
-def orpo_losses(policy: torch.Tensor, counts: torch.Tensor,
+def orpo_losses(policy: torch.Tensor, reference: None, counts: torch.Tensor,
                 settings: PairLosses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ORPO per pair: the chosen reply's mean token NLL minus alpha × log σ(log odds ratio), the odds taken on
     log-probs averaged per token; rewards are alpha × those averages (as TRL reports them)."""
@@ -151,7 +150,7 @@ def orpo_losses(policy: torch.Tensor, counts: torch.Tensor,
     return loss, alpha * chosen.detach(), alpha * rejected.detach()
 
 
-def simpo_losses(policy: torch.Tensor, counts: torch.Tensor,
+def simpo_losses(policy: torch.Tensor, reference: None, counts: torch.Tensor,
                  settings: PairLosses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SimPO per pair, as axolotl runs it (TRL's CPO trainer, loss_type simpo): -log σ(β(ā_c − ā_r) − γ) on
     log-probs averaged per reply token, plus cpo_alpha × the chosen reply's mean token NLL (0: SimPO alone);
@@ -171,8 +170,8 @@ def kto_losses(policy: torch.Tensor, reference: torch.Tensor, desirable: torch.T
     kl = ratios[1::2].detach().mean().clamp(min=0)
     reply = ratios[0::2]
     beta = settings.beta
-    losses = torch.where(desirable, settings.desirable_weight * (1 - torch.sigmoid(beta * (reply - kl))),
-                         settings.undesirable_weight * (1 - torch.sigmoid(beta * (kl - reply))))
+    losses = torch.where(desirable, settings.kto_desirable_weight * (1 - torch.sigmoid(beta * (reply - kl))),
+                         settings.kto_undesirable_weight * (1 - torch.sigmoid(beta * (kl - reply))))
     return losses, beta * reply.detach(), kl
 
 
@@ -196,16 +195,46 @@ def summarise_rows(stats: list[float], rows: int) -> dict:
             "kl": kl_sum / max(batches, 1)}
 
 
+def pairwise(per_pair):
+    """A loss over pairs (chosen at even sequences, rejected at odd) as the objective sums it: (the losses summed,
+    the stats: the chosen and rejected rewards summed, the pairs ranked right)."""
+    def loss(policy, reference, counts, extra, settings):
+        losses, chosen, rejected = per_pair(policy, reference, counts, settings)
+        return losses.sum(), torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).sum().float()]).double()
+    return loss
+
+
+def kto_loss(policy, reference, counts, extra, settings):
+    """KTO over labelled rows: (the losses summed, the stats: each label's rewards and rows, the KL estimate)."""
+    desirable = extra["desirable"]
+    losses, rewards, kl = kto_losses(policy, reference, desirable, settings)
+    wanted = desirable.double()
+    stats = torch.stack([(rewards * wanted).sum(), wanted.sum(), (rewards * (1 - wanted)).sum(),
+                         (1 - wanted).sum(), kl.double(), torch.ones_like(kl, dtype=torch.float64)])
+    return losses.sum(), stats.double()
+
+
+# `rl:` name -> (policy log-probs, reference log-probs or None, target counts, extra, settings) -> (loss summed over
+# the units, stats): one entry per RL_METHODS name (a test checks that the two tables name the same methods)
+LOSSES: Registry = Registry("preference loss", "rl")
+LOSSES.add("dpo", pairwise(dpo_losses))
+LOSSES.add("ipo", pairwise(dpo_losses))  # dpo_losses with the IPO loss type
+LOSSES.add("orpo", pairwise(orpo_losses))
+LOSSES.add("kto", kto_loss)
+LOSSES.add("simpo", pairwise(simpo_losses))
+
+
 class PreferenceLoss:
     """The objective's loss function: (model, inputs, targets, extra) -> (loss summed over units, stats)."""
 
     def __init__(self, settings: PairLosses, reference_model=None):
-        self.settings = settings
+        method = RL_METHODS[settings.method]
+        self.settings, self.loss = settings, LOSSES[settings.method]
+        self.uses_reference = method.uses_reference
         self.reference_model = reference_model  # full fine-tuning's frozen copy; None: LoRA's base, or precomputed
-        kto = settings.method == "kto"
-        self.stat_width = KTO_STAT_WIDTH if kto else PAIR_STAT_WIDTH
-        self.summarise = summarise_rows if kto else summarise_pairs
-        self.unit_name = "rows" if kto else "pairs"
+        self.stat_width = PAIR_STAT_WIDTH if method.paired else KTO_STAT_WIDTH
+        self.summarise = summarise_pairs if method.paired else summarise_rows
+        self.unit_name = method.unit
 
     def reference_log_probs(self, model, inputs, targets, extra) -> torch.Tensor:
         if "reference" in extra:
@@ -217,28 +246,10 @@ class PreferenceLoss:
             with reference_mode(model):
                 return sequence_log_probs(model, inputs, targets, extra["sequence_index"], extra["n_sequences"])[0]
 
-    def pair_losses(self, model, inputs: dict, targets: torch.Tensor, extra: dict):
-        policy, counts = sequence_log_probs(model, inputs, targets, extra["sequence_index"], extra["n_sequences"])
-        if self.settings.method == "orpo":
-            return orpo_losses(policy, counts, self.settings)
-        if self.settings.method == "simpo":
-            return simpo_losses(policy, counts, self.settings)
-        reference = self.reference_log_probs(model, inputs, targets, extra)
-        return dpo_losses(policy, reference, counts, self.settings)
-
     def __call__(self, model, inputs: dict, targets: torch.Tensor, extra: dict):
-        if self.settings.method == "kto":
-            policy, _ = sequence_log_probs(model, inputs, targets, extra["sequence_index"], extra["n_sequences"])
-            reference = self.reference_log_probs(model, inputs, targets, extra)
-            desirable = extra["desirable"]
-            losses, rewards, kl = kto_losses(policy, reference, desirable, self.settings)
-            wanted = desirable.double()
-            stats = torch.stack([(rewards * wanted).sum(), wanted.sum(), (rewards * (1 - wanted)).sum(),
-                                 (1 - wanted).sum(), kl.double(), torch.ones_like(kl, dtype=torch.float64)])
-            return losses.sum(), stats.double()
-        losses, chosen, rejected = self.pair_losses(model, inputs, targets, extra)
-        stats = torch.stack([chosen.sum(), rejected.sum(), (chosen > rejected).sum().float()]).double()
-        return losses.sum(), stats
+        policy, counts = sequence_log_probs(model, inputs, targets, extra["sequence_index"], extra["n_sequences"])
+        reference = self.reference_log_probs(model, inputs, targets, extra) if self.uses_reference else None
+        return self.loss(policy, reference, counts, extra, self.settings)
 
     @torch.no_grad()
     def eval_sums(self, model, inputs: dict, targets: torch.Tensor, extra: dict) -> torch.Tensor:

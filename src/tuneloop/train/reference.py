@@ -42,17 +42,15 @@ def live_reference_model(cfg, model, load_base, resumed: bool, device):
     return reference.eval().to(device)
 
 
-def reference_key(cfg, data_key: str) -> str:
+def reference_key(cfg, resolved, data_key: str) -> str:
     """What the precomputed log-probs depend on: the data, and the model as it computes (its files' sizes and
-    times stand for its weights)."""
-    from tuneloop.hardware import attention_implementation, mixed_precision
-
+    times stand for its weights; the run's precision and attention kernel)."""
     source = Path(cfg.base_model)
     files = sorted((str(path.name), path.stat().st_size, path.stat().st_mtime_ns)
                    for path in source.glob("*") if path.is_file()) if source.is_dir() else []
     settings = {"data": data_key, "model": cfg.base_model, "revision": cfg.revision_of_model, "files": files,
                 "overrides": cfg.overrides_of_model_config, "weights": [cfg.bfloat16, cfg.float16],
-                "precision": mixed_precision(cfg), "attention": attention_implementation(cfg)[0],
+                "precision": resolved.precision.mixed, "attention": resolved.attention.used,
                 "quantized": [cfg.load_in_4bit, cfg.load_in_8bit], "tokens": cfg.tokens}
     return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -77,11 +75,11 @@ def store_log_probs(model, store, pad_token_id: int, accelerator) -> np.ndarray:
     return values
 
 
-def precomputed_reference(cfg, starting_model, prepared, tokenizer, accelerator, data_key: str) -> dict:
+def precomputed_reference(cfg, resolved, starting_model, prepared, tokenizer, accelerator, data_key: str) -> dict:
     """{"train": log-probs per train row, "eval": per eval row (when there is an eval set)}, from the cache or
     computed now with `starting_model()` (and cached, atomically: a reader sees a whole file or none)."""
     model = None
-    folder = Path(prepared.cache_dir) / f"reference-{reference_key(cfg, data_key)}"
+    folder = Path(prepared.cache_dir) / f"reference-{reference_key(cfg, resolved, data_key)}"
     stores = {"train": prepared.train, "eval": prepared.eval}
     found = {}
     for name, store in stores.items():

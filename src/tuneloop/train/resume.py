@@ -159,13 +159,11 @@ def check_resumable(state: dict, plan: dict, identity: dict, lr_scheduler: str, 
 def check_finished_run_matches(output_dir: Path, settings: dict) -> None:
     """auto-resume found a finished run: nothing to do, unless this config is another run, which would then be
     silently skipped; refused naming what changed."""
-    from tuneloop.config import changed_settings
+    from tuneloop.config.schema import NOT_RESULT_CHANGING, changed_settings
 
     recorded = run_files.read_yaml(output_dir / run_files.RUN_CONFIG)
     if recorded is None:
         return  # written before tuneloop recorded its config: nothing to compare
-    from tuneloop.config import NOT_RESULT_CHANGING
-
     before = {key: value for key, value in recorded.items() if key not in NOT_RESULT_CHANGING}
     changed = changed_settings(before, settings)
     if changed:

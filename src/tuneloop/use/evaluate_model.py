@@ -41,25 +41,28 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
 
     from tuneloop.data.batching import epoch_micro_batches
     from tuneloop.data.collate import collator_for
-    from tuneloop.hardware import mixed_precision
-    from tuneloop.run import _forget_accelerate_state, plan_run, prepare_data
+    from tuneloop.plan.build import data_plan
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import _forget_accelerate_state, prepare_data
     from tuneloop.train.evaluate import evaluate
     from tuneloop.train.objectives import ObjectiveModule, objective_of
 
-    tokenizer, prepared = prepare_data(cfg)
+    resolved = resolve_run(cfg)
+    tokenizer, rows = prepare_data(cfg, resolved)
+    prepared = rows.prepared
     if prepared.eval is None or len(prepared.eval) == 0:
         raise UserError("eval: the eval set is empty after preparing the data (every held-out row was dropped or "
                         "the split gave none); raise `val_set_size` or check `test_datasets`")
-    plan = plan_run(cfg, tokenizer, prepared, world_size=1)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed_precision(cfg))
+    plan = data_plan(cfg, resolved, rows, world_size=1)  # (the eval batches and their widths, as the run had them)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=resolved.precision.mixed)
     try:
-        loaded = load_for_eval(cfg, folder, len(tokenizer)).to(accelerator.device)
+        loaded = load_for_eval(cfg, resolved, folder, len(tokenizer)).to(accelerator.device)
         spec = plan.eval_batching  # as TrainingLoop builds them: the run's own eval batches
         batches = epoch_micro_batches(np.asarray(prepared.eval.unit_column("length")), spec, 0, shuffle=False,
                                       even=False)[0]
         collate = collator_for(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed", plan.padding.unfixed(),
                                decoder_start_token_id=getattr(loaded.config, "decoder_start_token_id", None))
-        reference = reference_for_eval(cfg, folder, len(tokenizer), accelerator.device)
+        reference = reference_for_eval(cfg, resolved, folder, len(tokenizer), accelerator.device)
         runner = ObjectiveModule(loaded, objective_of(cfg, reference))
         result = evaluate(runner, batches, collate, runner.objective, accelerator)
     finally:
@@ -67,28 +70,28 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
     return {"model": str(folder.path), **result}
 
 
-def reference_for_eval(cfg, folder: ModelFolder, vocabulary: int, device):
+def reference_for_eval(cfg, resolved, folder: ModelFolder, vocabulary: int, device):
     """A DPO/IPO config's reference: the config's base_model, frozen (an adapter's is its base with the adapter
     switched off: None here). The rewards and the loss are then those the run logged."""
     from tuneloop.rl_methods import RL_METHODS
 
     if not cfg.rl or not RL_METHODS[cfg.rl].uses_reference or folder.is_adapter:
         return None
-    base = load_for_eval(cfg, find_model_folder(cfg.base_model, "eval: base_model"), vocabulary)
+    base = load_for_eval(cfg, resolved, find_model_folder(cfg.base_model, "eval: base_model"), vocabulary)
     base.requires_grad_(False)
     return base.eval().to(device)
 
 
-def load_for_eval(cfg, folder: ModelFolder, vocabulary: int):
+def load_for_eval(cfg, resolved, folder: ModelFolder, vocabulary: int):
     """In the config's weights dtype and attention, as the run loaded it; the cache off, as in training (packed
     rows need it off)."""
-    from tuneloop.hardware import attention_implementation
     from tuneloop.model import grow_embeddings, model_class, model_config, weights_dtype
 
     # the run's base gets the run's config (overrides_of_model_config applied), as load_model gives it
     base_config = model_config(cfg) if folder.is_adapter and folder.base == cfg.base_model else None
-    model = load_model_from(folder, weights_dtype(cfg), attn_implementation=attention_implementation(cfg)[0],
-                            model_class=model_class(cfg) if cfg.model_type else None, base_config=base_config,
+    model = load_model_from(folder, weights_dtype(cfg), attn_implementation=resolved.attention.used,
+                            model_class=model_class(cfg, resolved.model_kind) if cfg.model_type else None,
+                            base_config=base_config,
                             trust_remote_code=cfg.trust_remote_code, vocabulary=vocabulary)
     model.config.use_cache = False
     if not folder.is_adapter and vocabulary > model.get_input_embeddings().weight.shape[0]:

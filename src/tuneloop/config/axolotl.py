@@ -1,7 +1,7 @@
 """Every axolotl config key, classified once: what tuneloop does with it.
 
 axolotl's schema (commit 067b021, `src/axolotl/utils/schemas` and its plugins' args) knows 528
-keys. A key that tuneloop implements is a field of its own schema (config.py). Every other axolotl key
+keys. A key that tuneloop implements is a field of its own schema (config/schema.py). Every other axolotl key
 is in exactly one of the tables below, so an axolotl user's YAML is never half-obeyed in silence:
 
 - SPEED_OR_LOGGING: ignoring it changes only speed, memory or what is logged: a warning when set;
@@ -11,10 +11,12 @@ is in exactly one of the tables below, so an axolotl user's YAML is never half-o
 - REMOVED: keys axolotl itself has since removed or deprecated away: refused when set.
 
 Every key is accepted when blank (YAML `key:` with no value), as in axolotl. A key in none of the
-tables and not in the schema is unknown: the error names the nearest key of all of them.
+tables and not in the schema is unknown: the error names the nearest key of all of them (config/load.py).
 """
 
 from __future__ import annotations
+
+from tuneloop.data.chat_templates import CHAT_TEMPLATES
 
 # feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
 FEATURES = {
@@ -46,10 +48,10 @@ FEATURES = {
                           "kwargs, per-group or embedding learning rates, Dion, Q-GaLore, Grokfast, quadratic "
                           "warm-up)"),
     "plugins": ("an axolotl plugin", "axolotl plugins other than Liger, CutCrossEntropy, kernels and SwanLab"),
-    "chat_templates": ("a chat template tuneloop does not have", "named chat templates other than chatml, llama3, "
-                       "llama4, gemma/gemma3/gemma3n, qwen_25, qwen3, mistral and phi_3 (qwen3_5, gemma4, jamba, "
-                       "the vision families, ...): `chat_template: jinja` with the template's text, or "
-                       "`tokenizer_default`, work for any of them"),
+    "chat_templates": ("a chat template tuneloop does not have", "named chat templates other than "
+                       f"{', '.join(CHAT_TEMPLATES.names())} (qwen3_5, gemma4, jamba, the vision families, ...): "
+                       "`chat_template: jinja` with the template's text, or `tokenizer_default`, work for any of "
+                       "them"),
     "dataset_types": ("a dataset type tuneloop does not have", "dataset types other than alpaca, alpaca:chat, "
                       "completion, seq2seq, chat_template (chat_template.default), sharegpt and the custom format "
                       "mapping"),

@@ -1,6 +1,7 @@
 """Model FLOPs utilisation (MFU): the share of the machine's peak that the run turns into the model's work.
 
-Model FLOPs per real token, counted from the model as it is built (model.py's meta-device copy, adapter included):
+Model FLOPs per real token, counted from the model as it is built (model.py's meta-device copy, adapter included;
+model.count_matmul_weights):
 
 - each weight matrix a token passes through costs 2 FLOPs per weight in the forward, 2 in the backward for the
   gradient of its input, and 2 more for the gradient of the weight when it is trained: 6 per weight in a full
@@ -44,23 +45,6 @@ class FlopsCount:
     per_token: float | None  # model FLOPs per real token of a training step (None: not counted, see why)
     why_not: str | None = None
     attention_context: float = 0.0  # positions a token attends to, on average over the data
-
-
-def count_matmul_weights(model) -> tuple[int, int]:
-    """(frozen, trained) weights of the matrices tokens are multiplied by: every Linear (an adapter's too, and
-    a tied output head once) and GPT-2's Conv1D; embeddings are looked up, not multiplied."""
-    import torch
-
-    frozen = trained = 0
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if weight is None or not (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
-            continue
-        if weight.requires_grad:
-            trained += weight.numel()
-        else:
-            frozen += weight.numel()
-    return frozen, trained
 
 
 def attention_context(lengths: np.ndarray) -> float:

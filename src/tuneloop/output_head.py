@@ -1,13 +1,14 @@
 """Where a model's logits come from: its decoder's states times the output projection, when that is all they are.
 
-The chunked losses (the language model's in chunked_loss.py, the preference losses' log-probs in preference.py)
-meet the projection a chunk of tokens at a time instead of asking the model for its whole logits; they can only
-do that when the logits are exactly decoder states @ weight.T.
+The chunked losses (the language model's in train/chunked_loss.py, the preference losses' log-probs in
+train/preference.py) meet the projection a chunk of tokens at a time instead of asking the model for its whole
+logits; they can only do that when the logits are exactly decoder states @ weight.T. The plan's memory estimate
+counts one chunk's logits (chunk_tokens). Light to import: torch is imported where a model is looked at.
 """
 
 from __future__ import annotations
 
-import torch
+LOGITS_PER_CHUNK = 1 << 25  # 32M fp32 logits (128 MB) per chunk: its tokens are this over the vocabulary size
 
 # config keys of models whose logits are more than hidden @ lm_head (soft-capping, scaling): they keep the
 # plain loss, computed from the model's own logits
@@ -18,6 +19,8 @@ LOGIT_STEPS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "scal
 def output_head(model):
     """(decoder, output projection weight) when the logits are exactly decoder states @ weight.T (a plain
     Linear head without bias, no logit soft-capping or scaling, no adapter on the head), else None."""
+    import torch
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
@@ -31,3 +34,14 @@ def output_head(model):
     if any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_STEPS):
         return None
     return decoder, head.weight
+
+
+def chunk_tokens(vocabulary: int) -> int:
+    """The tokens of one chunk of the chunked losses."""
+    return max(1, LOGITS_PER_CHUNK // vocabulary)
+
+
+def loss_meets_head_in_chunks(cfg, model) -> bool:
+    """The language-model loss is chunked unless the config says `chunked_cross_entropy: false` (axolotl's key),
+    where the model's logits are decoder states @ weight."""
+    return (cfg is None or cfg.chunked_cross_entropy is not False) and output_head(model) is not None

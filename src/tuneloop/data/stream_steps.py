@@ -25,17 +25,43 @@ have read next.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Iterator
+
 import torch
 
+from tuneloop import run_files
 from tuneloop.data.collate import MicroBatch, collator_for
 from tuneloop.data.prepare import ChunkTokenizer, Limits, entry_rules
+from tuneloop.data.steps import Step, TrainingSteps
 from tuneloop.data.stream import MemoryRows, StreamPosition, TokenStream
 from tuneloop.errors import UserError
 
 WHOLE_DOCUMENTS = 1 << 62  # packed streams cut long documents into rows: the tokenizer drops none for length
 
 
-class StreamedSteps:
+STREAM_POSITION = "stream_position"  # in a rank's RNG file: where a streamed run's rank is in its stream
+
+
+def read_stream_position(checkpoint: Path, rank: int, world_size: int) -> StreamPosition:
+    """This rank's StreamPosition, as its streamed run saved it beside its RNG state (train/checkpoint.py writes
+    it), on as many ranks: the shares are per rank."""
+    written_by = json.loads((checkpoint / run_files.STATE).read_text())["plan"]["world_size"]
+    if written_by != world_size:
+        raise UserError(f"resume: {checkpoint} was written by {written_by} ranks and this run has {world_size}; a "
+                        "streamed run's ranks each read their own share of the data, which another number of ranks "
+                        f"would split differently. Launch {written_by} ranks, or start a fresh output_dir.")
+    saved = checkpoint / run_files.RANK_RNG.format(rank=rank)
+    position = torch.load(saved, weights_only=False).get(STREAM_POSITION) if saved.is_file() else None
+    if position is None:
+        raise UserError(f"resume: {checkpoint} holds no stream position for rank {rank}: it was written by a run "
+                        "that prepared its data, or by fewer ranks (a stream's shares are per rank). Resume it "
+                        "with the settings and ranks it was written with, or start a fresh output_dir.")
+    return StreamPosition.from_json(position)
+
+
+class StreamedSteps(TrainingSteps):
     """This rank's micro-batches, step by step, for a streamed run."""
 
     def __init__(self, cfg, plan, tokenizer, accelerator, hooks, position: StreamPosition | None = None,
@@ -64,6 +90,25 @@ class StreamedSteps:
     @property
     def position(self) -> StreamPosition:
         return self.stream.position
+
+    def __iter__(self) -> Iterator[Step]:
+        while True:
+            batches, targets = self.next_step()
+            yield Step(batches, targets, targets)  # (a stream trains the language-model loss: its unit is the token)
+
+    def collate(self, micro) -> MicroBatch:
+        return micro  # collated when the step was read, before its tokens were counted
+
+    def epoch_at(self, step: int) -> float:
+        """A stream has no length: the pass it is in, counted from 0."""
+        return self.passes
+
+    def read_counts(self, gather) -> dict:
+        """The passes, and what every rank's stream read and left out this session (a collective)."""
+        names, counts = zip(*self.counts().items())
+        every_rank = gather(list(counts))
+        return {"passes_started": self.passes + 1,
+                **{name: sum(every_rank[i::len(names)]) for i, name in enumerate(names)}}
 
     def next_step(self) -> tuple[list[MicroBatch], int]:
         """This rank's micro-batches of the next step, and the step's target tokens over every rank."""

@@ -1,0 +1,197 @@
+"""From a YAML file (and `--set key=value` overrides) to a validated config, every problem reported at once.
+
+Reading goes: YAML → overrides → blank values dropped (`key:` with nothing after it means "not set", as in
+axolotl) → axolotl's keys triaged (config/axolotl.py: implemented, warned about, ignored or refused) → each
+field checked (config/schema.py) → the cross-key rules (config/rules.py). The problems of every step are
+collected and raised as one UserError, one line each.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from tuneloop.config import axolotl
+from tuneloop.config.datasets import DATASET_FORM, PRETRAINING_FORM, CustomFormat, DatasetConfig, PreferenceFormat
+from tuneloop.config.rules import problems_of
+from tuneloop.config.schema import TuneloopConfig
+from tuneloop.errors import UserError
+
+TOP_LEVEL_KEYS = set(TuneloopConfig.model_fields)
+DATASET_KEYS = set(DatasetConfig.model_fields)
+CUSTOM_FORMAT_KEYS = set(CustomFormat.model_fields) | set(PreferenceFormat.model_fields)
+# axolotl's other names for keys tuneloop implements (its remapped and deprecated spellings)
+ALIASES = {"type_of_model": "model_type", "model_revision": "revision_of_model",
+           "dataset_num_proc": "dataset_processes", "model_config": "overrides_of_model_config",
+           "evaluation_strategy": "eval_strategy"}
+AXOLOTL_TOP_LEVEL = set(axolotl.SPEED_OR_LOGGING) | axolotl.LAUNCHER | set(axolotl.REFUSED) | axolotl.REMOVED
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or value is False or value == "" or value == [] or value == {}
+
+
+def without_blanks(value: Any) -> Any:
+    """A blank YAML value (`key:` with nothing after it) means "not set", at every depth, as in axolotl."""
+    if isinstance(value, dict):
+        return {key: without_blanks(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [without_blanks(item) for item in value]
+    return value
+
+
+def _nearest(key: str, known: set[str]) -> str:
+    match = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.5)
+    return f" Did you mean `{match[0]}`?" if match else ""
+
+
+def _triage_top_level(raw: dict, problems: list[str]) -> dict:
+    """Keys tuneloop implements are kept (axolotl's aliases renamed); every other axolotl key is handled as
+    config/axolotl.py classifies it."""
+    kept = {}
+    for key, value in raw.items():
+        name = ALIASES.get(key, key)
+        if name in TOP_LEVEL_KEYS:
+            if name in kept:
+                problems.append(f"`{key}` and `{name}` are the same setting: keep one of them")
+            kept[name] = value
+        elif key in axolotl.LAUNCHER:
+            continue  # set by launchers (torchrun gives each rank its own), not a training setting
+        elif key in axolotl.SPEED_OR_LOGGING:
+            if not _is_empty(value):
+                warnings.warn(f"`{key}` is an axolotl key tuneloop does not implement; it only affects speed, memory "
+                              "or logging, so it is ignored.", UserWarning, stacklevel=3)
+        elif key in axolotl.REFUSED or key in axolotl.REMOVED:
+            if not _is_empty(value):
+                problems.append(axolotl.refusal(key, value))
+        else:
+            problems.append(f"unknown key `{key}`.{_nearest(key, TOP_LEVEL_KEYS | AXOLOTL_TOP_LEVEL | set(ALIASES))}")
+    return kept
+
+
+def _triage_dataset(entry: Any, where: str, problems: list[str]) -> Any:
+    if not isinstance(entry, dict):
+        return entry  # pydantic names the type error
+    kept = {}
+    for key, value in entry.items():
+        if key in DATASET_KEYS:
+            kept[key] = value
+        elif key in axolotl.DATASET_REFUSED:
+            if not _is_empty(value):
+                problems.append(axolotl.refusal(key, value, where))
+        else:
+            known = DATASET_KEYS | set(axolotl.DATASET_REFUSED)
+            problems.append(f"unknown key {where}`{key}`.{_nearest(key, known)}")
+    if isinstance(kept.get("type"), dict):
+        for key in kept["type"]:
+            if key not in CUSTOM_FORMAT_KEYS:
+                problems.append(f"unknown key {where}type.`{key}`.{_nearest(key, CUSTOM_FORMAT_KEYS)}")
+    return kept
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` → (["a", "b"], value parsed as YAML)."""
+    if "=" not in text:
+        raise UserError(f"--set {text!r}: expected KEY=VALUE, e.g. --set learning_rate=1e-4")
+    key, value = text.split("=", 1)
+    try:
+        parsed = yaml.safe_load(value) if value != "" else None
+    except yaml.YAMLError as error:
+        raise UserError(f"--set {text!r}: the value is not valid YAML ({error.problem})") from None
+    return key.strip().split("."), parsed
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    for text in overrides:
+        path, value = parse_override(text)
+        node: Any = raw
+        for part in path[:-1]:
+            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            elif isinstance(node, dict):
+                node = node.setdefault(part, {})
+            else:
+                raise UserError(f"--set {text!r}: cannot descend into `{part}`")
+        last = path[-1]
+        if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+            node[int(last)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise UserError(f"--set {text!r}: `{last}` is not an entry of that list")
+    return raw
+
+
+def _validation_lines(error: ValidationError) -> list[str]:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"] if not str(part).startswith(("function-", "literal["))
+                       and part not in (PRETRAINING_FORM, DATASET_FORM))
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            message = "is required"
+        elif item["type"].startswith("literal_error"):
+            message = f"got {item.get('input')!r}; {message.lower()}"
+        elif "input" in item and item["type"] not in ("value_error",):
+            message = f"got {item['input']!r}; {message}"
+        lines.append(f"`{key}` {message}" if key else message)
+    return lines
+
+
+def _validated(kept: dict, problems: list[str]) -> TuneloopConfig | None:
+    """The fields checked one by one. Where some are refused, the config of the others (the refused ones missing,
+    so that no rule judges a value that is not there) still goes through the rules, for `check` to show every
+    problem at once."""
+    try:
+        cfg, refused = TuneloopConfig.model_validate(kept), set()
+    except ValidationError as error:
+        problems += _validation_lines(error)
+        refused = {str(item["loc"][0]) for item in error.errors() if item["loc"]}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (said by the first validation already)
+                cfg = TuneloopConfig.model_validate({key: value for key, value in kept.items() if key not in refused})
+        except ValidationError:  # (each field is checked alone, so this is not expected: the field errors stand)
+            return None
+        for name in refused:
+            cfg.__dict__.pop(name, None)
+    problems += problems_of(cfg, refused)
+    return cfg
+
+
+def config_from_dict(raw: Any, overrides: list[str] = ()) -> TuneloopConfig:
+    if not isinstance(raw, dict):
+        raise UserError("config: the YAML file must be a mapping of keys to values")
+    raw = without_blanks(apply_overrides(dict(raw), list(overrides)))
+    problems: list[str] = []
+    kept = _triage_top_level(raw, problems)
+    for list_key in ("datasets", "test_datasets"):
+        if isinstance(kept.get(list_key), list):
+            kept[list_key] = [_triage_dataset(entry, f"{list_key}[{i}].", problems)
+                              for i, entry in enumerate(kept[list_key])]
+    cfg = _validated(kept, problems)
+    if problems:
+        raise UserError("config: " + "\n  ".join(dict.fromkeys(problems)))
+    return cfg
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config: no such file {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise UserError(f"config: {path} is not valid YAML: {error}") from None
+    raw = raw or {}
+    if isinstance(raw, dict) and isinstance(raw.get("deepspeed"), str):  # a DeepSpeed file beside the config
+        given, beside = Path(raw["deepspeed"]).expanduser(), path.parent / raw["deepspeed"]
+        if not given.is_file() and not given.is_absolute() and beside.is_file():
+            raw = dict(raw, deepspeed=str(beside.resolve()))
+    return config_from_dict(raw, overrides)

@@ -1,0 +1,271 @@
+"""What several keys mean together: one function per feature, each yielding the problems it finds.
+
+Every rule runs, so a config shows all of its problems at once (`tuneloop check`). A rule that reads a key
+whose own value was refused (a field error) cannot judge: it is skipped, and it speaks once that value is
+fixed. A few rules also settle what a key means when another says it (a template's text means
+`chat_template: jinja`; FSDP's activation_checkpointing turns on gradient_checkpointing): the config that comes
+out says what the run does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Callable, Iterator
+
+from tuneloop.config import axolotl
+from tuneloop.config.datasets import (CHAT_ONLY_KEYS, PAIRED_ONLY_KEYS, TRAINED_TURN_KEYS, UNPAIRED_ONLY_KEYS,
+                                      PreferenceFormat, jinja_means_jinja)
+from tuneloop.data.formats import FORMATS
+from tuneloop.data.preference import PREFERENCE_FORMATS, UNPAIRED_FORMATS
+from tuneloop.rl_methods import PREFERENCE_KEYS, RL_METHODS
+
+Problems = Iterator[str]
+
+
+def schedule(cfg) -> Problems:
+    """Warm-up, evals, saves and the learning-rate schedule."""
+    for first, second in (("warmup_steps", "warmup_ratio"), ("eval_steps", "evals_per_epoch"),
+                          ("save_steps", "saves_per_epoch")):
+        if getattr(cfg, first) is not None and getattr(cfg, second) is not None:
+            yield f"`{first}` and `{second}` cannot both be set: keep one of them"
+    if cfg.save_strategy == "no" and (cfg.save_steps is not None or cfg.saves_per_epoch):
+        yield "`save_strategy: no` turns saving off, but `save_steps`/`saves_per_epoch` is set: keep one of them"
+    if cfg.save_strategy == "epoch" and cfg.save_steps is not None:
+        yield "`save_strategy: epoch` and `save_steps` disagree: keep one of them"
+    if cfg.eval_strategy == "steps" and cfg.eval_steps is None:
+        yield "`eval_strategy: steps` needs `eval_steps`"
+    if cfg.eval_strategy in ("epoch", "no") and cfg.eval_steps is not None:
+        yield f"`eval_strategy: {cfg.eval_strategy}` and `eval_steps` disagree: keep one of them"
+    if cfg.lr_div_factor is not None and cfg.lr_scheduler != "one_cycle":
+        yield (f"`lr_div_factor` only shapes `lr_scheduler: one_cycle`, and this run uses `{cfg.lr_scheduler}`: "
+               "remove it or switch the scheduler")
+    if cfg.cosine_min_lr_ratio is not None and cfg.lr_scheduler in ("constant", "constant_with_warmup", "one_cycle"):
+        yield (f"`cosine_min_lr_ratio` sets where a decay ends, and `lr_scheduler: {cfg.lr_scheduler}` has none of "
+               "its own: remove it or switch the scheduler")
+
+
+ATTENTION_FLAGS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "flex_attention": "flex_attention",
+                   "eager_attention": "eager"}
+
+
+def precision_and_attention(cfg) -> Problems:
+    """One precision, one weights dtype, one attention kernel."""
+    if cfg.bf16 is True and cfg.fp16:
+        yield "`bf16` and `fp16` cannot both be true: choose one precision"
+    if sum((cfg.bfloat16, cfg.float16, cfg.float32)) > 1:
+        yield "`bfloat16`, `float16` and `float32` choose one dtype for the weights: keep one"
+    flags = [name for name in ATTENTION_FLAGS if getattr(cfg, name)]
+    if len(flags) > 1 or (flags and cfg.attn_implementation and ATTENTION_FLAGS[flags[0]] != cfg.attn_implementation):
+        named = flags + ([f"attn_implementation: {cfg.attn_implementation}"] if cfg.attn_implementation else [])
+        yield f"the attention settings disagree ({', '.join(named)}): keep one of them"
+
+
+def chat_template(cfg) -> Problems:
+    """The run's template: a template's text without `chat_template: jinja` means that template, as in axolotl."""
+    try:
+        jinja_means_jinja(cfg)
+    except ValueError as error:
+        yield str(error)
+        return
+    if cfg.chat_template == "jinja" and not cfg.chat_template_jinja:
+        yield "`chat_template: jinja` needs the template text in `chat_template_jinja`"
+
+
+def adapters(cfg) -> Problems:
+    """What is trained: an adapter (on quantized weights or not), or some of the model's own weights."""
+    if cfg.load_in_4bit and cfg.load_in_8bit:
+        yield "`load_in_4bit` and `load_in_8bit` cannot both be true: choose one"
+    if cfg.adapter == "qlora" and cfg.load_in_8bit:
+        yield ("`adapter: qlora` loads the weights in 4-bit, and `load_in_8bit` asks for 8-bit: use `adapter: lora` "
+               "with load_in_8bit, or qlora without it")
+    if (cfg.load_in_4bit or cfg.load_in_8bit) and not cfg.adapter:
+        yield ("quantized weights (`load_in_4bit`/`load_in_8bit`) are not trained directly: set `adapter: qlora` "
+               "(4-bit) or `adapter: lora`")
+    if cfg.adapter and not (cfg.lora_target_linear or cfg.lora_target_modules or cfg.lora_target_parameters):
+        yield (f"`adapter: {cfg.adapter}` needs `lora_target_modules`, `lora_target_parameters` or "
+               "`lora_target_linear: true`")
+    if cfg.unfrozen_parameters and cfg.adapter:
+        yield (f"`unfrozen_parameters` with `adapter: {cfg.adapter}` (base-model weights trained next to the adapter) "
+               f"asks for {axolotl.FEATURES['peft_variants'][0]}; keep one of them")
+
+
+def eval_set_and_shards(cfg) -> Problems:
+    if cfg.test_datasets and cfg.val_set_size:
+        yield "`test_datasets` and `val_set_size` cannot both be set: keep one way to get an eval set"
+    if cfg.dataset_shard_num is not None and not 0 <= cfg.dataset_shard_idx < cfg.dataset_shard_num:
+        yield f"`dataset_shard_idx` must be in [0, dataset_shard_num={cfg.dataset_shard_num})"
+
+
+def model_source(cfg) -> Problems:
+    """Pretrained weights, or a model built from a config (from scratch) with a tokenizer to go with it."""
+    if cfg.base_model is None and cfg.base_model_config is None:
+        yield ("`base_model` is required (the model to fine-tune); to train from scratch give `base_model_config` "
+               "(a folder with a config.json, or a model type such as t5)")
+        return
+    named = [key for key in ("pad_token", "eos_token", "unk_token") if key in cfg.special_tokens]
+    if cfg.train_tokenizer and named:
+        yield (f"`special_tokens.{named[0]}` and `train_tokenizer` both name it: a trained tokenizer's special tokens "
+               "are `train_tokenizer.special_tokens`; move it there")
+    if not cfg.from_scratch:
+        if cfg.train_tokenizer:
+            yield ("`train_tokenizer` makes new token ids, which mean nothing to the pretrained weights of "
+                   f"{cfg.base_model}: use it to train from scratch (`reinit_weights: true`, or `base_model_config` "
+                   "without base_model), or remove it")
+        return
+    if cfg.adapter:
+        yield (f"`adapter: {cfg.adapter}` trains a small adapter on frozen weights, and this run starts from random "
+               "weights (training from scratch): remove the adapter")
+    if cfg.rl:
+        yield (f"`rl: {cfg.rl}` tunes a trained model's preferences, and this run starts from random weights: train "
+               "it first, then give it as base_model")
+    if cfg.base_model is None and not (cfg.train_tokenizer or cfg.tokenizer_config):
+        source = cfg.base_model_config
+        if source is None or not Path(source).expanduser().is_dir():
+            yield (f"training from scratch with `base_model_config: {source}` needs a tokenizer: `train_tokenizer: "
+                   "{type: bpe, vocab_size: 8000}` trains one on the data, or `tokenizer_config` names one")
+
+
+STREAM_CONFLICTS = {"val_set_size": "hold eval rows out of a stream; use `test_datasets`",
+                    "group_by_length": "sort a stream by length",
+                    "dataset_shard_num": "shard a stream (each rank already reads its own share)"}
+
+
+def streaming(cfg) -> Problems:
+    """Training data prepared whole (`datasets`), or read as a stream (pretraining_dataset, streaming: true)."""
+    if not cfg.datasets and not cfg.pretraining_dataset:
+        yield "`datasets` is required (or `pretraining_dataset`, text read as a stream)"
+        return
+    if not cfg.streams:
+        return
+    if cfg.datasets and cfg.pretraining_dataset:
+        yield "`pretraining_dataset` replaces `datasets` (its text is read as a stream): keep one"
+        return
+    cfg.train_entries  # (a text_column that would be ignored is refused here, as a ValueError)
+    if not cfg.max_steps:
+        yield ("a streamed dataset (`pretraining_dataset` or `streaming: true`) is read as the run goes, so its "
+               "length is unknown: set `max_steps`")
+    for key, why in STREAM_CONFLICTS.items():
+        if getattr(cfg, key):
+            yield f"`{key}` cannot be used with a streamed dataset: tuneloop does not {why}"
+    if cfg.rl or any(entry.type is not None and not isinstance(entry.type, str) or entry.type in PREFERENCE_FORMATS
+                     or entry.type in UNPAIRED_FORMATS for entry in cfg.train_entries):
+        yield "preference data (`rl:`) is prepared whole: remove `streaming`"
+
+
+def preference(cfg) -> Problems:
+    """`rl:` and its keys agree (each key is read by the run's method: rl_methods.py), and every dataset is
+    preference data of the method's kind (pairs, or KTO's labelled rows) exactly when `rl` is set."""
+    yield from _preference_data(cfg)
+    set_keys = [key for key in PREFERENCE_KEYS if key in cfg.model_fields_set
+                and getattr(cfg, key) != type(cfg).model_fields[key].default]
+    if not cfg.rl:
+        if set_keys:
+            yield (f"`{set_keys[0]}` sets preference training, which `rl:` turns on: set `rl:` to one of "
+                   f"{RL_METHODS.choices()}, or remove it")
+        return
+    method = RL_METHODS[cfg.rl]
+    for key in set_keys:
+        if key not in method.keys:
+            yield f"`{key}` {PREFERENCE_KEYS[key]}, and this run is `rl: {cfg.rl}`, which does not read it: remove it"
+    if cfg.rl_beta is not None and cfg.dpo_beta is not None and cfg.rl_beta != cfg.dpo_beta:
+        yield f"`rl_beta: {cfg.rl_beta}` and `dpo_beta: {cfg.dpo_beta}` are the same setting: keep one"
+    if cfg.dpo_loss_type and "dpo_loss_type" in method.keys:
+        for name in cfg.dpo_loss_type:
+            if name not in method.loss_types:
+                yield f"`dpo_loss_type: {name}` is not a loss of `rl: {cfg.rl}` ({', '.join(method.loss_types)})"
+    losses = cfg.dpo_loss_type or (["ipo"] if cfg.rl == "ipo" else ["sigmoid"])
+    if cfg.dpo_loss_weights is not None and "dpo_loss_weights" in method.keys:
+        if any(weight < 0 for weight in cfg.dpo_loss_weights):
+            yield "`dpo_loss_weights` must not be negative (a negative weight would maximise that loss)"
+        if len(cfg.dpo_loss_weights) != len(losses):
+            yield (f"`dpo_loss_weights` has {len(cfg.dpo_loss_weights)} weights for {len(losses)} losses in "
+                   "`dpo_loss_type`: give one each")
+    if cfg.dpo_label_smoothing and "dpo_label_smoothing" in method.keys and "sigmoid" not in losses:
+        yield "`dpo_label_smoothing` smooths the sigmoid loss, and `dpo_loss_type` has none: remove it or add `sigmoid`"
+    if cfg.cpo_alpha is not None and cfg.cpo_alpha < 0:
+        yield "`cpo_alpha` must not be negative (it weighs the chosen reply's NLL)"
+    ignored = sorted({key for entry in cfg.datasets + cfg.test_datasets for key in CHAT_ONLY_KEYS
+                      if key in TRAINED_TURN_KEYS and key in entry.model_fields_set})
+    if ignored:
+        yield (f"`{ignored[0]}` picks the trained turns of a conversation, and under `rl:` the trained part is the "
+               "reply (with its end-of-turn marker): remove it")
+    if cfg.train_on_inputs:
+        yield (f"`train_on_inputs: true` with `rl: {cfg.rl}`: a preference loss compares the replies, and the prompt "
+               "is never part of it; remove it")
+
+
+def _preference_data(cfg) -> Problems:
+    method = RL_METHODS[cfg.rl] if cfg.rl else None
+    formats = (PREFERENCE_FORMATS if method.paired else UNPAIRED_FORMATS) if method else None
+    for index, entry in enumerate(cfg.datasets + cfg.test_datasets):
+        mapping = isinstance(entry.type, PreferenceFormat)
+        if method is None:
+            if mapping or (isinstance(entry.type, str) and entry.type not in FORMATS):
+                yield (f"dataset {index} is preference data (chosen/rejected pairs, or labelled rows): set `rl:` to "
+                       f"one of {RL_METHODS.choices()} to train on it")
+            continue
+        fits = (entry.type in formats) if isinstance(entry.type, str) else mapping
+        if not fits:
+            name = entry.type if isinstance(entry.type, str) else "a mapping of instruction fields"
+            data = "preference pairs" if method.paired else "rows with a desirable/undesirable label"
+            fields = "field_chosen/field_rejected" if method.paired else "field_completion/field_label"
+            yield (f"`rl: {cfg.rl}` trains on {data}, and dataset {index} is `type: {name}`: use one of "
+                   f"{formats.choices()}, or a mapping with field_prompt and {fields}")
+            continue
+        wrong = [key for key in (UNPAIRED_ONLY_KEYS if method.paired else PAIRED_ONLY_KEYS)
+                 if mapping and key in entry.type.model_fields_set]
+        if wrong:
+            yield f"dataset {index}: `type.{wrong[0]}` is not read by `rl: {cfg.rl}`; remove it"
+
+
+def sharding(cfg) -> Problems:
+    """How the ranks share the model (engines/keys.py reads axolotl's fsdp and deepspeed keys), and what a
+    sharding engine cannot run with."""
+    from tuneloop.engines.keys import read_engine
+
+    fsdp_config = dict(cfg.fsdp_config or {})
+    if cfg.fsdp_final_state_dict_type:
+        fsdp_config.setdefault("final_state_dict_type", cfg.fsdp_final_state_dict_type)
+    try:
+        engine = read_engine(cfg.fsdp, cfg.fsdp_version, fsdp_config, cfg.deepspeed)
+    except ValueError as error:
+        yield str(error)
+        return
+    cfg._engine = engine
+    if engine.name != "ddp" and cfg.torch_compile:  # compiling changes only speed: said, and left off
+        warnings.warn(f"`torch_compile` with {engine.name}: tuneloop compiles only unsharded models so far, so this "
+                      "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
+        cfg.torch_compile = False
+    if (cfg.adapter == "qlora" or cfg.load_in_4bit or cfg.load_in_8bit) and engine.name != "ddp":
+        yield (f"quantized weights (`adapter: {cfg.adapter}`{', load_in_8bit' if cfg.load_in_8bit else ''}) under "
+               f"{engine.name} asks for {axolotl.FEATURES['sharded_4bit'][0]}, which tuneloop does not do yet (it "
+               "needs a GPU to be built and tested); use `adapter: lora` under FSDP2/DeepSpeed, or QLoRA with plain "
+               "DDP ranks")
+    if engine.activation_checkpointing and not cfg.gradient_checkpointing:
+        cfg.gradient_checkpointing = True  # fsdp_config.activation_checkpointing is the same recomputation
+
+
+RULES: tuple[Callable[..., Problems], ...] = (schedule, precision_and_attention, chat_template, adapters,
+                                              eval_set_and_shards, model_source, streaming, preference, sharding)
+
+
+def problems_of(cfg, unjudged: set[str] = frozenset()) -> list[str]:
+    """Every rule's problems. `unjudged`: fields whose values were refused; they are missing from `cfg`, and a rule
+    that reads one is skipped (an AttributeError naming it) rather than judge a value that is not there."""
+    found = []
+    for rule in RULES:
+        problems = rule(cfg)
+        while True:
+            try:
+                found.append(next(problems))
+            except StopIteration:
+                break
+            except AttributeError as error:
+                if error.name not in unjudged:
+                    raise
+                break
+            except ValueError as error:  # a key reader's refusal (a text_column that would be ignored, say)
+                found.append(str(error))
+                break
+    return found

@@ -1,0 +1,541 @@
+"""The config's fields, as axolotl names them, each with its own checks (one value at a time).
+
+What several keys mean together is config/rules.py's (one function per feature); reading the YAML, `--set` and
+axolotl's key table is config/load.py's. Whether a resumed run may change a field is declared on the field
+(`Annotated[..., WATCHING]` and friends): a field without such a mark decides what is trained, and a checkpoint
+written with another value of it is another run (train/resume.py).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, field_validator, model_validator
+
+from tuneloop.config import axolotl
+from tuneloop.config.datasets import (DATASET_FORM, PRETRAINING_FORM, DatasetConfig, PretrainingDataset, Strict,
+                                      pretraining_entry_form)
+from tuneloop.data.chat_templates import check_template_name
+from tuneloop.errors import UserError
+from tuneloop.optim import OPTIMIZERS, SCHEDULERS
+from tuneloop.rl_methods import NOT_OFFERED, RL_METHODS
+
+
+@dataclass(frozen=True)
+class OnResume:
+    """A field a resumed run may set to another value than its checkpoint's, and why."""
+
+    why: str
+
+
+WATCHING = OnResume("when and how the run is observed, evaluated, saved or stopped, not what it trains")
+SPEED = OnResume("speed only: the same rows and the same loss")
+TRACKING = OnResume("where the metrics go")
+RUN_LENGTH = OnResume("the run's length, which a resume may change while it ends after the checkpoint (resume.py)")
+
+ZERO_MEANS = {"evals_per_epoch": " (no evals)", "saves_per_epoch": " (no saves)", "max_grad_norm": " (no clipping)"}
+# what `attn_implementation` may say; kernels that cannot run on this machine fall back to sdpa (same maths)
+ATTENTION_IMPLEMENTATIONS = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "xformers"}
+# the text-to-text (encoder-decoder) model families: their *ForConditionalGeneration classes are seq2seq models,
+# not the multimodal ones of the same suffix (model.py checks that the class and the checkpoint agree)
+SEQ2SEQ_FAMILIES = ("T5", "MT5", "UMT5", "LongT5", "Bart", "MBart", "PLBart", "Pegasus", "PegasusX", "BigBirdPegasus",
+                    "Blenderbot", "BlenderbotSmall", "LED", "M2M100", "NllbMoe", "FSMT", "Mvp", "ProphetNet",
+                    "SwitchTransformers", "T5Gemma", "Marian")
+
+
+def is_seq2seq_class(name: str) -> bool:
+    family = name.removesuffix("ForConditionalGeneration").removesuffix("MTModel")
+    return name != family and family in SEQ2SEQ_FAMILIES
+
+
+def _compiled(written: str, pattern: str) -> None:
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"{written!r} is not a valid regular expression ({error})") from None
+
+
+class TrainTokenizer(Strict):
+    """tuneloop's own key: a tokenizer trained on the run's training text (with the `tokenizers` library) before
+    the data is prepared, for a model trained from scratch. It is cached beside the prepared data and saved with
+    the model; the model's embeddings are sized to it."""
+
+    type: Literal["bpe", "unigram"] = "bpe"
+    vocab_size: int = 8000
+    # what each special token is called; the first ids go to them in this order (T5's: pad 0, eos 1, unk 2)
+    special_tokens: dict[str, str] = Field(default_factory=lambda: {"pad_token": "<pad>", "eos_token": "</s>",
+                                                                   "unk_token": "<unk>"})
+    min_frequency: int = 2
+
+    @field_validator("vocab_size")
+    @classmethod
+    def _vocabulary(cls, value):
+        if value < 32:
+            raise ValueError("must be at least 32 (the special tokens and the bytes or characters need room)")
+        return value
+
+    @field_validator("special_tokens")
+    @classmethod
+    def _special(cls, value):
+        known = ("pad_token", "eos_token", "unk_token", "bos_token", "sep_token", "cls_token", "mask_token")
+        for name in value:
+            if name not in known:
+                raise ValueError(f"`{name}` is not a special token name; use {', '.join(known)}")
+        for needed in ("pad_token", "eos_token"):
+            if needed not in value:
+                raise ValueError(f"needs `{needed}` (padding and the end of every target use it)")
+        return value
+
+    @model_validator(mode="after")
+    def _unknown_for_unigram(self):
+        if self.type == "unigram" and "unk_token" not in self.special_tokens:
+            raise ValueError("a unigram tokenizer needs `special_tokens.unk_token`: a character it never saw in "
+                             "training (in eval rows or a prompt) has no other token to become")
+        return self
+
+
+
+class TuneloopConfig(Strict):
+    _engine: Any = PrivateAttr(default=None)  # the sharding keys read (config/rules.py: sharding)
+    # model: pretrained weights (base_model), or a model built from a config with random weights (from scratch:
+    # base_model_config, a folder or a model type name such as `t5`, or reinit_weights)
+    base_model: Optional[str] = None
+    base_model_config: Optional[str] = None
+    reinit_weights: bool = False
+    train_tokenizer: Optional[TrainTokenizer] = None
+    model_type: Optional[str] = None  # a transformers class name; axolotl's `type_of_model` too
+    revision_of_model: Optional[str] = None  # axolotl's `model_revision` too
+    overrides_of_model_config: Optional[dict[str, Any]] = None  # axolotl's `model_config` too
+    tokenizer_config: Optional[str] = None
+    tokenizer_type: Optional[str] = None  # a transformers tokenizer class name
+    trust_remote_code: bool = False
+    attn_implementation: Optional[str] = None
+    flash_attention: bool = False
+    sdp_attention: bool = False
+    flex_attention: bool = False
+    eager_attention: bool = False
+    special_tokens: dict[str, str] = Field(default_factory=dict)
+    tokens: list[str] = Field(default_factory=list)  # new tokens added to the vocabulary
+    chat_template: Optional[str] = None
+    chat_template_jinja: Optional[str] = None
+    eot_tokens: Optional[list[str]] = None  # the text that ends a chat turn (its trained end marker)
+    plugins: list[str] = Field(default_factory=list)
+    # adapters and quantized loading
+    adapter: Optional[Literal["lora", "qlora"]] = None
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: Optional[Union[str, list[str]]] = None  # names, or one regex over module paths
+    lora_target_parameters: Optional[list[str]] = None
+    lora_target_linear: bool = False
+    lora_modules_to_save: Optional[list[str]] = None
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    bnb_config_kwargs: Optional[dict[str, Any]] = None
+    unfrozen_parameters: Optional[list[str]] = None  # full fine-tuning of only the parameters these regexes match
+    # data
+    datasets: list[DatasetConfig] = Field(default_factory=list)
+    # read as a stream instead of prepared whole (axolotl's keys): raw text packed into full rows, for max_steps
+    # (an entry is axolotl's pretraining form, or a dataset entry of any type, as axolotl also takes)
+    pretraining_dataset: Optional[list[Annotated[
+        Union[Annotated[PretrainingDataset, Tag(PRETRAINING_FORM)], Annotated[DatasetConfig, Tag(DATASET_FORM)]],
+        Discriminator(pretraining_entry_form)]]] = None
+    streaming: bool = False
+    test_datasets: list[DatasetConfig] = Field(default_factory=list)
+    val_set_size: float = 0.0
+    dataset_prepared_path: Annotated[str, WATCHING] = "last_run_prepared"
+    shuffle_merged_datasets: bool = True
+    dataset_shard_num: Optional[int] = None
+    dataset_shard_idx: int = 0
+    sequence_len: int = 2048
+    train_on_inputs: bool = False
+    sample_packing: bool = False
+    eval_sample_packing: Annotated[Optional[bool], WATCHING] = None
+    pad_to_sequence_len: bool = False
+    group_by_length: bool = False
+    # batch arithmetic
+    micro_batch_size: int = 1
+    eval_batch_size: Annotated[Optional[int], WATCHING] = None
+    gradient_accumulation_steps: int = 1
+    batch_size: Optional[int] = None
+    num_epochs: Annotated[int, RUN_LENGTH] = 1
+    max_steps: Annotated[Optional[int], RUN_LENGTH] = None
+    # optimisation
+    learning_rate: float = 2e-5
+    lr_scheduler: str = "cosine"  # a name in optim.py's SCHEDULERS
+    warmup_steps: Optional[int] = None
+    warmup_ratio: Optional[float] = None
+    cosine_min_lr_ratio: Optional[float] = None
+    lr_div_factor: Optional[float] = None  # one_cycle: it starts at learning_rate / lr_div_factor (default 6)
+    optimizer: str = "adamw_torch_fused"  # a name in optim.py's OPTIMIZERS
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: Optional[float] = 1.0  # 0 turns clipping off (a blank value means the default, as in axolotl)
+    # precision and memory
+    bf16: Union[bool, Literal["auto"]] = "auto"
+    fp16: bool = False
+    tf32: bool = False
+    gradient_checkpointing: Union[bool, Literal["offload"]] = False  # "offload": checkpoints kept in CPU memory
+    gradient_checkpointing_kwargs: Optional[dict[str, Any]] = None
+    chunked_cross_entropy: Optional[bool] = None  # unset/true: the loss meets lm_head in chunks; false: whole logits
+    # sharding over ranks (engines/): FSDP2 from axolotl's fsdp keys, or DeepSpeed ZeRO from a JSON file
+    fsdp: Optional[Union[str, list[str]]] = None  # axolotl's list: full_shard, shard_grad_op, offload, auto_wrap
+    fsdp_version: Optional[int] = None
+    fsdp_config: Optional[dict[str, Any]] = None
+    fsdp_final_state_dict_type: Optional[str] = None
+    deepspeed: Optional[Union[str, dict[str, Any]]] = None  # a path, beside the config, or a shipped name (zero2)
+    # preference training (rl_methods.py; the losses in train/preference.py)
+    rl: Optional[str] = None  # dpo, ipo or orpo; unset: supervised fine-tuning
+    rl_beta: Optional[float] = None  # DPO/IPO's beta (default 0.1); axolotl's older `dpo_beta` too
+    dpo_beta: Optional[float] = None
+    dpo_loss_type: Optional[Union[str, list[str]]] = None  # sigmoid (default), ipo, hinge; a list is a weighted sum
+    dpo_loss_weights: Optional[list[float]] = None  # one per dpo_loss_type (default: 1 each)
+    dpo_label_smoothing: float = 0.0  # conservative DPO: the chance a pair's label is flipped
+    orpo_alpha: Optional[float] = None  # ORPO's weight of the odds-ratio term (default 0.1)
+    simpo_gamma: Optional[float] = None  # SimPO's target reward margin (default 0.5, as TRL's CPO trainer)
+    cpo_alpha: Optional[float] = None  # SimPO's weight of the chosen reply's NLL (default 1.0, as TRL; 0: pure SimPO)
+    kto_desirable_weight: float = 1.0  # KTO's weights of desirable and undesirable rows' losses
+    kto_undesirable_weight: float = 1.0
+    precompute_ref_log_probs: bool = False  # reference log-probs computed once, before training, and cached
+    # speed: torch.compile of the model's body (train/compiling.py), and the peak MFU is measured against
+    # "auto": true, as in axolotl (torch ≥ 2.5.1 here)
+    torch_compile: Annotated[Union[bool, Literal["auto"]], SPEED] = False
+    torch_compile_mode: Annotated[Optional[Literal["default", "reduce-overhead", "max-autotune"]], SPEED] = None
+    torch_compile_backend: Annotated[Optional[str], SPEED] = None  # torch.compile's backend (inductor when unset)
+    torch_compile_options: Annotated[Optional[dict[str, Any]], SPEED] = None  # torch._inductor.config flags
+    # tuneloop's key: this device's peak for MFU, instead of the table or the probe
+    peak_tflops: Annotated[Optional[float], SPEED] = None
+    bfloat16: bool = False  # load the weights in bf16 (no fp32 copy): half the memory, bf16 updates
+    float16: bool = False  # the same in fp16
+    float32: bool = False  # the default: fp32 weights (mixed precision computes in bf16 where asked)
+    # outputs, logging, eval, saves
+    output_dir: Annotated[str, WATCHING] = "./model-out"
+    logging_steps: Annotated[int, WATCHING] = 10
+    eval_steps: Annotated[Optional[Union[int, float]], WATCHING] = None
+    evals_per_epoch: Annotated[Optional[int], WATCHING] = None
+    eval_strategy: Optional[Literal["steps", "epoch", "no"]] = None  # axolotl's `evaluation_strategy` too
+    eval_on_start: Annotated[bool, WATCHING] = False
+    save_steps: Annotated[Optional[Union[int, float]], WATCHING] = None
+    saves_per_epoch: Annotated[Optional[int], WATCHING] = None
+    save_strategy: Annotated[Optional[Literal["steps", "epoch", "no"]], WATCHING] = None
+    save_total_limit: Annotated[Optional[int], WATCHING] = None
+    seed: int = 42
+    # processes that tokenize the data (default: every core available)
+    dataset_processes: Annotated[Optional[int], SPEED] = None
+    # trackers (trackers.py), as axolotl spells them; metrics.jsonl is always written
+    use_tensorboard: Annotated[bool, TRACKING] = False  # event files in output_dir/runs/
+    use_wandb: Annotated[Optional[bool], TRACKING] = None  # unset: on when wandb_project is set
+    wandb_project: Annotated[Optional[str], TRACKING] = None
+    wandb_entity: Annotated[Optional[str], TRACKING] = None
+    wandb_name: Annotated[Optional[str], TRACKING] = None
+    wandb_run_id: Annotated[Optional[str], TRACKING] = None  # continue that run (its name too, unless wandb_name)
+    # unset: WANDB_MODE, or online
+    wandb_mode: Annotated[Optional[Literal["online", "offline", "disabled", "shared"]], TRACKING] = None
+    # unset: on when mlflow_experiment_name or mlflow_tracking_uri is set
+    use_mlflow: Annotated[Optional[bool], TRACKING] = None
+    mlflow_tracking_uri: Annotated[Optional[str], TRACKING] = None
+    mlflow_experiment_name: Annotated[Optional[str], TRACKING] = None
+    mlflow_run_name: Annotated[Optional[str], TRACKING] = None
+    # resume and failure handling
+    resume_from_checkpoint: Annotated[Optional[str], WATCHING] = None
+    auto_resume_from_checkpoints: Annotated[bool, WATCHING] = False
+    loss_watchdog_threshold: Annotated[Optional[float], WATCHING] = None
+    loss_watchdog_patience: Annotated[Optional[int], WATCHING] = None
+    early_stopping_patience: Annotated[Optional[int], WATCHING] = None
+
+    @field_validator("rl")
+    @classmethod
+    def _known_rl(cls, value):
+        if value is None or value in RL_METHODS:
+            return value if value is None else RL_METHODS.canonical(value)
+        why = NOT_OFFERED.get(value, f"`rl: {value}` is not a method tuneloop trains ({RL_METHODS.choices()})")
+        raise ValueError(f"asks for {axolotl.FEATURES['preference'][0]}, which tuneloop does not do yet: {why}")
+
+    @field_validator("dpo_loss_type")
+    @classmethod
+    def _loss_types(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("dpo_label_smoothing")
+    @classmethod
+    def _smoothing(cls, value):
+        if not 0 <= value < 0.5:
+            raise ValueError("must be at least 0 and below 0.5 (the chance that a pair's label is wrong)")
+        return value
+
+    @field_validator("rl_beta", "dpo_beta", "orpo_alpha", "kto_desirable_weight", "kto_undesirable_weight",
+                     "simpo_gamma")
+    @classmethod
+    def _positive_weight(cls, value):
+        if value is not None and value <= 0:
+            raise ValueError("must be above 0")
+        return value
+
+    @field_validator("optimizer")
+    @classmethod
+    def _known_optimizer(cls, value):
+        return OPTIMIZERS.check(value)
+
+    @field_validator("lr_scheduler")
+    @classmethod
+    def _known_scheduler(cls, value):
+        return SCHEDULERS.check(value)
+
+    @field_validator("sequence_len", "micro_batch_size", "gradient_accumulation_steps", "num_epochs", "logging_steps")
+    @classmethod
+    def _positive(cls, value):
+        if value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_tokens_mapping(cls, data):
+        """Old axolotl configs give special tokens as a `tokens:` mapping (today's `special_tokens`)."""
+        if isinstance(data, dict) and isinstance(data.get("tokens"), dict):
+            data = dict(data)
+            data["special_tokens"] = {**data.pop("tokens"), **(data.get("special_tokens") or {})}
+            warnings.warn("`tokens` given as a mapping is axolotl's old spelling of `special_tokens`; it is read as "
+                          "that.", UserWarning, stacklevel=2)
+        return data
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, value):
+        if value == "offload_disk":
+            warnings.warn("`gradient_checkpointing: offload_disk`: tuneloop offloads checkpointed activations to CPU "
+                          "memory, not to disk (where they live changes only memory and speed).", UserWarning,
+                          stacklevel=2)
+            return "offload"
+        return value
+
+    @field_validator("unfrozen_parameters")
+    @classmethod
+    def _unfrozen_patterns(cls, value):
+        from tuneloop.adapters import name_pattern
+
+        for pattern in value or []:
+            if re.search(r"\[\d*(:\d*)?\]$", pattern):
+                raise ValueError(f"{pattern!r}: unfreezing a row range of a parameter asks for "
+                                 f"{axolotl.FEATURES['training_methods'][0]}; unfreeze whole parameters")
+            _compiled(pattern, name_pattern(pattern))
+        return value
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _target_regex(cls, value):
+        if isinstance(value, str):
+            _compiled(value, value)
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value):
+        return value if value is None else check_template_name(value)
+
+    @field_validator("attn_implementation")
+    @classmethod
+    def _attention(cls, value):
+        if value is None or value in ATTENTION_IMPLEMENTATIONS or value.startswith("kernels-community/"):
+            return value
+        raise ValueError(f"got {value!r}; use one of {', '.join(sorted(ATTENTION_IMPLEMENTATIONS))} or a "
+                         "kernels-community/ flash-attention kernel")
+
+    @field_validator("model_type")
+    @classmethod
+    def _model_class(cls, value):
+        if value is None or value in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM") or value.endswith("ForCausalLM"):
+            return value
+        if is_seq2seq_class(value):
+            return value
+        feature = ("multimodal" if "ConditionalGeneration" in value or "ImageText" in value or "Vision" in value
+                   else "preference" if "SequenceClassification" in value else "model_options")
+        raise ValueError(f"got {value!r}: tuneloop trains causal language models (AutoModelForCausalLM or a "
+                         f"*ForCausalLM class) and text-to-text models (AutoModelForSeq2SeqLM, "
+                         f"T5ForConditionalGeneration, ...); this needs {axolotl.FEATURES[feature][0]}")
+
+    @field_validator("plugins")
+    @classmethod
+    def _plugins(cls, value):
+        for plugin in value:
+            if plugin not in axolotl.SPEED_ONLY_PLUGINS:
+                raise ValueError(f"the plugin {plugin!r} is {axolotl.FEATURES['plugins'][0]} tuneloop does not "
+                                 "have; remove it")
+            warnings.warn(f"`plugins`: {axolotl.SPEED_ONLY_PLUGINS[plugin]} changes only speed, memory or "
+                          "logging, so tuneloop trains without it.", UserWarning, stacklevel=2)
+        return value
+
+    @field_validator("max_steps", "eval_batch_size", "batch_size", "dataset_processes",
+                     "save_total_limit", "loss_watchdog_patience", "early_stopping_patience")
+    @classmethod
+    def _positive_or_none(cls, value):
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1 (or left out)")
+        return value
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _peak_positive(cls, value):
+        if value is not None and value <= 0:
+            raise ValueError("is the device's peak in TFLOPS (e.g. 989 for an H100 in bf16): a positive number")
+        return value
+
+    @field_validator("warmup_steps", "dataset_shard_idx", "weight_decay", "evals_per_epoch", "saves_per_epoch",
+                     "max_grad_norm")
+    @classmethod
+    def _not_negative(cls, value, info):
+        if value is not None and value < 0:
+            raise ValueError(f"must be 0{ZERO_MEANS.get(info.field_name, '')} or more")
+        return value
+
+    @field_validator("lora_r", "lora_alpha")
+    @classmethod
+    def _lora_positive(cls, value):
+        if value < 1:
+            raise ValueError("must be at least 1")
+        return value
+
+    @field_validator("lora_dropout", "adam_beta1", "adam_beta2")
+    @classmethod
+    def _probability(cls, value):
+        if not 0 <= value < 1:
+            raise ValueError("must be in [0, 1)")
+        return value
+
+    @field_validator("learning_rate", "lr_div_factor", "adam_epsilon", "loss_watchdog_threshold")
+    @classmethod
+    def _lr_positive(cls, value):
+        if value is None:
+            return value
+        if value <= 0:
+            raise ValueError("must be greater than 0")
+        return value
+
+    @field_validator("val_set_size")
+    @classmethod
+    def _val_set_size(cls, value):
+        if value < 0 or (value >= 1 and value != int(value)):
+            raise ValueError("must be a fraction in [0, 1) or a whole number of rows")
+        return value
+
+    @field_validator("eval_steps", "save_steps")
+    @classmethod
+    def _interval(cls, value):
+        if value is None:
+            return value
+        if value <= 0 or (value >= 1 and value != int(value)):
+            raise ValueError("must be a whole number of steps (≥ 1) or a fraction of the run in (0, 1)")
+        return int(value) if value >= 1 else value
+
+    @field_validator("shuffle_merged_datasets")
+    @classmethod
+    def _shuffled(cls, value):
+        if not value:
+            raise ValueError("false is not supported: tuneloop's sampler shuffles rows every epoch (by seed)")
+        return value
+
+    @field_validator("warmup_ratio", "cosine_min_lr_ratio")
+    @classmethod
+    def _ratio(cls, value):
+        if value is not None and not 0 <= value <= 1:
+            raise ValueError("must be between 0 and 1")
+        return value
+
+    # ---- what the keys say, read where it is needed ---------------------------------------------------------
+    @property
+    def streams(self) -> bool:
+        """The training rows are read as a stream (pretraining_dataset, or `streaming: true`): the one place the
+        stored/streamed split is decided (resolved.py carries it)."""
+        return self.streaming or bool(self.pretraining_dataset)
+
+    @property
+    def train_entries(self) -> list[DatasetConfig]:
+        """The training data's entries: `datasets`, or pretraining_dataset's as dataset entries."""
+        if not self.pretraining_dataset:
+            return self.datasets
+        return [entry.as_dataset() if isinstance(entry, PretrainingDataset) else entry
+                for entry in self.pretraining_dataset]
+
+    @property
+    def from_scratch(self) -> bool:
+        """Random weights from a config (base_model_config without base_model, or reinit_weights)."""
+        return self.reinit_weights or self.base_model is None
+
+    @property
+    def engine(self):
+        """The sharding keys as read by the `sharding` rule (engines/keys.py): read once, when the config is
+        validated. Code below the config reads it from resolved.py's Resolved, never from here."""
+        return self._engine
+
+    @property
+    def beta(self) -> float:
+        """DPO/IPO's beta: rl_beta (or dpo_beta), 0.1 by default as in TRL."""
+        return self.rl_beta if self.rl_beta is not None else self.dpo_beta if self.dpo_beta is not None else 0.1
+
+    @property
+    def resolved_eval_batch_size(self) -> int:
+        return self.eval_batch_size or self.micro_batch_size
+
+    @property
+    def resolved_eval_sample_packing(self) -> bool:
+        return self.sample_packing if self.eval_sample_packing is None else self.eval_sample_packing
+
+    def check_batch_size(self, world_size: int) -> None:
+        """`batch_size` is axolotl's global batch; it must agree with the other three knobs."""
+        if self.batch_size is None:
+            return
+        implied = self.micro_batch_size * self.gradient_accumulation_steps * world_size
+        if self.batch_size != implied:
+            raise UserError(
+                f"config: `batch_size: {self.batch_size}` disagrees with micro_batch_size × "
+                f"gradient_accumulation_steps × world size = {self.micro_batch_size} × "
+                f"{self.gradient_accumulation_steps} × {world_size} = {implied}. "
+                "Remove `batch_size` or change one of the others."
+            )
+
+
+def fields_marked(*marks: OnResume) -> set[str]:
+    """The top-level fields that carry one of these marks."""
+    return {name for name, info in TuneloopConfig.model_fields.items()
+            if any(mark in marks for mark in info.metadata)}
+
+
+# what a resumed run may change (when it is watched, saved, stopped; its speed; its trackers); every other key
+# must agree with the checkpoint's, but for the run's length (RUN_LENGTH_KEYS), which resume.py judges
+NOT_RESULT_CHANGING = fields_marked(WATCHING, SPEED, TRACKING)
+RUN_LENGTH_KEYS = fields_marked(RUN_LENGTH)
+
+
+def result_settings(cfg: TuneloopConfig) -> dict:
+    """The settings that decide what a run trains (JSON-ready), to compare a run with a checkpoint's."""
+    return {key: value for key, value in cfg.model_dump(mode="json").items() if key not in NOT_RESULT_CHANGING}
+
+
+def changed_settings(before: dict, now: dict, ignore: set[str] = frozenset()) -> list[str]:
+    """`key (old → new)` for each setting that differs; long values are named, not printed."""
+    changed = []
+    for key in sorted(set(before) | set(now)):
+        # a key an older tuneloop did not have was, in effect, at its default
+        old = before[key] if key in before else _default_setting(key)
+        new = now.get(key)
+        if key in ignore or old == new:
+            continue
+        if isinstance(old, (list, dict)) or isinstance(new, (list, dict)):
+            changed.append(f"{key} (changed)")
+        else:
+            changed.append(f"{key} ({old} → {new})")
+    return changed
+
+
+def _default_setting(key: str):
+    """A top-level key's default as result_settings writes it (JSON), or None for a key it does not know."""
+    field = TuneloopConfig.model_fields.get(key)
+    if field is None or field.is_required():
+        return None
+    value = field.get_default(call_default_factory=True)
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value

@@ -1,0 +1,246 @@
+"""What every engine is: its spec (what the keys ask for, read without torch: `check` and the plan use it) and its
+runtime (what the loop and the checkpoints talk to), with the defaults most engines share.
+
+A spec says how the engine shares the model: what each rank holds 1/N of and what lives in host memory, its
+share of the memory estimate (`per_rank`), its description, and what the machine needs for it. The runtime wraps
+the model and its optimizer, accumulates, clips, steps and saves its shards. torch is imported inside the
+methods that run, so a spec stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+SHARDS = "shards"  # the checkpoint's sub-folder of engine shards (FSDP2, DeepSpeed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WholeBytes:
+    """One whole copy of what training holds, in bytes, before an engine divides or moves it (plan/memory.py)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    parameters: int
+    trainable: int
+    weight_bytes: float  # each weight as held (0.5 for 4-bit, 2 for bf16 weights, 4 for fp32)
+    layer_parameters: int  # one decoder layer's, and how many layers there are
+    layers: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankBytes:
+    """What one rank holds on its device, and what it keeps in host memory instead."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    gathered: float = 0.0  # a sharded model's weights gathered whole while they compute
+    host: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """What the sharding keys ask for. The base is one whole copy of the model on each rank."""
+
+    name: ClassVar[str]
+    needs_a_group_alone: ClassVar[bool] = False  # a process group even in one process (FSDP2 and DeepSpeed do)
+    # what each rank holds 1/N of
+    shards_weights: bool = False
+    shards_gradients: bool = False
+    shards_optimizer: bool = False
+    # what lives in host memory instead of the device's
+    offload_weights: bool = False
+    offload_optimizer: bool = False
+    activation_checkpointing: bool = False  # recompute each layer in the backward (FSDP's own key for it)
+
+    @property
+    def sharded(self) -> bool:
+        """Weights live in pieces on the ranks: the model is gathered to be saved whole (FSDP2, ZeRO-3)."""
+        return self.shards_weights
+
+    @property
+    def zero_stage(self) -> int | None:
+        return None
+
+    @property
+    def reduces_on_host(self) -> bool:
+        """Gradients (and their norm) live on the host: on GPUs the process group needs gloo beside NCCL."""
+        return False
+
+    def identity(self) -> dict:
+        """What a checkpoint's shards need of the engine that resumes them (the checkpoint's marker records it)."""
+        return {"name": self.name, "zero_stage": self.zero_stage}
+
+    def describe(self, world_size: int | None = None) -> str:
+        """In words; `world_size` None: over whatever ranks the run is launched on."""
+        raise NotImplementedError
+
+    def needs(self) -> list[str]:
+        """What the machine needs for this engine, in words (`check`; hardware.py refuses it at `train`)."""
+        return []
+
+    def missing(self) -> list[str]:
+        """What this machine lacks of `needs()`, checked when `train` starts."""
+        return []
+
+    def held_widths(self, parameter_bytes: float, precision: str) -> tuple[float, float]:
+        """(bytes per weight as the engine holds it, bytes of an fp32 master copy the optimizer steps besides)."""
+        return parameter_bytes, 0.0
+
+    def per_rank(self, whole: WholeBytes, world_size: int, accumulation: int, precision: str) -> RankBytes:
+        """This engine's share of the memory estimate: what one rank holds."""
+        return RankBytes(weights=whole.weights, gradients=whole.gradients, optimizer=whole.optimizer)
+
+    def check_plan(self, micro_batch_size: int, accumulation: int, world_size: int, max_grad_norm, precision: str,
+                   hidden_size: int | None) -> None:
+        """A ValueError where the engine's own settings disagree with the plan (a DeepSpeed file's numbers)."""
+
+    def build(self, cfg, plan, accelerator) -> "Engine":
+        raise NotImplementedError
+
+
+def sharded_share(spec: EngineSpec, whole: WholeBytes, world_size: int, precision: str,
+                  reshard_after_forward: bool = True) -> RankBytes:
+    """A sharding engine's division: what it shards is 1/N per rank, and the weights it shards are gathered whole
+    while they compute (the root group with the embeddings and head, and the running and the prefetched layer;
+    the whole model when it stays gathered from forward to backward)."""
+    ranks = max(world_size, 1)
+    weights = whole.weights / (ranks if spec.shards_weights else 1)
+    gradients = whole.gradients / (ranks if spec.shards_gradients else 1)
+    optimizer = whole.optimizer / (ranks if spec.shards_optimizer else 1)
+    gathered = 0.0
+    if spec.shards_weights:
+        outside_layers = max(whole.parameters - whole.layer_parameters * whole.layers, 0)
+        compute_bytes = 2 if precision in ("bf16", "fp16") else whole.weight_bytes
+        gathered = (outside_layers + 2 * whole.layer_parameters) * compute_bytes
+        if not reshard_after_forward:
+            gathered = whole.parameters * compute_bytes
+    return RankBytes(weights=weights, gradients=gradients, optimizer=optimizer, gathered=gathered)
+
+
+class Engine:
+    """What the loop and the checkpoints talk to. Subclasses: DDP, FSDP2, DeepSpeed (one module each)."""
+
+    lockstep_eval = False  # a collective inside every forward: ranks must run as many eval batches as each other
+    writes_shards = False  # a checkpoint holds the engine's own shards (each rank writes its piece)
+    reshards = True  # its checkpoints resume on another number of ranks (with --force-resume)
+
+    def __init__(self, spec: EngineSpec, cfg, plan, accelerator):
+        self.spec, self.cfg, self.plan, self.accelerator = spec, cfg, plan, accelerator
+        self.name = spec.name
+
+    def prepare(self, module):
+        """(what the loop runs, the optimizer)."""
+        raise NotImplementedError
+
+    @property
+    def saves_whole_weights(self) -> bool:
+        """A checkpoint holds the whole model (or adapter) as safetensors, besides any shards."""
+        return not self.spec.sharded
+
+    @property
+    def scheduler_optimizer(self):
+        return self.optimizer
+
+    def eval_runner(self):
+        return self.module
+
+    def accumulating(self, last: bool):
+        return contextlib.nullcontext()
+
+    def backward(self, loss) -> None:
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm: float | None):
+        """The step's gradient norm (before clipping); None where the engine clips inside its own step."""
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_norm_of_last_step(self):
+        raise NotImplementedError  # only for engines whose clip_grad_norm returns None
+
+    def optimizer_state(self) -> dict | None:
+        """The optimizer's state for the checkpoint's training state; None: it is in the shards."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def save_shards(self, folder: Path) -> None:
+        pass
+
+    def load_shards(self, folder: Path) -> None:
+        pass
+
+    def full_state_dict(self) -> dict | None:
+        """None: the model on the main process is whole, it saves itself."""
+        return None
+
+    def identity(self) -> dict:
+        return self.spec.identity()
+
+    def held_bytes(self) -> dict:
+        return held_bytes(self.module.model, self.scheduler_optimizer)
+
+
+def local_bytes(tensor) -> int:
+    """What this rank holds of a tensor: an FSDP2 DTensor's local shard, a ZeRO-3 parameter's partition."""
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    elif hasattr(tensor, "ds_tensor"):
+        tensor = tensor.ds_tensor
+    return tensor.numel() * tensor.element_size()
+
+
+def held_bytes(model, optimizer) -> dict:
+    """This rank's weights and optimizer state in bytes, counted on the tensors themselves (the plan's memory per
+    rank is compared with it). The optimizer's share includes the fp32 master weights it steps when they are not
+    the model's own (DeepSpeed keeps flat fp32 partitions)."""
+    import torch
+
+    weights = sum(local_bytes(param) for param in {id(p): p for p in model.parameters()}.values())
+    model_params = {id(p) for p in model.parameters()}
+    state = sum(local_bytes(value) for per_param in optimizer.state.values() for value in per_param.values()
+                if torch.is_tensor(value))
+    masters = sum(local_bytes(param) for group in optimizer.param_groups for param in group["params"]
+                  if id(param) not in model_params)
+    return {"weights": int(weights), "optimizer": int(state + masters)}
+
+
+def join_process_group(spec: EngineSpec) -> None:
+    """The process group an engine needs, made once, before anything else makes one.
+
+    Launched (torchrun, accelerate launch), Accelerate makes the group of the ranks, except where the engine reduces
+    on host tensors on GPUs (FSDP2 offloading): the group then needs gloo for the CPU beside NCCL, and is made here
+    first (Accelerate then uses it). One process with an engine that needs a group even alone (FSDP2, DeepSpeed: a
+    one-GPU run that offloads, a smoke run before renting more) gets a group of one here."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" in os.environ:
+        if spec.reduces_on_host and cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend="cuda:nccl,cpu:gloo")
+        return
+    if not spec.needs_a_group_alone:
+        return
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"  # (offloaded norms are on the host)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

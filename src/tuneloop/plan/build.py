@@ -1,0 +1,279 @@
+"""The TrainingPlan: every number of the run, computed once, exactly, before the model loads its weights.
+
+The plan runs the real sampler (data/batching.py) for every epoch the run touches, on every rank (through the
+rows: data/source.py), so steps and token counts are counted, never estimated; a stream's steps and rows per step
+are exact, and what it holds is counted as it is read. The loop, the scheduler and the progress bar read their
+numbers from here, and tests check that the loop runs exactly `total_steps` optimizer steps and sees exactly
+`total_trainable_tokens` targets.
+
+`build_plan` assembles the plan whole, in named steps: the batch, the data's steps (the rows count them), the
+schedule (schedule.py), the model's part (its size, memory per rank: memory.py; compute: flops.py), and the
+warnings. Nothing is added to a plan after it is built; its words are text.py's.
+
+An optimizer step is `gradient_accumulation_steps` micro-batches per rank. When an epoch's micro-batches do not
+divide evenly, its last step takes the remainder: the loss is normalised by the tokens actually in the step, so a
+short step is still an exact mean.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from tuneloop.data.batching import BatchingSpec
+from tuneloop.data.collate import Padding, padding_for
+from tuneloop.errors import UserError
+from tuneloop.plan.schedule import run_schedule
+from tuneloop.rl_methods import RL_METHODS, reference_source
+
+FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
+
+
+@dataclass(kw_only=True)
+class TrainingPlan:
+    world_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch_size: int
+    batching: str
+    sequence_len: int
+    train_rows: int
+    train_tokens: int
+    trainable_tokens: int
+    eval_rows: int
+    dropped_too_long: int
+    micro_batches_per_epoch: int | None  # None: a stream's epochs are unknown
+    rows_cut_per_epoch: int
+    steps_per_epoch: int | None
+    total_steps: int
+    epochs_to_run: int | None
+    epochs_covered: float | None
+    warmup_steps: int
+    eval_steps_at: list[int]
+    eval_count: int
+    save_steps_at: list[int]
+    save_count: int
+    tokens_per_step: float | None
+    total_trainable_tokens: int | None
+    total_real_tokens: int | None
+    packing_efficiency: float | None
+    padding_fraction: float | None
+    max_micro_batch_tokens: int
+    objective: str = "language_model"  # or the preference method (`rl:`)
+    unit: str = "tokens"  # what a step's loss is averaged over: target tokens, or pairs (rows are then pairs)
+    reference: str | None = None  # preference methods: where the reference log-probs come from
+    learning_rate: float = 0.0
+    lr_scheduler: str = ""
+    optimizer: str = ""
+    dropped_no_trained_tokens: int = 0
+    dropped_identical_pairs: int = 0  # preference pairs whose chosen and rejected replies tokenize the same
+    precision: str | None = None  # resolved.precision in words: "fp32 (...)", "bf16 mixed precision (...)"
+    attention: str | None = None  # the attention implementation the model loads with
+    torch_compile: str | None = None  # what torch.compile compiles, when the config asks for it
+    flops_per_token: float | None = None  # model FLOPs per real token of a training step (flops.py)
+    attention_context: float | None = None  # positions a token attends to, on average over the data
+    peak_flops: float | None = None  # one device's peak at the run's precision, per second
+    peak_source: str | None = None  # where that figure comes from, or why MFU is not counted
+    estimated_memory_gb: float | None = None
+    memory: dict | None = None  # the estimate's parts per rank: weights, gradients, optimizer, activations, device
+    engine: str | None = None  # how the ranks share the model, in words (engines/)
+    model: str | None = None  # the model trained: its class, and where its weights come from
+    # encoder-decoder runs: the encoder's and the decoder's real tokens over the run, and the share of each side's
+    # computed positions that is padding (each side is padded to its own longest row)
+    encoder_tokens: int | None = None
+    decoder_tokens: int | None = None
+    encoder_padding_fraction: float | None = None
+    decoder_padding_fraction: float | None = None
+    # a streamed run (pretraining_dataset, streaming: true): rows are read as the run goes, so steps and rows per
+    # step are exact and what the data holds (rows, passes, target tokens) is not known beforehand
+    streamed: bool = False
+    warnings: list[str] = field(default_factory=list)
+    resolved: object = None  # the run's decided settings (resolved.py), structured; plan.json shows them
+    # what the loop's sampler and collator are given; not in plan.json, whose numbers above say it all
+    train_batching: BatchingSpec | None = None
+    eval_batching: BatchingSpec | None = None
+    padding: Padding | None = None  # how wide each micro-batch is (pad_to_sequence_len, rounding under compile)
+    first_epoch_batches: list | None = None  # epoch 0's micro-batches per rank, as counted: the loop starts on them
+
+    def to_json(self) -> dict:
+        # field by field: asdict would first copy the first epoch's micro-batches (a million rows' worth)
+        values = {item.name: copy.deepcopy(getattr(self, item.name)) for item in fields(self)
+                  if item.name not in NOT_IN_JSON}
+        values["resolved"] = self.resolved.to_json() if self.resolved is not None else None
+        return values
+
+
+NOT_IN_JSON = ("train_batching", "eval_batching", "padding", "first_epoch_batches")
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def train_spec(cfg, resolved, world_size: int) -> BatchingSpec:
+    return BatchingSpec(resolved.batching, cfg.micro_batch_size, cfg.sequence_len, world_size, cfg.seed)
+
+
+def eval_spec(cfg, resolved, world_size: int) -> BatchingSpec:
+    return BatchingSpec(resolved.eval_batching, cfg.resolved_eval_batch_size, cfg.sequence_len, world_size, cfg.seed)
+
+
+def build_plan(cfg, resolved, rows, tokenizer, world_size: int, device_memory_gb: float | None = None) -> TrainingPlan:
+    """Every number of the run: the data's, and the model's and the machine's (memory per rank on
+    `device_memory_gb` GB devices when planning for other machines; MFU against the peak of the devices)."""
+    from tuneloop.model import model_facts
+
+    facts = model_facts(cfg, resolved.model_kind, tokenizer)
+    return _assembled(cfg, resolved, rows, world_size, facts, device_memory_gb)
+
+
+def data_plan(cfg, resolved, rows, world_size: int) -> TrainingPlan:
+    """The plan of the data and the batch settings alone (no model: no memory, no compute)."""
+    return _assembled(cfg, resolved, rows, world_size, None, None)
+
+
+def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb) -> TrainingPlan:
+    batch = _batch(cfg, rows, world_size)
+    padding = padding_for(cfg, resolved.compiled)
+    counts = rows.count_steps(train_spec(cfg, resolved, world_size), cfg.gradient_accumulation_steps, padding,
+                              cfg.max_steps, cfg.num_epochs)
+    eval_rows = rows.prepared.stats.eval_rows
+    schedule = run_schedule(cfg, counts.total_steps, counts.steps_per_epoch, eval_rows)
+    model_part, notes = (_model_part(cfg, resolved, facts, counts, world_size, device_memory_gb)
+                         if facts is not None else ({}, []))
+    plan = TrainingPlan(
+        **batch, sequence_len=cfg.sequence_len, batching=_batching_words(resolved),
+        train_rows=counts.train_rows, train_tokens=counts.train_tokens, trainable_tokens=counts.trainable_tokens,
+        eval_rows=eval_rows, dropped_too_long=counts.dropped_too_long,
+        dropped_no_trained_tokens=counts.dropped_no_trained_tokens,
+        dropped_identical_pairs=counts.dropped_identical_pairs,
+        micro_batches_per_epoch=counts.micro_batches_per_epoch, rows_cut_per_epoch=counts.rows_cut_per_epoch,
+        steps_per_epoch=counts.steps_per_epoch, total_steps=counts.total_steps, epochs_to_run=counts.epochs_to_run,
+        epochs_covered=(round(counts.total_steps / counts.steps_per_epoch, 4) if counts.steps_per_epoch else None),
+        warmup_steps=schedule.warmup_steps, eval_steps_at=schedule.eval_steps_at,
+        eval_count=len(schedule.eval_steps_at), save_steps_at=schedule.save_steps_at,
+        save_count=len(schedule.save_steps_at),
+        tokens_per_step=(round(counts.total_trainable_tokens / counts.total_steps, 2)
+                         if counts.total_trainable_tokens is not None else None),
+        total_trainable_tokens=counts.total_trainable_tokens, total_real_tokens=counts.total_real_tokens,
+        packing_efficiency=counts.packing_efficiency, padding_fraction=counts.padding_fraction,
+        max_micro_batch_tokens=counts.max_micro_batch_tokens, encoder_tokens=counts.encoder_tokens,
+        decoder_tokens=counts.decoder_tokens, encoder_padding_fraction=counts.encoder_padding_fraction,
+        decoder_padding_fraction=counts.decoder_padding_fraction,
+        learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler, optimizer=cfg.optimizer,
+        objective=cfg.rl or "language_model", unit=RL_METHODS[cfg.rl].unit if cfg.rl else "tokens",
+        reference=reference_source(cfg), streamed=resolved.streamed, resolved=resolved,
+        train_batching=train_spec(cfg, resolved, world_size), eval_batching=eval_spec(cfg, resolved, world_size),
+        padding=padding, first_epoch_batches=counts.first_epoch_batches, **model_part)
+    return replace(plan, warnings=plan_warnings(cfg, plan) + notes)
+
+
+def _batch(cfg, rows, world_size: int) -> dict:
+    """The batch settings, checked against each other and against the data."""
+    cfg.check_batch_size(world_size)
+    accumulation = cfg.gradient_accumulation_steps
+    global_batch = cfg.micro_batch_size * accumulation * world_size
+    if cfg.val_set_size and rows.units is not None and rows.units < global_batch:
+        raise UserError(f"config: `val_set_size: {cfg.val_set_size:g}` leaves {rows.units} train rows, fewer "
+                        f"than one global batch ({global_batch} rows): lower val_set_size or the batch")
+    return {"world_size": world_size, "micro_batch_size": cfg.micro_batch_size,
+            "gradient_accumulation_steps": accumulation, "global_batch_size": global_batch}
+
+
+def _batching_words(resolved) -> str:
+    return f"streamed, {resolved.batching}" if resolved.streamed else resolved.batching
+
+
+def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb) -> tuple[dict, list]:
+    """What the model and the machine add: the model's line, precision and attention, the engine (its settings
+    checked against the plan), the memory per rank, the compute per token and the peak MFU is taken against;
+    and their warnings (a sequence_len past the model's positions, an attention kernel that cannot run here, a
+    run above the device's memory)."""
+    from tuneloop.model import check_sequence_len
+    from tuneloop.plan.flops import count_flops, run_peak
+    from tuneloop.plan.memory import estimate_memory, memory_warning
+
+    precision = resolved.precision.mixed
+    too_long = check_sequence_len(cfg, facts)
+    try:  # a DeepSpeed file's set values must agree with the plan: refused now, not when the engine starts
+        resolved.engine.check_plan(cfg.micro_batch_size, cfg.gradient_accumulation_steps, world_size,
+                                   cfg.max_grad_norm, precision, getattr(facts.config, "hidden_size", None))
+    except ValueError as error:
+        raise UserError(f"config: {error}") from None
+    estimate = estimate_memory(cfg, facts, counts.max_micro_batch_tokens, precision, resolved.engine, world_size,
+                               device_memory_gb)
+    part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),
+            "attention": resolved.attention.used, "engine": resolved.engine.describe(world_size),
+            "estimated_memory_gb": estimate.total_gb, "memory": asdict(estimate)}
+    count = count_flops(facts.config, *facts.matmul_weights, counts.sequence_lengths)
+    part.update(flops_per_token=count.per_token, attention_context=count.attention_context)
+    if count.per_token is None:
+        part["peak_source"] = count.why_not
+    else:
+        # (`tuneloop plan --world-size N` outside a launcher: the N ranks are taken to share this host)
+        peak = run_peak(precision, cfg.peak_tflops, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        part.update(peak_flops=peak.flops, peak_source=peak.source)
+    if resolved.compiled:
+        part["torch_compile"] = f"torch.compile ({cfg.torch_compile_backend or 'inductor'}" + (
+            f", mode {cfg.torch_compile_mode})" if cfg.torch_compile_mode else ")")
+    notes = [note for note in (too_long, resolved.attention.note, memory_warning(estimate)) if note]
+    return part, notes
+
+
+def model_line(cfg, facts) -> str:
+    """What the plan says of the model: its class, its size, and where its weights come from."""
+    name = type(facts.config).__name__.removesuffix("Config")
+    if cfg.from_scratch:
+        source = f"random weights (from scratch) from the config of {cfg.base_model_config or cfg.base_model}"
+    else:
+        source = f"weights of {cfg.base_model}"
+    return f"{name}, {facts.parameters:,} parameters; {source}"
+
+
+def plan_warnings(cfg, plan: TrainingPlan) -> list[str]:
+    """What the data and the batch settings do that the user probably did not mean."""
+    found = []
+    if cfg.max_steps and plan.steps_per_epoch and plan.epochs_covered != cfg.num_epochs:
+        covered = plan.total_steps / plan.steps_per_epoch  # unrounded: 2 steps of 148,480 round to 0 passes
+        ratio = cfg.num_epochs / covered
+        text = (f"max_steps={cfg.max_steps} covers {covered:.4g} passes over the data, "
+                f"while num_epochs={cfg.num_epochs}; max_steps wins.")
+        if plan.world_size > 1 and math.isclose(ratio, plan.world_size, rel_tol=0.02):
+            text += (f" The ratio is the world size ({plan.world_size}): you probably counted per-device "
+                     "batches; one step here consumes a global batch from every rank.")
+        found.append(text)
+    if plan.padding_fraction is not None and plan.padding_fraction > 0.20 and not (
+            cfg.group_by_length and plan.encoder_tokens is not None):  # (nothing left to suggest)
+        remedy = ("`group_by_length: true` would reclaim most of it" if plan.encoder_tokens is not None
+                  else "`sample_packing: true` (or `group_by_length: true`) would reclaim most of it")
+        found.append(f"{plan.padding_fraction:.0%} of the computed tokens are padding; {remedy}.")
+    for name, count in (("eval", plan.eval_count), ("save", plan.save_count)):
+        if count > 1 / FREQUENT_FRACTION:
+            found.append(f"{count} {name}s in {plan.total_steps} steps: one every "
+                         f"{plan.total_steps / count:.1f} steps costs time; space them out.")
+    read = plan.train_rows + plan.eval_rows + plan.dropped_too_long + plan.dropped_no_trained_tokens
+    if read and plan.dropped_no_trained_tokens / read > 0.01:
+        found.append(f"{plan.dropped_no_trained_tokens} of {read} rows have no trained token (nothing for the loss, "
+                     "e.g. no turn of a role in roles_to_train) and are dropped.")
+    if read and plan.dropped_too_long / read > 0.01:
+        found.append(f"sequence_len={cfg.sequence_len} drops {plan.dropped_too_long} of {read} rows "
+                     f"({plan.dropped_too_long / read:.1%}); raise sequence_len to keep them.")
+    asked_for_evals = [key for key in ("eval_steps", "evals_per_epoch", "eval_on_start", "early_stopping_patience")
+                       if getattr(cfg, key)]
+    if not plan.eval_rows and asked_for_evals:
+        found.append(f"{', '.join(asked_for_evals)} set, but there is no eval set (val_set_size or test_datasets): "
+                     "no eval will run" + (", and early stopping cannot stop the run" if cfg.early_stopping_patience
+                                           else "") + ".")
+    if plan.micro_batches_per_epoch is not None and plan.micro_batches_per_epoch < plan.gradient_accumulation_steps:
+        found.append(f"the global batch ({plan.global_batch_size} rows) is larger than one epoch of data "
+                     f"({plan.micro_batches_per_epoch} micro-batches per rank): every step is a partial batch; "
+                     "lower micro_batch_size or gradient_accumulation_steps.")
+    if plan.warmup_steps >= plan.total_steps:
+        found.append(f"warm-up ({plan.warmup_steps} steps) is as long as the run ({plan.total_steps} steps) "
+                     "or longer: the learning rate never reaches its peak.")
+    if plan.rows_cut_per_epoch:
+        found.append(f"{plan.rows_cut_per_epoch} rows per epoch do not fill a micro-batch on every one of the "
+                     f"{plan.world_size} ranks and are left out of that epoch (a different set each epoch).")
+    return found

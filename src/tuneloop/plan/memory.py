@@ -1,0 +1,161 @@
+"""A memory estimate for the plan: weights, gradients, optimizer state and activations.
+
+It is an estimate from the model's config (built on the meta device: no weights are read)
+and the plan's largest micro-batch, meant to catch a run that cannot fit before it starts,
+not to predict the allocator's peak to the megabyte. Activations follow the usual
+per-layer count for a transformer with fused attention (about 34 values per token and
+hidden unit, no s² attention matrix), plus the logits and their gradient in float32: one chunk of
+them with the chunked loss (train/chunked_loss.py), the whole micro-batch's otherwise. How the engine divides
+the rest over the ranks is the engine's to say (engines/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from tuneloop.engines.base import WholeBytes
+from tuneloop.errors import UserError
+from tuneloop.hardware import quantized_loading
+from tuneloop.model import ModelFacts
+from tuneloop.optim import OPTIMIZERS
+from tuneloop.output_head import chunk_tokens
+from tuneloop.rl_methods import keeps_reference_copy
+
+ACTIVATION_VALUES_PER_TOKEN_HIDDEN = 34
+
+
+@dataclass(kw_only=True)
+class MemoryEstimate:
+    """Per rank: what one device holds (total_gb), and what each rank keeps in host memory when offloading."""
+    parameters: int
+    trainable_parameters: int
+    weights_gb: float
+    gradients_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    total_gb: float
+    device: str
+    device_gb: float | None
+    reference_gb: float = 0.0  # preference training's frozen reference copy (full fine-tuning, computed live)
+    engine: str = "one process"  # how the ranks share the model (the engine's description)
+    world_size: int = 1
+    gathered_gb: float = 0.0  # a sharded model's weights gathered whole while they compute (root + 2 layers)
+    host_gb: float = 0.0  # offloaded to host memory, per rank
+    per_rank_bytes: dict | None = None  # unrounded weights/optimizer bytes per rank (compared with the engine's own)
+
+
+def device_memory_gb() -> tuple[str, float | None]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory / 1e9
+    except ImportError:
+        pass
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return "cpu (system memory)", int(line.split()[1]) * 1024 / 1e9
+    return "cpu", None
+
+
+def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str, engine,
+                    world_size: int = 1, device_gb: float | None = None) -> MemoryEstimate:
+    """Memory per rank. Weights, gradients and optimizer state are divided by the world size where the engine
+    shards them (FSDP2 all three, ZeRO-1 the optimizer, ZeRO-2 also gradients, ZeRO-3 all three) and moved to
+    host memory where it offloads them: each engine says its share (engines/: `per_rank`). `device_gb` overrides
+    this machine's device (planning a launch elsewhere: `tuneloop plan --device-memory 80`)."""
+    config = facts.config
+    params, trainable = facts.parameters, facts.trainable_parameters
+    # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them; 4-bit NF4 or
+    # 8-bit when quantized; an fp32 master copy where the engine's optimizer steps one (DeepSpeed)
+    parameter_bytes, master_bytes = engine.held_widths(2 if cfg.bfloat16 or cfg.float16 else 4, precision)
+    weight_bytes = {"4bit": 0.5, "8bit": 1}.get(quantized_loading(cfg), parameter_bytes)
+    trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights
+    # the optimizer's states follow the weights it steps: the masters', where there are masters
+    state_bytes = OPTIMIZERS[cfg.optimizer].state_bytes_per_param * (1 if master_bytes else trained_bytes / 4)
+    layers = getattr(config, "num_hidden_layers", 0)
+    whole = WholeBytes(weights=params * weight_bytes, gradients=trainable * trained_bytes,
+                       optimizer=trainable * (state_bytes + master_bytes), parameters=params, trainable=trainable,
+                       weight_bytes=weight_bytes, layer_parameters=_layer_parameters(config), layers=layers)
+    share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
+    activations = _activations(cfg, facts, tokens_per_micro_batch, precision)
+    gb = 1e9
+    device, here_gb = device_memory_gb()
+    if device_gb is not None:
+        device = "each device (--device-memory)"
+    reference = params * weight_bytes / gb if keeps_reference_copy(cfg) else 0.0
+    total = (share.weights + share.gradients + share.optimizer + activations + share.gathered) / gb + reference
+    device_total = device_gb if device_gb is not None else here_gb
+    return MemoryEstimate(
+        parameters=params, trainable_parameters=trainable, weights_gb=round(share.weights / gb, 3),
+        gradients_gb=round(share.gradients / gb, 3), optimizer_gb=round(share.optimizer / gb, 3),
+        activations_gb=round(activations / gb, 3), total_gb=round(total, 3), device=device,
+        device_gb=round(device_total, 2) if device_total else None, reference_gb=round(reference, 3),
+        engine=engine.describe(world_size), world_size=world_size, gathered_gb=round(share.gathered / gb, 3),
+        host_gb=round(share.host / gb, 3),
+        per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer)})
+
+
+def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str) -> float:
+    """The usual per-layer count (ACTIVATION_VALUES_PER_TOKEN_HIDDEN values per token and hidden unit), plus the
+    logits and their gradient in fp32: one chunk's with the chunked loss, the whole micro-batch's otherwise."""
+    config = facts.config
+    act_bytes = 2 if precision in ("bf16", "fp16") else 4
+    hidden = getattr(config, "hidden_size", 0)
+    layers = getattr(config, "num_hidden_layers", 0)
+    vocab = getattr(config, "vocab_size", 0)
+    per_layer = tokens_per_micro_batch * hidden * act_bytes
+    if cfg.gradient_checkpointing:  # layer inputs kept, one layer recomputed at a time
+        activations = per_layer * (layers + ACTIVATION_VALUES_PER_TOKEN_HIDDEN)
+    else:
+        activations = per_layer * layers * ACTIVATION_VALUES_PER_TOKEN_HIDDEN
+    if facts.chunked_loss:  # one chunk's fp32 logits and their gradient, and the head's gradient buffer
+        activations += min(tokens_per_micro_batch, chunk_tokens(vocab)) * vocab * 4 * 2 + vocab * hidden * 4
+    else:  # the whole micro-batch's logits in fp32 and their gradient
+        activations += tokens_per_micro_batch * vocab * 4 * 2
+    return activations
+
+
+def memory_warning(estimate: MemoryEstimate) -> str | None:
+    """Said in the plan when the estimate exceeds the device."""
+    if not (estimate.device_gb and estimate.total_gb > estimate.device_gb):
+        return None
+    ranks = f" per rank over {estimate.world_size} ranks" if estimate.world_size > 1 else ""
+    return (f"estimated memory {estimate.total_gb:.1f} GB{ranks} (weights {estimate.weights_gb:.1f}, gradients "
+            f"{estimate.gradients_gb:.1f}, optimizer {estimate.optimizer_gb:.1f}, activations "
+            f"{estimate.activations_gb:.1f}) is above the {estimate.device_gb:.0f} GB of {estimate.device}: "
+            "lower micro_batch_size or sequence_len, or use gradient_checkpointing, an adapter, or more ranks with "
+            "a sharding engine (fsdp, deepspeed zero3).")
+
+
+MEMORY_REFUSAL_FACTOR = 1.5  # above this multiple of the device's memory, the run would die in the allocator
+
+
+def check_memory_fits(plan, ranks_sharing_memory: int = 1) -> None:
+    """Refuse to start a run whose estimate is far above the device's memory (on a CPU, the ranks of one host
+    share its RAM). The estimate is rough, hence the margin; `--ignore-memory-estimate` starts anyway."""
+    memory = plan.memory
+    if not memory or not memory["device_gb"]:
+        return
+    needed = memory["total_gb"] * ranks_sharing_memory
+    if needed > MEMORY_REFUSAL_FACTOR * memory["device_gb"]:
+        ranks = f" for {ranks_sharing_memory} ranks on this host" if ranks_sharing_memory > 1 else ""
+        raise UserError(f"plan: the run needs about {needed:.1f} GB{ranks} (weights {memory['weights_gb']:.1f}, "
+                        f"activations {memory['activations_gb']:.1f}, ...), more than {MEMORY_REFUSAL_FACTOR}× the "
+                        f"{memory['device_gb']:.0f} GB of {memory['device']}. Lower micro_batch_size or "
+                        "sequence_len, or use gradient_checkpointing or an adapter; `tuneloop train "
+                        "--ignore-memory-estimate` starts anyway.")
+
+
+def _layer_parameters(config) -> int:
+    """One decoder layer's parameters, from the config (attention with grouped keys/values, a gated MLP)."""
+    hidden = getattr(config, "hidden_size", 0) or 0
+    heads = getattr(config, "num_attention_heads", 0) or 1
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    intermediate = getattr(config, "intermediate_size", 0) or 4 * hidden
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
+    return attention + 3 * hidden * intermediate + 2 * hidden

@@ -1,0 +1,126 @@
+"""The plan in words: what `tuneloop plan` and `train` print, numbers first. The arithmetic is build.py's."""
+
+from __future__ import annotations
+
+def describe(plan) -> str:
+    """The human-readable plan: a short report, numbers first."""
+    if plan.streamed:
+        return _describe_streamed(plan)
+    rows = "pairs" if plan.unit == "pairs" else "rows"
+    batch_rows, per_step = rows, ""
+    if plan.batching == "packed" and plan.unit != "tokens":  # a packed row holds several pairs (KTO: rows)
+        batch_rows = "packed rows"
+        per_step = f" (~{(plan.train_rows - plan.rows_cut_per_epoch) / plan.steps_per_epoch:.1f} {rows} per step)"
+    density = (f"packing efficiency {plan.packing_efficiency:.1%}" if plan.packing_efficiency is not None
+               else f"padding {plan.padding_fraction:.1%} of computed tokens")
+    lines = [
+        "tuneloop plan",
+        *([f"  model                {plan.model}"] if plan.model else []),
+        f"  world size           {plan.world_size}",
+        f"  batch                {plan.micro_batch_size} {batch_rows}/micro-batch × {plan.gradient_accumulation_steps} "
+        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} {batch_rows} per optimizer step"
+        + per_step,
+        f"  batching             {plan.batching} (sequence_len {plan.sequence_len}; {density})",
+        f"  data                 {plan.train_rows} train {rows}, {plan.train_tokens} tokens, "
+        f"{plan.trainable_tokens} trained tokens per epoch; {plan.eval_rows} eval {rows}",
+        f"  steps                {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches "
+        f"per rank), {plan.total_steps} in total = {plural(plan.epochs_covered, 'epoch')}",
+        f"  tokens               {plan.tokens_per_step:.0f} trained tokens per step, "
+        f"{plan.total_trainable_tokens} over the run",
+        f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
+        f"warm-up {plural(plan.warmup_steps, 'step')}",
+    ]
+    lines += _machine_lines(plan)
+    return "\n".join(lines)
+
+
+def _describe_streamed(plan) -> str:
+    rows = "full rows" if plan.packing_efficiency else "rows"
+    tokens = (f"{plan.total_real_tokens // plan.total_steps} tokens per step ({plan.global_batch_size} × "
+              f"{plan.sequence_len}), {plan.total_real_tokens} over the run" if plan.total_real_tokens is not None
+              else "each row as long as it is (padded to the longest of its micro-batch)")
+    lines = [
+        "tuneloop plan",
+        *([f"  model                {plan.model}"] if plan.model else []),
+        f"  world size           {plan.world_size}",
+        f"  batch                {plan.micro_batch_size} {rows}/micro-batch × {plan.gradient_accumulation_steps} "
+        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} {rows} per optimizer step",
+        f"  batching             {plan.batching} (sequence_len {plan.sequence_len})",
+        "  data                 streamed: each rank reads its own share of the rows as the run goes; passes over "
+        f"the data and trained tokens are counted as they come; {plan.eval_rows} eval rows",
+        f"  steps                {plan.total_steps} (max_steps)",
+        f"  tokens               {tokens}",
+        f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
+        f"warm-up {plural(plan.warmup_steps, 'step')}",
+    ]
+    return "\n".join(lines + _machine_lines(plan))
+
+
+def _machine_lines(plan) -> list[str]:
+    """The plan's lines after the data's: precision, compute, engine, memory, evals, saves, drops, warnings."""
+    lines = []
+    if plan.encoder_tokens is not None:
+        lines.append(f"  encoder-decoder      encoder {plan.encoder_tokens} tokens (padding "
+                     f"{plan.encoder_padding_fraction:.1%}), decoder {plan.decoder_tokens} tokens (padding "
+                     f"{plan.decoder_padding_fraction:.1%}) over the run")
+    if plan.objective != "language_model":
+        together = ("chosen and rejected" if plan.unit == "pairs"
+                    else "each row's reply and its mismatched reply for the KL estimate")
+        lines.append(f"  objective            {plan.objective}: loss averaged over the {plan.unit} of each step "
+                     f"({together} in one micro-batch); reference {plan.reference or 'none'}")
+    if plan.precision is not None:
+        lines.append(f"  precision            {plan.precision}; attention {plan.attention}")
+    if plan.torch_compile is not None:
+        lines.append(f"  compile              {plan.torch_compile}: the first step compiles (it can take a minute) "
+                     "and is timed apart; widths rounded up to multiples of 64")
+    if plan.peak_source is not None:
+        lines.append(f"  compute              {_compute_line(plan)}")
+    if plan.engine is not None:
+        lines.append(f"  engine               {plan.engine}")
+    lines += [
+        f"  memory               {_memory_line(plan)}",
+        f"  evals                {plan.eval_count} (at steps {_short(plan.eval_steps_at)})",
+        f"  saves                {plan.save_count} (at steps {_short(plan.save_steps_at)})",
+    ]
+    dropped = [f"{plan.dropped_too_long} longer than sequence_len"] if plan.dropped_too_long else []
+    if plan.dropped_no_trained_tokens:
+        dropped.append(f"{plan.dropped_no_trained_tokens} with no trained token")
+    if plan.dropped_identical_pairs:
+        dropped.append(f"{plan.dropped_identical_pairs} pairs whose chosen and rejected replies are the same")
+    if dropped:
+        lines.append(f"  dropped rows         {'; '.join(dropped)}")
+    for warning in plan.warnings:
+        lines.append(f"  warning: {warning}")
+    return lines
+
+
+def _compute_line(plan) -> str:
+    if plan.flops_per_token is None:
+        return f"MFU {plan.peak_source}"
+    return (f"{plan.flops_per_token / 1e9:.3g} GFLOP per real token (attention over {plan.attention_context:g} "
+            f"positions on average); MFU against {plan.peak_source}")
+
+
+def _memory_line(plan) -> str:
+    if plan.memory is None:
+        return "not estimated"
+    m = plan.memory
+    device = f" of {m['device_gb']:.0f} GB on {m['device']}" if m["device_gb"] else ""
+    per_rank = " per rank" if m.get("world_size", 1) > 1 else ""
+    return (f"~{m['total_gb']:.2f} GB{per_rank}{device} (weights {m['weights_gb']:.2f}, gradients "
+            f"{m['gradients_gb']:.2f}, optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}"
+            + (f", gathered layers {m['gathered_gb']:.2f}" if m.get("gathered_gb") else "")
+            + (f", reference copy {m['reference_gb']:.2f}" if m.get("reference_gb") else "")
+            + (f"; {m['host_gb']:.2f} GB offloaded to host memory" if m.get("host_gb") else "") + "; "
+            f"{m['trainable_parameters']:,} of "
+            f"{m['parameters']:,} parameters trained)")
+
+
+def plural(count: float, word: str) -> str:
+    return f"{count:g} {word}" if count == 1 else f"{count:g} {word}s"
+
+
+def _short(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{', '.join(map(str, steps[:6]))}, …, {steps[-1]}"
