@@ -366,6 +366,31 @@ def test_check_reports_every_problem_at_once_in_well_under_a_second(tmp_path):
     assert seconds < 5  # a fresh interpreter included; the check itself imports no torch (asserted in the script)
 
 
+def test_check_reports_problems_of_different_features_at_once_field_errors_and_rules_alike(tmp_path):
+    """A refused value (an unknown chat template) does not hide the cross-key rules of other features: the
+    sharding, schedule and preference problems are reported in the same pass."""
+    config = write_config(tmp_path / "bad.yml", base_model="m", chat_template="jamba", rl="dpo", simpo_gamma=0.5,
+                          datasets=[{"path": "x", "type": "chat_template"}], warmup_steps=10, warmup_ratio=0.1,
+                          adapter="qlora", load_in_4bit=True, lora_target_linear=True, fsdp=["full_shard"],
+                          fsdp_version=2)
+    result = run_in_process("check", str(config))
+    assert_user_error(result, "`chat_template` got 'jamba'",
+                      "(`adapter: qlora`) under fsdp2 asks for sharded 4/8-bit weights",
+                      "`warmup_steps` and `warmup_ratio` cannot both be set",
+                      "`simpo_gamma` shapes SimPO's loss, and this run is `rl: dpo`")
+    assert result.stderr.count("\n  ") == 3  # four problems, one line each
+
+
+def test_a_rule_that_reads_a_refused_value_waits_for_it_instead_of_guessing(tmp_path):
+    """`rl: grpo` is refused; the preference rule, which would judge the datasets against `rl`, says nothing
+    (it would otherwise call the preference data a mistake for a run without `rl`)."""
+    config = write_config(tmp_path / "bad.yml", base_model="m", rl="grpo",
+                          datasets=[{"path": "x", "type": "chat_template.argilla"}])
+    result = run_in_process("check", str(config))
+    assert_user_error(result, "`rl` asks for this preference/RL training")
+    assert "is preference data" not in result.stderr and result.stderr.count("\n  ") == 0
+
+
 def test_gradient_checkpointing_and_its_offload_give_the_same_weights_as_none(tmp_path, tiny_model_dir, data):
     """axolotl's `gradient_checkpointing: offload` (and kwargs) are honoured, and change only memory."""
     from safetensors.torch import load_file

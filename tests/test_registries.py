@@ -19,6 +19,7 @@ from tuneloop.errors import UserError
 from tuneloop.hardware import check_hardware
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS, OptimizerKind, build_optimizer, build_scheduler
 from tuneloop.registry import Registry
+from tuneloop.resolved import resolve_config
 from tuneloop.train.state import RunState
 
 MINIMAL = {"base_model": "m", "datasets": [{"path": "x"}]}
@@ -54,19 +55,20 @@ def test_aliases_answer_for_their_entry_and_a_name_cannot_be_taken_twice():
 
 @pytest.mark.parametrize("name", OPTIMIZERS.names())
 def test_every_optimizer_builds_or_is_refused_and_the_memory_estimate_knows_its_state(name, tiny_model_dir):
-    from tuneloop.memory import estimate_memory
-    from tuneloop.model import model_facts
+    from tuneloop.model import MODEL_KINDS, model_facts
+    from tuneloop.plan.memory import estimate_memory
 
     cfg = config_from_dict({**MINIMAL, "base_model": str(tiny_model_dir), "optimizer": name})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     trained = sum(p.numel() for p in model.parameters())
-    estimate = estimate_memory(cfg, model_facts(cfg), tokens_per_micro_batch=64, precision="no")
+    estimate = estimate_memory(cfg, model_facts(cfg, MODEL_KINDS["causal"]), tokens_per_micro_batch=64,
+                               precision="no", engine=resolve_config(cfg).engine)
     assert estimate.optimizer_gb == round(trained * OPTIMIZERS[name].state_bytes_per_param / 1e9, 3)
     if OPTIMIZERS[name].needs_cuda and not torch.cuda.is_available():
         with pytest.raises(UserError, match=f"`optimizer: {name}` needs a CUDA GPU"):
-            check_hardware(cfg)  # what `train` does before loading anything
+            check_hardware(cfg, resolve_config(cfg))  # what `train` does before loading anything
         return
-    check_hardware(cfg)
+    check_hardware(cfg, resolve_config(cfg))
     optimizer = build_optimizer(cfg, model)
     model(input_ids=torch.tensor([[5, 6, 7]]), labels=torch.tensor([[5, 6, 7]])).loss.backward()
     optimizer.step()
@@ -100,7 +102,7 @@ def test_an_optimizer_that_needs_a_gpu_is_refused_on_a_machine_without_one(monke
     monkeypatch.setitem(OPTIMIZERS._canonical, "gpu_only_test", "gpu_only_test")
     cfg = config_from_dict({**MINIMAL, "optimizer": "gpu_only_test"})
     with pytest.raises(UserError, match="`optimizer: gpu_only_test` needs a CUDA GPU"):
-        check_hardware(cfg)
+        check_hardware(cfg, resolve_config(cfg))
 
 
 def test_the_run_state_survives_a_checkpoint_whole():
@@ -120,3 +122,152 @@ def test_the_run_state_survives_a_checkpoint_whole():
     # while the watchdog keeps the longest streak any old rank had
     alone = RunState.from_json(saved, rank=0, world_size=1)
     assert alone.targets_collated == 0 and alone.bad_steps_in_a_row == [1, 2]
+
+
+# ---- every name of every registry is reachable end to end ------------------------------------------------------
+# A name added to a registry without what it needs elsewhere (a loss for an RL method, an example row for a format,
+# keys that reach an engine) fails here, not at a user's first step. Each table below is keyed by the registry's
+# names: a new name without an entry fails too, asking for its test.
+
+FORMAT_EXAMPLES = {
+    "alpaca": {"instruction": "Add two numbers.", "input": "one two", "output": "three"},
+    "alpaca:chat": {"instruction": "Name three colours.", "output": "red, green and blue"},
+    "completion": {"text": "The quick brown fox jumps over the lazy dog."},
+    "seq2seq": {"source": "Translate the sentence into French.", "target": "red, green and blue"},
+    "chat_template": {"messages": [{"role": "user", "content": "Hello there"},
+                                   {"role": "assistant", "content": "I am fine, thank you."}]},
+    "sharegpt": {"conversations": [{"from": "human", "value": "Hello there"},
+                                   {"from": "gpt", "value": "I am fine, thank you."}]},
+}
+
+
+def test_the_registries_name_exactly_the_things_their_tests_reach():
+    from tuneloop.data.chat_templates import CHAT_TEMPLATES
+    from tuneloop.engines.keys import ENGINES
+    from tuneloop.model import MODEL_KINDS
+    from tuneloop.rl_methods import RL_METHODS
+    from tuneloop.trackers import TRACKERS
+    from tuneloop.train.objectives import OBJECTIVES
+    from tuneloop.train.preference import LOSSES
+
+    canonical = {FORMATS.canonical(name) for name in FORMATS.names()}
+    assert canonical == set(FORMAT_EXAMPLES)
+    assert set(RL_METHODS.names()) == set(LOSSES.names()) == set(OBJECTIVES.names()) - {"language_model"}
+    assert set(ENGINES.names()) == set(ENGINE_KEYS)
+    assert set(TRACKERS.names()) == set(TRACKER_KEYS)
+    assert set(MODEL_KINDS.names()) == {"causal", "seq2seq"}
+    assert CHAT_TEMPLATES.names()  # (walked one by one below)
+
+
+@pytest.mark.parametrize("name", FORMATS.names())
+def test_every_dataset_format_prepares_a_row_with_trained_tokens(tmp_path, tiny_tokenizer_dir, name):
+    from transformers import AutoTokenizer
+
+    from conftest import write_jsonl
+    from tuneloop.data.prepare import prepare
+
+    canonical = FORMATS.canonical(name)
+    data = write_jsonl(tmp_path / "rows.jsonl", [FORMAT_EXAMPLES[canonical]] * 2)
+    entry = {"path": str(data), "type": name, **({"field": "text"} if canonical == "completion" else {})}
+    cfg = config_from_dict({"base_model": "m", "datasets": [entry], "sequence_len": 256,
+                            "dataset_prepared_path": str(tmp_path / "prepared")})
+    prepared = prepare(cfg, AutoTokenizer.from_pretrained(tiny_tokenizer_dir),
+                       encoder_decoder=canonical == "seq2seq")
+    assert prepared.stats.train_rows == 2 and prepared.train[0]["n_targets"] > 0
+
+
+def chat_template_names() -> list[str]:
+    from tuneloop.data.chat_templates import CHAT_TEMPLATES
+
+    return CHAT_TEMPLATES.names()
+
+
+@pytest.mark.parametrize("name", chat_template_names())
+def test_every_chat_template_trains_the_reply_and_not_the_prompt(tmp_path, tiny_tokenizer_dir, name):
+    from transformers import AutoTokenizer
+
+    from conftest import write_jsonl
+    from tuneloop.data.labels import IGNORE_INDEX
+    from tuneloop.data.prepare import prepare
+
+    data = write_jsonl(tmp_path / "rows.jsonl", [FORMAT_EXAMPLES["chat_template"]])
+    cfg = config_from_dict({"base_model": "m", "datasets": [{"path": str(data), "type": "chat_template"}],
+                            "chat_template": name, "sequence_len": 256,
+                            "dataset_prepared_path": str(tmp_path / "prepared")})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    row = prepare(cfg, tokenizer, encoder_decoder=False).train[0]
+    trained = tokenizer.decode([token for token, label in zip(row["input_ids"], row["labels"])
+                                if label != IGNORE_INDEX])
+    assert "I am fine, thank you." in trained and "Hello there" not in trained
+
+
+def preference_rows(paired: bool) -> list[dict]:
+    prompt = [{"role": "user", "content": "Name three colours."}]
+    if paired:
+        return [{"messages": prompt, "chosen": "red, green and blue", "rejected": "one two three"}] * 4
+    return [{"prompt": prompt, "completion": reply, "label": label}
+            for reply, label in (("red, green and blue", True), ("one two three", False))] * 2
+
+
+@pytest.mark.parametrize("name", ["dpo", "ipo", "orpo", "kto", "simpo"])
+def test_every_preference_method_reaches_a_finite_loss_through_its_objective(tmp_path, tiny_model_dir, name):
+    from transformers import AutoTokenizer
+
+    from conftest import write_jsonl
+    from tuneloop.data.collate import Collator
+    from tuneloop.data.prepare import prepare
+    from tuneloop.rl_methods import RL_METHODS
+    from tuneloop.train.objectives import ObjectiveModule, objective_of
+
+    assert name in RL_METHODS
+    data = write_jsonl(tmp_path / "rows.jsonl", preference_rows(RL_METHODS[name].paired))
+    cfg = config_from_dict({"base_model": str(tiny_model_dir), "rl": name, "sequence_len": 256,
+                            "datasets": [{"path": str(data), "type": "chat_template"}],
+                            "dataset_prepared_path": str(tmp_path / "prepared")})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    store = prepare(cfg, tokenizer, encoder_decoder=False).train
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir) if RL_METHODS[name].uses_reference else None
+    batch = Collator(store, tokenizer.pad_token_id, packed=False)([[0], [1]])
+    loss, stats = ObjectiveModule(model, objective_of(cfg, reference))(batch.inputs, batch.targets, batch.extra)
+    assert torch.isfinite(loss) and torch.isfinite(stats).all()
+    loss.backward()  # and it trains the model
+    assert any(param.grad is not None and param.grad.abs().sum() > 0 for param in model.parameters())
+
+
+ENGINE_KEYS = {
+    "ddp": {},
+    "fsdp2": {"fsdp": ["full_shard"], "fsdp_version": 2},
+    "deepspeed": {"deepspeed": "zero2"},
+}
+
+
+@pytest.mark.parametrize("name", ENGINE_KEYS)
+def test_every_engine_is_reached_by_its_keys_and_describes_its_share(name):
+    from tuneloop.engines.base import Engine, WholeBytes
+    from tuneloop.resolved import resolve_config
+
+    cfg = config_from_dict({**MINIMAL, **ENGINE_KEYS[name]})
+    spec = resolve_config(cfg).engine
+    assert spec.name == name and spec.describe(2)
+    whole = WholeBytes(weights=8e6, gradients=8e6, optimizer=16e6, parameters=2_000_000, trainable=2_000_000,
+                       weight_bytes=4, layer_parameters=400_000, layers=4)
+    share = spec.per_rank(whole, world_size=2, accumulation=1, precision="no")
+    held = share.weights + share.gradients + share.optimizer
+    whole_copy = whole.weights + whole.gradients + whole.optimizer
+    assert held == whole_copy if name == "ddp" else held < whole_copy  # (a sharding engine divides over 2 ranks)
+    assert isinstance(spec.build(cfg, plan=None, accelerator=None), Engine)
+
+
+TRACKER_KEYS = {
+    "tensorboard": {"use_tensorboard": True},
+    "wandb": {"wandb_project": "p", "wandb_mode": "offline"},
+    "mlflow": {"mlflow_experiment_name": "e"},
+}
+
+
+@pytest.mark.parametrize("name", TRACKER_KEYS)
+def test_every_tracker_is_wanted_by_its_keys_alone(name):
+    from tuneloop.trackers import wanted_trackers
+
+    assert wanted_trackers(config_from_dict({**MINIMAL, **TRACKER_KEYS[name]})) == [name]
