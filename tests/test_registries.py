@@ -20,6 +20,7 @@ from tuneloop.hardware import check_hardware
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS, OptimizerKind, build_optimizer, build_scheduler
 from tuneloop.registry import Registry
 from tuneloop.resolved import resolve_config
+from tuneloop.rl_methods import RL_METHODS
 from tuneloop.train.state import RunState
 
 MINIMAL = {"base_model": "m", "datasets": [{"path": "x"}]}
@@ -145,7 +146,6 @@ def test_the_registries_name_exactly_the_things_their_tests_reach():
     from tuneloop.data.chat_templates import CHAT_TEMPLATES
     from tuneloop.engines.keys import ENGINES
     from tuneloop.model import MODEL_KINDS
-    from tuneloop.rl_methods import RL_METHODS
     from tuneloop.trackers import TRACKERS
     from tuneloop.train.objectives import OBJECTIVES
     from tuneloop.train.preference import LOSSES
@@ -209,17 +209,15 @@ def preference_rows(paired: bool) -> list[dict]:
             for reply, label in (("red, green and blue", True), ("one two three", False))] * 2
 
 
-@pytest.mark.parametrize("name", ["dpo", "ipo", "orpo", "kto", "simpo"])
+@pytest.mark.parametrize("name", RL_METHODS.names())
 def test_every_preference_method_reaches_a_finite_loss_through_its_objective(tmp_path, tiny_model_dir, name):
     from transformers import AutoTokenizer
 
     from conftest import write_jsonl
     from tuneloop.data.collate import Collator
     from tuneloop.data.prepare import prepare
-    from tuneloop.rl_methods import RL_METHODS
     from tuneloop.train.objectives import ObjectiveModule, objective_of
 
-    assert name in RL_METHODS
     data = write_jsonl(tmp_path / "rows.jsonl", preference_rows(RL_METHODS[name].paired))
     cfg = config_from_dict({"base_model": str(tiny_model_dir), "rl": name, "sequence_len": 256,
                             "datasets": [{"path": str(data), "type": "chat_template"}],
