@@ -190,7 +190,7 @@ class TuneloopConfig(Strict):
     fsdp_final_state_dict_type: Optional[str] = None
     deepspeed: Optional[Union[str, dict[str, Any]]] = None  # a path, beside the config, or a shipped name (zero2)
     # preference training (rl_methods.py; the losses in train/preference.py)
-    rl: Optional[str] = None  # dpo, ipo or orpo; unset: supervised fine-tuning
+    rl: Optional[str] = None  # a method of rl_methods.py's RL_METHODS; unset: supervised fine-tuning
     rl_beta: Optional[float] = None  # DPO/IPO's beta (default 0.1); axolotl's older `dpo_beta` too
     dpo_beta: Optional[float] = None
     dpo_loss_type: Optional[Union[str, list[str]]] = None  # sigmoid (default), ipo, hinge; a list is a weighted sum

@@ -3,7 +3,7 @@
 An objective runs the model on a micro-batch and returns a *summed* loss, and says what that sum is over
 (its unit): the language-model loss sums cross-entropy over target tokens, so a step's loss is that sum
 divided by the target tokens of the whole step (all micro-batches, all ranks), which the host knows before
-the step. Preference objectives (DPO, IPO, ORPO, KTO: train/preference.py) sum over pairs (KTO: rows) and
+the step. Preference objectives (RL_METHODS; their LOSSES in train/preference.py) sum over pairs (KTO: rows) and
 normalise by the pairs of the step, in the same loop.
 
 The model and its objective are one module for the loop (`ObjectiveModule`), so DDP, FSDP2 and DeepSpeed
@@ -104,7 +104,7 @@ def _language_model(cfg) -> Objective:
 
 
 def _preference(cfg, reference_model=None) -> Objective:
-    """DPO, IPO, ORPO (per pair) or KTO (per row): train/preference.py."""
+    """A preference method's loss (train/preference.py's LOSSES): per pair, or per labelled row (KTO)."""
     from tuneloop.train.preference import PairLosses, PreferenceLoss
 
     loss = PreferenceLoss(PairLosses.from_config(cfg), reference_model)

@@ -12,7 +12,7 @@ Each loss is summed over the micro-batch's pairs (KTO: rows); the loop divides b
 the mean over the micro-batch's rows on its rank (TRL also averages it over the ranks): with KTO, and only
 there, the micro-batch size is part of the loss.
 
-The reference model (DPO, IPO) is the policy's starting point, frozen: with a LoRA adapter, the same
+The reference model (of the methods that use one) is the policy's starting point, frozen: with a LoRA adapter, the same
 model with its adapter switched off (no second copy); in full fine-tuning, a frozen copy made before the
 first step; or neither, when `precompute_ref_log_probs` computed its log-probs once before training (the
 batch then carries them).

@@ -1,4 +1,5 @@
-"""The reference model of a preference run (DPO, IPO): live, or its log-probs computed once.
+"""The reference model of a preference run (a method whose RL_METHODS entry uses one: DPO, IPO, KTO): live, or its
+log-probs computed once.
 
 Live, the reference is the starting model, frozen: a LoRA run switches its adapter off (train/preference.py),
 a full fine-tuning run keeps a frozen copy made before the first step (a resumed run loads the base again:
