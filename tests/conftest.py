@@ -97,7 +97,26 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def write_config(path: Path, **keys) -> Path:
     path.write_text(yaml.safe_dump(keys, sort_keys=False))
+    assert_rerunnable(keys)
     return path
+
+
+def assert_rerunnable(keys: dict) -> None:
+    """Every config the suite writes that tuneloop accepts is one a run's run_config.yml reruns: that file (every
+    key with its value, as the run used it) reads back as the same config."""
+    import warnings
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.errors import UserError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cfg = config_from_dict(keys)
+        except UserError:
+            return  # a config the test means to be refused
+        written = yaml.safe_load(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        assert config_from_dict(written).model_dump(mode="json") == cfg.model_dump(mode="json")
 
 
 def base_config(tmp_path: Path, model_dir: Path, data_file: Path, **overrides) -> dict:

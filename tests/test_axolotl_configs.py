@@ -43,8 +43,10 @@ def example_configs() -> list[Path]:
 
 
 def swapped(raw: dict, model_dir: Path) -> dict:
-    """The config as the test runs it: the tiny local model in place of a hub model (and its class)."""
+    """The config as the test runs it: the tiny local model in place of a hub model (and its class; its tokenizer is
+    the tiny model's own, read by its own class: a LlamaTokenizer over it would add a token the model lacks)."""
     raw = dict(raw, base_model=str(model_dir))
+    raw.pop("tokenizer_type", None)
     if str(raw.get("model_type") or "").endswith("ForCausalLM"):
         raw["model_type"] = "AutoModelForCausalLM"
     return raw

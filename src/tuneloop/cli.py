@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -44,9 +45,11 @@ def command_plan(args) -> int:
     from tuneloop.plan.text import describe
     from tuneloop.resolved import resolve_run
     from tuneloop.run import prepare_data
+    from tuneloop.trackers import check_trackers
 
     cfg = _config(args)
     hooks = ConsoleHooks(sys.stderr if args.json else None)  # (--json keeps stdout for the plan alone)
+    check_trackers(cfg)  # what `train` refuses when it starts, `plan` refuses too
     resolved = resolve_run(cfg)
     tokenizer, rows = prepare_data(cfg, resolved, hooks=hooks)
     hooks.prepared()
@@ -163,6 +166,26 @@ def command_setup(args) -> int:
     return 0
 
 
+def at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: a run has at least 1 rank")
+    return value
+
+
+def positive_gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value:g}: a device's memory is more than 0 GB")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tuneloop", description="Fine-tune Hugging Face language models from one "
                                      "YAML file (axolotl's key names), in a loop as fast as a hand-written one.")
@@ -190,9 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     check_parser.set_defaults(handler=command_check)
     plan_parser = with_config("plan", "print every number of the run before training")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    plan_parser.add_argument("--world-size", type=int, default=None,
+    plan_parser.add_argument("--world-size", type=at_least_one, default=None,
                              help="plan a launch on N ranks without launching it")
-    plan_parser.add_argument("--device-memory", type=float, default=None, metavar="GB",
+    plan_parser.add_argument("--device-memory", type=positive_gb, default=None, metavar="GB",
                              help="memory of each device in GB (default: this machine's), to see whether the run "
                                   "fits on machines you do not have yet")
     plan_parser.set_defaults(handler=command_plan)
@@ -224,6 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except (UserError, TrainingDiverged) as error:
         return _say_error(error)
+    except KeyboardInterrupt:  # (train handles its own Ctrl-C: a checkpoint at the end of the step)
+        print(f"error: interrupted (Ctrl-C) during `tuneloop {args.command}`; what it was writing is not left "
+              "half-written (caches and saves appear whole or not at all): run it again", file=sys.stderr, flush=True)
+        return 130
+    except BrokenPipeError:  # `tuneloop check CONFIG | head -1`: the reader has gone, and so do we, quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # (the interpreter's last flush would raise again otherwise)
+        return 141  # as a process stopped by SIGPIPE
 
 
 def _say_error(error: UserError | TrainingDiverged) -> int:

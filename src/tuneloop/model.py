@@ -147,6 +147,12 @@ def _with_added_tokens(cfg: TuneloopConfig, tokenizer):
     if cfg.tokens:
         tokenizer.add_tokens(list(cfg.tokens))  # new vocabulary; load_model grows the embeddings to match
     if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            source = cfg.tokenizer_config or cfg.base_model or cfg.base_model_config
+            raise UserError(f"model: the tokenizer of {source} has neither a pad token nor an eos token: batches "
+                            "cannot be padded, and rows cannot end. Name them: `special_tokens: {pad_token: "
+                            "\"<pad>\", eos_token: \"</s>\"}` (tokens it already has, such as <|endoftext|>, are "
+                            "used as they are; new ones grow the embeddings)")
         # padding positions never reach the loss or attention, so any id will do; eos is the convention
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -243,6 +249,11 @@ class ModelFacts:
     learned_positions: bool  # a position-embedding table of max_positions rows: longer rows cannot run at all
     chunked_loss: bool = False  # the loss meets the output projection in chunks (no whole logits tensor)
     matmul_weights: tuple[int, int] = (0, 0)  # (frozen, trained) weights tokens are multiplied by: plan/flops.py
+    grown_rows: int = 0  # embedding rows added for the tokenizer's tokens the model's vocabulary does not have
+    embedding_rows: int = 0  # the model's own rows, before any was added
+    embeddings_trained: bool = True  # the input embeddings are trained (not under LoRA without modules_to_save)
+    module_classes: frozenset = frozenset()  # the class names of the model's modules (an engine checks its own)
+    layer_classes: tuple = ()  # the model's decoder-layer classes (transformers' _no_split_modules)
 
 
 def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFacts:
@@ -261,9 +272,13 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                      else built._from_config(config))  # a concrete class (model_type: LlamaForCausalLM)
     except (OSError, ValueError) as error:
         raise UserError(f"model: cannot build {cfg.base_model!r} from its config: {error}") from None
-    if tokenizer is not None and len(tokenizer) > model.get_input_embeddings().num_embeddings:
+    grown = len(tokenizer) - model.get_input_embeddings().num_embeddings if tokenizer is not None else 0
+    if grown > 0:
         with torch.device("meta"):  # (mean-initialising new rows reads values: there are none on meta)
             model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    embedding_name = next(name for name, module in model.named_modules() if module is model.get_input_embeddings())
+    classes = frozenset(type(module).__name__ for module in model.modules())
+    layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
     parameters = sum(p.numel() for p in model.parameters())
     max_positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     inputs = model.get_input_embeddings()
@@ -275,8 +290,13 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
     elif cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    embeddings_trained = any(parameter.requires_grad and embedding_name in name  # (peft prefixes the names)
+                             for name, parameter in model.named_parameters())
     return ModelFacts(config, parameters, trainable, max_positions, learned, loss_meets_head_in_chunks(cfg, model),
-                      count_matmul_weights(model))
+                      count_matmul_weights(model), grown_rows=max(grown, 0),
+                      embedding_rows=len(tokenizer) - grown if tokenizer is not None else 0,
+                      embeddings_trained=embeddings_trained,
+                      module_classes=classes, layer_classes=layer_classes)
 
 
 def count_matmul_weights(model) -> tuple[int, int]:

@@ -52,6 +52,11 @@ def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunH
     return tokenizer, prepare_rows(cfg, resolved, tokenizer, force=force, hooks=hooks or RunHooks())
 
 
+def model_shape(plan) -> dict:
+    """What a checkpoint's weights fit: the model's class and size, and what is trained (an adapter's rank shows)."""
+    return {"model": plan.model.split(";")[0], "trainable_parameters": plan.memory["trainable_parameters"]}
+
+
 def ranks_on_this_host() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
@@ -80,6 +85,7 @@ class TrainingSession:
         self.resolved = None  # what the run is (resolved.py): decided when the session opens
         self.accelerator = None
         self.trackers = None  # main process: the trackers the config asks for (trackers.py), started with the plan
+        self.output_lock = None  # main process: output_dir held for this run (run_files.OutputDirLock)
         self.seconds: dict[str, float] = {}  # wall time of the steps before the loop: data, model load
 
     def __enter__(self) -> "TrainingSession":
@@ -117,6 +123,9 @@ class TrainingSession:
         finally:
             if self.trackers is not None:  # the summary, when there is one, and the trackers' runs closed
                 self.trackers.finish(result.summary if result is not None else None)
+            if self.output_lock is not None:
+                self.output_lock.close()
+                self.output_lock = None
 
     def _run(self, overwrite: bool, force_resume: bool, ignore_memory_estimate: bool, started: float) -> RunResult:
         from tuneloop.config.schema import result_settings
@@ -127,12 +136,15 @@ class TrainingSession:
         from tuneloop.train.guards import StopRequests
         from tuneloop.train.loop import TrainingLoop
         from tuneloop.train.objectives import objective_of
+        from tuneloop.trackers import check_trackers
         from tuneloop.train.resume import check_finished_run_matches, check_output_dir_apart, finished_run
 
         cfg, resolved, accelerator = self.cfg, self.resolved, self.accelerator
         output_dir = Path(cfg.output_dir)
         check_output_dir_apart(cfg)
         check_hardware(cfg, resolved)
+        check_trackers(cfg)  # (started after the plan by the main process; what would stop them is said before the
+        # data is read, by every rank alike)
         settings = result_settings(cfg)
         if cfg.auto_resume_from_checkpoints and not overwrite and finished_run(output_dir):
             check_finished_run_matches(output_dir, settings)
@@ -145,7 +157,7 @@ class TrainingSession:
         plan = build_plan(cfg, resolved, rows, tokenizer, accelerator.num_processes)
         if not ignore_memory_estimate:
             check_memory_fits(plan, ranks_on_this_host() if accelerator.device.type == "cpu" else 1)
-        identity = {"data_key": rows.key, "settings": settings}
+        identity = {"data_key": rows.key, "settings": settings, "model_shape": model_shape(plan)}
         resume = self._decided_on_main(lambda: self._start_output_dir(plan, identity, overwrite, force_resume))
         clock = time.perf_counter()
         # a sharded engine's checkpoint may hold its weights only in shards: the loop loads them into the model
@@ -201,11 +213,19 @@ class TrainingSession:
 
         output_dir = Path(self.cfg.output_dir)
         notices: list[str] = []
+        resume.make_output_dir(output_dir)
+        self.output_lock = run_files.OutputDirLock(output_dir)  # released when the run ends (or its process dies)
         chosen = resume.prepare_output_dir(self.cfg, output_dir, overwrite, notices)
+        self.output_lock.sign()
         if chosen is not None:
-            notices += resume.check_resumable(checkpoint.read_state(chosen), plan.to_json(), identity,
-                                              self.cfg.lr_scheduler, force_resume)
+            state = checkpoint.read_state(chosen)
+            said, overridden = resume.check_resumable(state, plan.to_json(), identity, self.cfg.lr_scheduler,
+                                                      force_resume)
+            notices += said
             resume.continue_from(output_dir, chosen)
+            run_files.append_json_line(output_dir / run_files.RESUMES, {
+                "checkpoint": str(chosen), "step": state["step"], "forced": bool(overridden),
+                "overridden": overridden})
         try:
             run_files.write_text(output_dir / run_files.RUN_CONFIG,
                                  yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False))

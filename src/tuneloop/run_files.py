@@ -23,6 +23,7 @@ PLAN = "plan.json"
 RUN_CONFIG = "run_config.yml"  # the config the run used, every key with its value: `tuneloop train` can rerun it
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
+RESUMES = "resumes.jsonl"  # one line per resume: the checkpoint, and the settings --force-resume overrode
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
 
@@ -88,6 +89,7 @@ OUTPUT_FILES = (
     OutputEntry(PLAN, "the plan"), OutputEntry(RUN_CONFIG, "the config the run used"),
     OutputEntry(METRICS, "train and eval metrics"),
     OutputEntry(SUMMARY, "the finished run's summary"), OutputEntry(REPORT_MD, "the report"),
+    OutputEntry(RESUMES, "the resumes of the run"),
     OutputEntry(REPORT_PNG, "the report's plot"),
     *MODEL_FILES,
     OutputEntry(f"{CHECKPOINT_PREFIX}*", "checkpoints"), OutputEntry(f"{TEMP_PREFIX}*", "saves in progress"),
@@ -100,6 +102,13 @@ OUTPUT_FILES = (
 # listed here and an OUTPUT_FILES name, so a user's own README.md or checkpoint-notes.txt is never touched.
 WRITTEN = ".tuneloop-written"
 IN_PROGRESS = (f"{TEMP_PREFIX}*", ".rng-*-rank*.pt", OLD_BEST)  # tuneloop's by their names alone
+# folders other programs write into too (the Trainer and axolotl leave TensorBoard logs in runs/): tuneloop records
+# the entries it adds inside them (`runs/events...`), never the folder, so a user's own experiments there stay;
+# `runs/` (a trailing slash) records that tuneloop made the folder, which goes when its entries are gone and it
+# is empty
+SHARED_FOLDERS = (TENSORBOARD, WANDB)
+# held by the run that writes in output_dir (an OS lock: a crash releases it); never a run file, never removed
+LOCK = ".tuneloop-lock"
 
 
 def record(output_dir: Path, *names: str) -> None:
@@ -129,14 +138,19 @@ def is_tuneloop_run(output_dir: Path) -> bool:
 
 def run_files_in(output_dir: Path) -> list[Path]:
     """What an earlier tuneloop run left in output_dir: the names it recorded writing (a run of an older tuneloop
-    without the record: its plan, records, model files and marked checkpoints), and saves in progress."""
+    without the record: its plan, records, model files and marked checkpoints), the entries it recorded inside
+    the shared folders, and saves in progress."""
     if not is_tuneloop_run(output_dir):
         return []
     recorded = written_names(output_dir)
     found = []
     for name in sorted(os.listdir(output_dir)):
         path = output_dir / name
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in IN_PROGRESS) or name == WRITTEN:
+        if name in SHARED_FOLDERS and path.is_dir():
+            found += [path / inside for inside in sorted(os.listdir(path)) if f"{name}/{inside}" in recorded]
+        elif name == LOCK:
+            continue
+        elif any(fnmatch.fnmatchcase(name, pattern) for pattern in IN_PROGRESS) or name == WRITTEN:
             found.append(path)
         elif recorded:
             if name in recorded and _is_output_name(name):
@@ -161,12 +175,30 @@ def foreign_model_files(output_dir: Path) -> list[Path]:
 
 
 def clear_run_files(output_dir: Path) -> None:
-    """Removes an earlier tuneloop run's files (run_files_in), nothing else."""
+    """Removes an earlier tuneloop run's files (run_files_in), nothing else; a shared folder tuneloop made goes too
+    once nothing is left in it."""
+    made = [name.rstrip("/") for name in written_names(output_dir) if name.endswith("/")]
     for path in run_files_in(output_dir):
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
+    for name in made:
+        folder = output_dir / name
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+
+
+def entries_of(folder: Path) -> set[str]:
+    """The names in a folder (none when it does not exist)."""
+    return set(os.listdir(folder)) if folder.is_dir() else set()
+
+
+def record_shared_folder(output_dir: Path, name: str, before: set[str] | None) -> None:
+    """After a tracker wrote into the shared folder `name`: the entries it added (`before`: those there when it
+    started, None where the folder did not exist and tuneloop made it)."""
+    added = entries_of(output_dir / name) - (before or set())
+    record(output_dir, *([f"{name}/"] if before is None else []), *(f"{name}/{entry}" for entry in sorted(added)))
 
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
@@ -188,6 +220,53 @@ def remove_torn_saves(output_dir: Path) -> None:
                 shutil.rmtree(leftover, ignore_errors=True)
             else:
                 leftover.unlink(missing_ok=True)
+
+
+# ---- one run at a time ------------------------------------------------------------------------
+
+class OutputDirLock:
+    """output_dir for one run at a time: an OS lock on the folder itself (flock), released when the run closes it
+    or its process dies. Taking it writes nothing; `sign()` then leaves who holds it in LOCK, for the message a
+    second run gets, once the folder is known to be the run's own."""
+
+    def __init__(self, output_dir: Path):
+        import fcntl
+
+        from tuneloop.errors import UserError
+
+        self.output_dir = output_dir
+        self.descriptor = os.open(output_dir, os.O_RDONLY)
+        try:
+            fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.descriptor)
+            holder = read_json(output_dir / LOCK) or {}
+            who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}"
+                   if holder else "a process that has not said who it is")
+            raise UserError(f"output_dir {output_dir} is in use by another tuneloop run ({who}); two runs in one "
+                            "folder would mix their files. Wait for that run to end, or choose another "
+                            "output_dir.") from None
+
+    def sign(self) -> None:
+        import socket
+        import time
+
+        write_json(self.output_dir / LOCK, {"pid": os.getpid(), "host": socket.gethostname(),
+                                            "since": time.strftime("%Y-%m-%d %H:%M:%S")}, recorded=False)
+
+    def close(self) -> None:
+        if self.descriptor is not None:
+            os.close(self.descriptor)  # (releases the lock)
+            self.descriptor = None
+
+
+def append_json_line(path: Path, record_: dict) -> None:
+    """One more line of a log kept in output_dir (RESUMES)."""
+    record(path.parent, path.name)
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record_) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 # ---- atomic writes --------------------------------------------------------------------------
@@ -232,14 +311,16 @@ def move_files_into(source: Path, output_dir: Path) -> None:
     fsync_folder_entry(output_dir)
 
 
-def write_json(path: Path, data: dict) -> None:
-    write_text(path, json.dumps(data, indent=2))
+def write_json(path: Path, data: dict, recorded: bool = True) -> None:
+    write_text(path, json.dumps(data, indent=2), recorded)
 
 
-def write_text(path: Path, text: str) -> None:
-    """Written whole or not at all: a reader never sees half a plan.json or summary.json."""
+def write_text(path: Path, text: str, recorded: bool = True) -> None:
+    """Written whole or not at all: a reader never sees half a plan.json or summary.json. `recorded`: the name is
+    one of the run's (WRITTEN), for `--overwrite` to clear."""
     temp = path.with_name(f"{TEMP_PREFIX}{path.name}")
-    record(path.parent, path.name)
+    if recorded:
+        record(path.parent, path.name)
     try:
         temp.write_text(text)
         with open(temp, "rb") as handle:

@@ -36,7 +36,9 @@ class TrackerKind:
     wanted: Callable  # (cfg) -> bool
     start: Callable  # (cfg, output_dir, parameters) -> a started tracker: .log(values, step), .finish(), .where
     package: str  # what to pip install when its library is missing
-    outputs: tuple[str, ...] = ()  # the names it writes in output_dir (run_files' manifest: --overwrite clears them)
+    module: str  # the library `import`ed when it starts
+    folder: str | None = None  # the shared folder it writes in, in output_dir (run_files.SHARED_FOLDERS)
+    preflight: Callable | None = None  # (cfg) -> None: what its start would refuse, refused without starting it
 
 
 TRACKERS: Registry[TrackerKind] = Registry("tracker", "use_tensorboard/use_wandb/use_mlflow")
@@ -109,7 +111,7 @@ class TensorBoardTracker:
 
 
 TRACKERS.add("tensorboard", TrackerKind(lambda cfg: bool(cfg.use_tensorboard), TensorBoardTracker,
-                                        package="tensorboard", outputs=(run_files.TENSORBOARD,)))
+                                        package="tensorboard", module="tensorboard", folder=run_files.TENSORBOARD))
 
 
 # ---- Weights & Biases ----------------------------------------------------------------------------
@@ -130,8 +132,7 @@ class WandbTracker:
                 id=cfg.wandb_run_id, resume="allow" if cfg.wandb_run_id else None, mode=mode, dir=str(output_dir),
                 config=parameters, settings=wandb.Settings(silent=True, console="off"))
         except Exception as error:  # wandb raises its own types (UsageError, CommError, ...) for a bad start
-            hint = ("set WANDB_API_KEY or run `wandb login`, or set `wandb_mode: offline`" if mode == "online"
-                    else "check wandb_project/wandb_entity")
+            hint = WANDB_LOGIN if mode == "online" else "check wandb_project/wandb_entity"
             raise UserError(f"wandb: could not start the run ({type(error).__name__}: {error}); {hint}") from None
         self.where = f"wandb {mode} run {self.run.id} ({self.run.dir})"
 
@@ -144,7 +145,28 @@ class WandbTracker:
         self.run.finish()
 
 
-TRACKERS.add("wandb", TrackerKind(_wandb_wanted, WandbTracker, package="wandb", outputs=(run_files.WANDB,)))
+WANDB_LOGIN = "set WANDB_API_KEY or run `wandb login`, or set `wandb_mode: offline`"
+
+
+def _wandb_preflight(cfg) -> None:
+    """An online run needs credentials: the environment's, or `wandb login`'s netrc entry."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if (cfg.wandb_mode or os.environ.get("WANDB_MODE") or "online") != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        known = netrc.netrc().authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        known = None
+    if not known:
+        raise UserError(f"wandb: could not start the run (an online run needs credentials, and this machine has none "
+                        f"for {host}); {WANDB_LOGIN}")
+
+
+TRACKERS.add("wandb", TrackerKind(_wandb_wanted, WandbTracker, package="wandb", module="wandb", folder=run_files.WANDB,
+                                  preflight=_wandb_preflight))
 
 
 # ---- MLflow --------------------------------------------------------------------------------------
@@ -179,8 +201,7 @@ class MlflowTracker:
         except Exception as error:  # mlflow raises MlflowException, and OSError/ImportError for its stores
             shown = redacted(uri) if uri else "mlflow's default store"
             raise UserError(f"mlflow: could not start a run at {shown} ({type(error).__name__}: "
-                            f"{redacted(str(error))}); check mlflow_tracking_uri (a `file:/path` or "
-                            "`sqlite:///path.db` store works offline)") from None
+                            f"{redacted(str(error))}); {_mlflow_hint(uri)}") from None
         self.mlflow = mlflow
         self.where = f"mlflow run {self.run.info.run_id} at {redacted(mlflow.get_tracking_uri())}"
 
@@ -196,12 +217,52 @@ class MlflowTracker:
         self.mlflow.end_run()
 
 
-TRACKERS.add("mlflow", TrackerKind(_mlflow_wanted, MlflowTracker, package="mlflow-skinny"))
+def _mlflow_hint(uri: str | None) -> str:
+    """What to do about a store that refused: a local one is a folder or a file to write; a server is to reach."""
+    if uri and _is_file_store(uri):
+        return (f"mlflow_tracking_uri names a local store ({redacted(uri)}): check that its folder can be written, or "
+                "point it at another (`file:/path`, `sqlite:///path.db`)")
+    return ("check mlflow_tracking_uri: the server must be reachable from here, or use a local store that works "
+            "offline (`file:/path` or `sqlite:///path.db`)")
+
+
+def _mlflow_preflight(cfg) -> None:
+    """A local file store's folder can be written (a server can only be known by reaching it, when the run starts)."""
+    uri = cfg.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri or not _is_file_store(uri) or uri.startswith("sqlite"):
+        return
+    folder = Path(uri.removeprefix("file://").removeprefix("file:")).expanduser()
+    existing = next((parent for parent in (folder, *folder.parents) if parent.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise UserError(f"mlflow: could not start a run at {redacted(uri)}: {existing or folder} cannot be written; "
+                        f"{_mlflow_hint(uri)}")
+
+
+TRACKERS.add("mlflow", TrackerKind(_mlflow_wanted, MlflowTracker, package="mlflow-skinny", module="mlflow",
+                                   preflight=_mlflow_preflight))
 
 
 # ---- all of them, as hooks -------------------------------------------------------------------------
 def wanted_trackers(cfg) -> list[str]:
     return [name for name in TRACKERS.names() if TRACKERS[name].wanted(cfg)]
+
+
+def check_trackers(cfg) -> None:
+    """What starting the trackers would refuse (a library missing, no credentials for an online run, a store that
+    cannot be written), refused without starting them: `plan` says it before `train` meets it."""
+    import importlib.util
+
+    for name in wanted_trackers(cfg):
+        kind = TRACKERS[name]
+        if importlib.util.find_spec(kind.module) is None:
+            raise UserError(_missing_library(name, kind.module, kind.package))
+        if kind.preflight is not None:
+            kind.preflight(cfg)
+
+
+def _missing_library(name: str, module: str, package: str) -> str:
+    return (f"config asks for {name} ({_asking_key(name)}), but {module} is not installed: pip install {package} "
+            "(or 'tuneloop[trackers]')")
 
 
 class Trackers(RunHooks):
@@ -210,20 +271,24 @@ class Trackers(RunHooks):
     def __init__(self, notice: Callable[[str], None]):
         self.started: dict[str, object] = {}
         self.notice = notice
+        self.output_dir: Path | None = None
+        self.folders: dict[str, set[str] | None] = {}  # shared folder -> its entries before (None: not there)
 
     def start(self, cfg, plan, output_dir: Path) -> list[str]:
         """Starts every tracker the config asks for; returns where each writes. A UserError if one cannot start
         (the ones already started are closed first)."""
         parameters = run_parameters(cfg, plan)
+        self.output_dir = output_dir
         for name in wanted_trackers(cfg):
             kind = TRACKERS[name]
             try:
-                run_files.record(output_dir, *kind.outputs)
+                if kind.folder is not None:
+                    folder = output_dir / kind.folder
+                    self.folders[kind.folder] = run_files.entries_of(folder) if folder.exists() else None
                 self.started[name] = kind.start(cfg, output_dir, parameters)
             except ImportError as error:
                 self.finish(None)
-                raise UserError(f"config asks for {name} ({_asking_key(name)}), but {error.name or name} is not "
-                                f"installed: pip install {kind.package} (or 'tuneloop[trackers]')") from None
+                raise UserError(_missing_library(name, error.name or name, kind.package)) from None
             except UserError:
                 self.finish(None)
                 raise
@@ -246,6 +311,9 @@ class Trackers(RunHooks):
             except Exception as error:
                 self.notice(f"{name} could not close its run ({type(error).__name__}: {redacted(str(error))})")
         self.started.clear()
+        for folder, before in self.folders.items():  # what the trackers added is this run's (--overwrite clears it)
+            run_files.record_shared_folder(self.output_dir, folder, before)
+        self.folders.clear()
 
 
 def _asking_key(name: str) -> str:

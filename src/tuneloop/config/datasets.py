@@ -5,7 +5,8 @@ run as a whole (preference data under `rl:`, a stream) is a rule of config/rules
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+import os
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,6 +19,24 @@ from tuneloop.data.preference import PREFERENCE_CHAT_TYPES, PREFERENCE_FORMATS, 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+def home_expanded(value: Any) -> Any:
+    """A path that starts with `~` (the user's home), expanded, as a shell would; environment variables are not
+    (as in axolotl). Lists of paths are expanded one by one; anything else is left as it is."""
+    if isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
+    if isinstance(value, list):
+        return [home_expanded(item) for item in value]
+    return value
+
+
+def given(model: BaseModel, key: str) -> bool:
+    """The key was written in the YAML with a value other than its default (the same value as the default, which a
+    run's run_config.yml writes for every key, says nothing: rerunning that file must give the same run)."""
+    if key not in model.model_fields_set:
+        return False
+    return getattr(model, key) != type(model).model_fields[key].get_default(call_default_factory=True)
 
 
 class CustomFormat(Strict):
@@ -108,6 +127,11 @@ class DatasetConfig(Strict):
         parse_split(value)  # raises ValueError with the accepted forms
         return value
 
+    @field_validator("path", "data_files")
+    @classmethod
+    def _home(cls, value):
+        return home_expanded(value)
+
     @field_validator("type")
     @classmethod
     def _known_type(cls, value):
@@ -144,19 +168,19 @@ class DatasetConfig(Strict):
                              "tuneloop trains one end-of-turn marker per turn: keep one of them")
         jinja_means_jinja(self)
         chat = self.type in ("chat_template", "chat_template.default", "sharegpt", *PREFERENCE_CHAT_TYPES)
-        set_keys = [key for key in CHAT_ONLY_KEYS if key in self.model_fields_set]
+        set_keys = [key for key in CHAT_ONLY_KEYS if given(self, key)]
         if set_keys and not chat:
             raise ValueError(f"`{set_keys[0]}` applies to chat datasets (type chat_template or sharegpt), and this "
                              f"one is `type: {self.type if isinstance(self.type, str) else 'a custom format'}`; "
                              "remove it")
-        paired = [key for key in ("field_chosen", "field_rejected") if key in self.model_fields_set]
+        paired = [key for key in ("field_chosen", "field_rejected") if given(self, key)]
         if paired and self.type not in ("chat_template", "chat_template.default", *PREFERENCE_CHAT_TYPES):
             raise ValueError(f"`{paired[0]}` names a reply of preference data (`rl:` with type chat_template or "
                              "chat_template.argilla); remove it")
-        pair_fields = [key for key in ("field_source", "field_target") if key in self.model_fields_set]
+        pair_fields = [key for key in ("field_source", "field_target") if given(self, key)]
         if pair_fields and self.type != "seq2seq":
             raise ValueError(f"`{pair_fields[0]}` names a field of a `type: seq2seq` dataset; remove it")
-        if "field" in self.model_fields_set and self.type != "completion":
+        if given(self, "field") and self.type != "completion":
             raise ValueError("`field` names the text of a `type: completion` dataset; remove it")
         return self
 
@@ -174,6 +198,11 @@ class PretrainingDataset(Strict):
     type: Optional[str] = "pretrain"
     trust_remote_code: bool = False
     skip: Optional[int] = None
+
+    @field_validator("path", "data_files")
+    @classmethod
+    def _home(cls, value):
+        return home_expanded(value)
 
     @field_validator("skip")
     @classmethod

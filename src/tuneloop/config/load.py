@@ -181,14 +181,54 @@ def config_from_dict(raw: Any, overrides: list[str] = ()) -> TuneloopConfig:
     return cfg
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+class _KeysOnce(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that gives one key twice (the later would win in silence)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise _DuplicateKey(f"`{key}` is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})"
+                                    "; keep one of them")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path):
+    """The file's YAML; its problems said with file:line and the fix (tabs, non-UTF-8 bytes, a key twice)."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise UserError(f"config: {path}:{line}: byte 0x{data[error.start]:02x} is not UTF-8 (a comment written in "
+                        "another encoding, say): save the file as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_KeysOnce)
+    except _DuplicateKey as error:
+        raise UserError(f"config: {path}: {error}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(error, "problem", None) or str(error)
+        lines = text.splitlines()
+        line = lines[mark.line] if mark is not None and mark.line < len(lines) else ""
+        if "\t" in line[:len(line) - len(line.lstrip())] or "'\\t'" in problem:
+            raise UserError(f"config: {where}: a tab where YAML takes spaces only (to indent, and after a `key:`): "
+                            "replace the tabs with spaces") from None
+        raise UserError(f"config: {where} is not valid YAML: {problem}") from None
+
+
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise UserError(f"config: no such file {path}")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise UserError(f"config: {path} is not valid YAML: {error}") from None
+    raw = read_yaml(path)
     raw = raw or {}
     if isinstance(raw, dict) and isinstance(raw.get("deepspeed"), str):  # a DeepSpeed file beside the config
         given, beside = Path(raw["deepspeed"]).expanduser(), path.parent / raw["deepspeed"]

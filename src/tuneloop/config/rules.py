@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from tuneloop.config import axolotl
 from tuneloop.config.datasets import (CHAT_ONLY_KEYS, PAIRED_ONLY_KEYS, TRAINED_TURN_KEYS, UNPAIRED_ONLY_KEYS,
-                                      PreferenceFormat, jinja_means_jinja)
+                                      PreferenceFormat, given, jinja_means_jinja)
 from tuneloop.data.formats import FORMATS
 from tuneloop.data.preference import PREFERENCE_FORMATS, UNPAIRED_FORMATS
 from tuneloop.rl_methods import PREFERENCE_KEYS, RL_METHODS
@@ -157,8 +157,7 @@ def preference(cfg) -> Problems:
     """`rl:` and its keys agree (each key is read by the run's method: rl_methods.py), and every dataset is
     preference data of the method's kind (pairs, or KTO's labelled rows) exactly when `rl` is set."""
     yield from _preference_data(cfg)
-    set_keys = [key for key in PREFERENCE_KEYS if key in cfg.model_fields_set
-                and getattr(cfg, key) != type(cfg).model_fields[key].default]
+    set_keys = [key for key in PREFERENCE_KEYS if given(cfg, key)]
     if not cfg.rl:
         if set_keys:
             yield (f"`{set_keys[0]}` sets preference training, which `rl:` turns on: set `rl:` to one of "
@@ -186,7 +185,7 @@ def preference(cfg) -> Problems:
     if cfg.cpo_alpha is not None and cfg.cpo_alpha < 0:
         yield "`cpo_alpha` must not be negative (it weighs the chosen reply's NLL)"
     ignored = sorted({key for entry in cfg.datasets + cfg.test_datasets for key in CHAT_ONLY_KEYS
-                      if key in TRAINED_TURN_KEYS and key in entry.model_fields_set})
+                      if key in TRAINED_TURN_KEYS and given(entry, key)})
     if ignored:
         yield (f"`{ignored[0]}` picks the trained turns of a conversation, and under `rl:` the trained part is the "
                "reply (with its end-of-turn marker): remove it")
@@ -214,7 +213,7 @@ def _preference_data(cfg) -> Problems:
                    f"{formats.choices()}, or a mapping with field_prompt and {fields}")
             continue
         wrong = [key for key in (UNPAIRED_ONLY_KEYS if method.paired else PAIRED_ONLY_KEYS)
-                 if mapping and key in entry.type.model_fields_set]
+                 if mapping and given(entry.type, key)]
         if wrong:
             yield f"dataset {index}: `type.{wrong[0]}` is not read by `rl: {cfg.rl}`; remove it"
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, field_va
 
 from tuneloop.config import axolotl
 from tuneloop.config.datasets import (DATASET_FORM, PRETRAINING_FORM, DatasetConfig, PretrainingDataset, Strict,
-                                      pretraining_entry_form)
+                                      home_expanded, pretraining_entry_form)
 from tuneloop.data.chat_templates import check_template_name
 from tuneloop.errors import UserError
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS
@@ -247,6 +247,12 @@ class TuneloopConfig(Strict):
     loss_watchdog_threshold: Annotated[Optional[float], WATCHING] = None
     loss_watchdog_patience: Annotated[Optional[int], WATCHING] = None
     early_stopping_patience: Annotated[Optional[int], WATCHING] = None
+
+    @field_validator("base_model", "base_model_config", "tokenizer_config", "dataset_prepared_path", "output_dir",
+                     "resume_from_checkpoint", "deepspeed", "mlflow_tracking_uri")
+    @classmethod
+    def _home(cls, value):
+        return home_expanded(value)
 
     @field_validator("rl")
     @classmethod

@@ -106,6 +106,20 @@ def check_template_name(name: str) -> str:
                      f"{CHAT_TEMPLATES.choices()}")
 
 
+# the tokens chat templates end a turn with, by family (a template's own is found in its text)
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eot|>", "<end_of_turn>", "<|end|>", "</s>")
+
+
+def end_of_turn_ids(tokenizer, template: str | None, eot_tokens: list[str] | None = None) -> set[int]:
+    """The ids that end a row or a turn: eos, the config's `eot_tokens`, and the turn end the template writes."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for token in [*(eot_tokens or []), *(end for end in TURN_ENDS if template and end in template)]:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+            ids.add(token_id)
+    return ids
+
+
 def resolve_template(name: str | None, jinja: str | None, tokenizer) -> str | None:
     """The template text a name stands for (None: the tokenizer has none and none was named)."""
     own = getattr(tokenizer, "chat_template", None)

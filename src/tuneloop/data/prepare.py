@@ -564,6 +564,37 @@ def _build(cfg, tokenizer, target: Path, report=None, notice=None, encoder_decod
     return len(pids - {os.getpid()})
 
 
+def check_cache_apart_from_data(cfg, root: Path) -> None:
+    """The cache never goes into a dataset's folder: tuneloop would write into the user's data, then read its own
+    files there as data rows (a folder `path` reads every data file under it)."""
+    cache = root.expanduser().resolve()
+    for key in ("datasets", "test_datasets"):
+        for index, entry in enumerate(getattr(cfg, key)):
+            folder = Path(entry.path).expanduser()
+            if not folder.is_dir():
+                continue
+            folder = folder.resolve()
+            if cache == folder or folder in cache.parents:
+                raise UserError(f"config: `dataset_prepared_path: {cfg.dataset_prepared_path}` is "
+                                f"{'the folder' if cache == folder else 'inside the folder'} of `{key}[{index}].path: "
+                                f"{entry.path}`; tuneloop would write its cache into your data and then read it as "
+                                "data rows: give the cache a folder of its own (the default is last_run_prepared)")
+
+
+def cache_write_failure(error: OSError, root: Path) -> str:
+    """The message for a cache that could not be written (a full disk, a quota, a file that cannot be read)."""
+    import errno
+
+    where = error.filename or root
+    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        free = shutil.disk_usage(root).free / 1e9 if root.exists() else 0.0
+        return (f"data: the disk is full while writing the prepared data in `dataset_prepared_path: {root}` "
+                f"({free:.2f} GB free); nothing half-written was left. Free space, or point dataset_prepared_path at "
+                "a larger disk, and run again")
+    return (f"data: could not prepare the data: {where}: {error.strerror or error}; nothing half-written was left in "
+            f"{root}")
+
+
 def _bytes_to_read(entries: list) -> int:
     return sum(file.stat().st_size for entry in entries if not is_hub_dataset(entry)
                for file in data_files_of(entry))
@@ -576,6 +607,7 @@ def prepare(cfg, tokenizer, force: bool = False, report=None, notice=None,
     bytes read)` is called after every chunk (for a progress display) and `notice(text)` with what the user
     should know (workers that stopped)."""
     root = Path(cfg.dataset_prepared_path)
+    check_cache_apart_from_data(cfg, root)
     try:
         root.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=root).close()  # can we write here, not just look?
@@ -587,7 +619,10 @@ def prepare(cfg, tokenizer, force: bool = False, report=None, notice=None,
         shutil.rmtree(target)
     workers = 0
     if not (target / "stats.json").exists():
-        workers = _build(cfg, tokenizer, target, report, notice, encoder_decoder)
+        try:
+            workers = _build(cfg, tokenizer, target, report, notice, encoder_decoder)
+        except OSError as error:  # (the half-built cache is gone already: _build removes its temporary folder)
+            raise UserError(cache_write_failure(error, root)) from None
     stats = PrepareStats(**json.loads((target / "stats.json").read_text()))
     eval_set = TokenRows(target / "eval") if (target / "eval").exists() else None
     return PreparedData(TokenRows(target / "train"), eval_set, stats, target, workers)

@@ -48,6 +48,7 @@ class StepCounts:
     padding_fraction: float | None
     max_micro_batch_tokens: int
     sequence_lengths: np.ndarray  # every sequence's length (the attention each token does: plan/flops.py)
+    batch_rows_per_epoch: int | None = None  # the rows of an epoch's micro-batches, on every rank
     first_epoch_batches: list | None = None  # epoch 0's micro-batches per rank: the loop starts on them
     # an encoder-decoder's real tokens per side over the run, and the share of each side's positions that is padding
     encoder_tokens: int | None = None
@@ -127,7 +128,19 @@ class PreparedRows:
             total_steps=total_steps, epochs_to_run=epochs_to_run, total_trainable_tokens=walk.targets,
             total_real_tokens=walk.real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
             max_micro_batch_tokens=walk.largest, sequence_lengths=np.asarray(store["length"]),
-            first_epoch_batches=first_epoch, **sides)
+            batch_rows_per_epoch=used_rows, first_epoch_batches=first_epoch, **sides)
+
+    def rows_training_none_of(self, token_ids: set[int]) -> tuple[int, int]:
+        """(rows whose trained tokens include none of these, rows): read in blocks, never all at once."""
+        store, without = self.store, 0
+        wanted = np.asarray(sorted(token_ids), dtype=np.int32)
+        for start in range(0, len(store), 50_000):
+            stop = min(start + 50_000, len(store))
+            block = store.read_chunk(start, stop)
+            hits = np.isin(block.labels, wanted).astype(np.int64)
+            starts = np.concatenate([[0], np.cumsum(block.length)[:-1]]).astype(np.int64)  # (rows hold ≥ 1 token)
+            without += int((np.add.reduceat(hits, starts) == 0).sum()) if len(hits) else stop - start
+        return without, len(store)
 
     def steps(self, plan, tokenizer, accelerator, hooks, *, start_step: int, resume_from=None,
               reference: dict | None = None, decoder_start_token_id: int | None = None,
@@ -226,6 +239,9 @@ class StreamedRows:
 
     @property
     def units(self) -> None:
+        return None  # not known before the stream is read
+
+    def rows_training_none_of(self, token_ids: set[int]) -> None:
         return None  # not known before the stream is read
 
     def count_steps(self, spec: BatchingSpec, accumulation: int, padding: Padding, max_steps: int | None,

@@ -100,6 +100,10 @@ class EngineSpec:
                    hidden_size: int | None) -> None:
         """A ValueError where the engine's own settings disagree with the plan (a DeepSpeed file's numbers)."""
 
+    def check_model(self, facts) -> None:
+        """A UserError where the engine cannot run this model (model.ModelFacts), said by the plan before `train`
+        meets it."""
+
     def build(self, cfg, plan, accelerator) -> "Engine":
         raise NotImplementedError
 

@@ -81,8 +81,21 @@ class FSDP2Spec(EngineSpec):
         return RankBytes(weights=weights, gradients=gradients, optimizer=optimizer, gathered=share.gathered,
                          host=host)
 
+    def check_model(self, facts) -> None:
+        """The layers it shards one by one are classes the model has."""
+        wanted = set(self.layer_classes) or set(facts.layer_classes)
+        if not wanted & facts.module_classes:
+            raise UserError(missing_layers(wanted, facts.module_classes, type(facts.config).__name__))
+
     def build(self, cfg, plan, accelerator) -> Engine:
         return FSDP2Engine(self, cfg, plan, accelerator)
+
+
+def missing_layers(wanted: set[str], present: set[str], model: str) -> str:
+    named = ", ".join(sorted(wanted)) or "(none: the model names no decoder-layer class)"
+    layers = sorted(name for name in present if "Layer" in name)
+    return (f"fsdp_config.transformer_layer_cls_to_wrap: no module of class {named} in {model}; its layer classes "
+            f"are {', '.join(layers) or 'unknown'}")
 
 
 def read_fsdp_keys(fsdp: Any, fsdp_version: Any, fsdp_config: dict) -> FSDP2Spec:
@@ -257,8 +270,6 @@ def shard_groups(model, class_names: tuple[str, ...]) -> list:
     wanted = set(class_names) or set(getattr(base, "_no_split_modules", None) or [])
     found = [module for module in model.modules() if type(module).__name__ in wanted]
     if not found:
-        named = ", ".join(sorted(wanted)) or "(none: the model names no decoder-layer class)"
-        present = sorted({type(module).__name__ for module in base.modules() if "Layer" in type(module).__name__})
-        raise UserError(f"fsdp_config.transformer_layer_cls_to_wrap: no module of class {named} in "
-                        f"{type(base).__name__}; its layer classes are {', '.join(present) or 'unknown'}")
+        raise UserError(missing_layers(wanted, {type(module).__name__ for module in base.modules()},
+                                       type(base).__name__))
     return found

@@ -126,23 +126,25 @@ def build_plan(cfg, resolved, rows, tokenizer, world_size: int, device_memory_gb
     from tuneloop.model import model_facts
 
     facts = model_facts(cfg, resolved.model_kind, tokenizer)
-    return _assembled(cfg, resolved, rows, world_size, facts, device_memory_gb)
+    return _assembled(cfg, resolved, rows, world_size, facts, device_memory_gb, tokenizer)
 
 
 def data_plan(cfg, resolved, rows, world_size: int) -> TrainingPlan:
     """The plan of the data and the batch settings alone (no model: no memory, no compute)."""
-    return _assembled(cfg, resolved, rows, world_size, None, None)
+    return _assembled(cfg, resolved, rows, world_size, None, None, None)
 
 
-def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb) -> TrainingPlan:
+def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, tokenizer) -> TrainingPlan:
     batch = _batch(cfg, rows, world_size)
     padding = padding_for(cfg, resolved.compiled)
     counts = rows.count_steps(train_spec(cfg, resolved, world_size), cfg.gradient_accumulation_steps, padding,
                               cfg.max_steps, cfg.num_epochs)
     eval_rows = rows.prepared.stats.eval_rows
     schedule = run_schedule(cfg, counts.total_steps, counts.steps_per_epoch, eval_rows)
-    model_part, notes = (_model_part(cfg, resolved, facts, counts, world_size, device_memory_gb)
+    model_part, notes = (_model_part(cfg, resolved, facts, counts, world_size, device_memory_gb, tokenizer)
                          if facts is not None else ({}, []))
+    if tokenizer is not None:
+        notes += _stopping_notes(cfg, rows, tokenizer)
     plan = TrainingPlan(
         **batch, sequence_len=cfg.sequence_len, batching=_batching_words(resolved),
         train_rows=counts.train_rows, train_tokens=counts.train_tokens, trainable_tokens=counts.trainable_tokens,
@@ -167,7 +169,7 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb) ->
         reference=reference_source(cfg), streamed=resolved.streamed, resolved=resolved,
         train_batching=train_spec(cfg, resolved, world_size), eval_batching=eval_spec(cfg, resolved, world_size),
         padding=padding, first_epoch_batches=counts.first_epoch_batches, **model_part)
-    return replace(plan, warnings=plan_warnings(cfg, plan) + notes)
+    return replace(plan, warnings=plan_warnings(cfg, plan, counts) + notes)
 
 
 def _batch(cfg, rows, world_size: int) -> dict:
@@ -186,7 +188,7 @@ def _batching_words(resolved) -> str:
     return f"streamed, {resolved.batching}" if resolved.streamed else resolved.batching
 
 
-def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb) -> tuple[dict, list]:
+def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb, tokenizer) -> tuple[dict, list]:
     """What the model and the machine add: the model's line, precision and attention, the engine (its settings
     checked against the plan), the memory per rank, the compute per token and the peak MFU is taken against;
     and their warnings (a sequence_len past the model's positions, an attention kernel that cannot run here, a
@@ -197,6 +199,8 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb)
 
     precision = resolved.precision.mixed
     too_long = check_sequence_len(cfg, facts)
+    grown = _grown_embeddings(cfg, facts, tokenizer)
+    resolved.engine.check_model(facts)  # what `train` would meet, the plan meets first
     try:  # a DeepSpeed file's set values must agree with the plan: refused now, not when the engine starts
         resolved.engine.check_plan(cfg.micro_batch_size, cfg.gradient_accumulation_steps, world_size,
                                    cfg.max_grad_norm, precision, getattr(facts.config, "hidden_size", None))
@@ -218,8 +222,47 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb)
     if resolved.compiled:
         part["torch_compile"] = f"torch.compile ({cfg.torch_compile_backend or 'inductor'}" + (
             f", mode {cfg.torch_compile_mode})" if cfg.torch_compile_mode else ")")
-    notes = [note for note in (too_long, resolved.attention.note, memory_warning(estimate)) if note]
+    notes = [note for note in (too_long, grown, resolved.attention.note, memory_warning(estimate)) if note]
     return part, notes
+
+
+def _grown_embeddings(cfg, facts, tokenizer) -> str | None:
+    """The tokenizer has tokens the model's embeddings have no row for: the rows are added (as axolotl does, and
+    said here), and refused where nothing would train them and the data uses them (random vectors for good; a pad
+    token's row is never read by the loss or attention, so it may stay as it starts)."""
+    if not facts.grown_rows:
+        return None
+    added = [token_id for token_id in range(facts.embedding_rows, facts.embedding_rows + facts.grown_rows)
+             if token_id != tokenizer.pad_token_id]
+    names = ", ".join(tokenizer.convert_ids_to_tokens(added[:5])) + (", …" if len(added) > 5 else "")
+    if added and not facts.embeddings_trained:
+        raise UserError(f"config: the tokenizer has {len(added)} tokens ({names}) the model's {facts.embedding_rows} "
+                        f"embedding rows do not (added `tokens`/`special_tokens`, or a tokenizer larger than the "
+                        f"model), and under `adapter: {cfg.adapter}` the embeddings are frozen: their rows would stay "
+                        "random. Train them (`lora_modules_to_save: [embed_tokens, lm_head]`), or use tokens the model "
+                        "has")
+    trained = "are trained" if facts.embeddings_trained else "stay as they start (the pad token's: never read)"
+    return (f"the model's embeddings grow by {facts.grown_rows} rows for tokens its {facts.embedding_rows} rows do "
+            f"not have ({names or tokenizer.pad_token}): they start near the other rows' mean and {trained}.")
+
+
+def _stopping_notes(cfg, rows, tokenizer) -> list[str]:
+    """A model that never trains its end-of-sequence or end-of-turn token never learns to stop (axolotl #3754,
+    LLaMA-Factory #5593): said when most rows train none of them."""
+    from tuneloop.data.chat_templates import end_of_turn_ids, resolve_template
+
+    template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
+    stops = end_of_turn_ids(tokenizer, template, cfg.eot_tokens)
+    counted = rows.rows_training_none_of(stops)
+    if counted is None:
+        return []  # (a stream's rows are not known before they are read)
+    without, total = counted
+    if not total or without * 2 < total:
+        return []
+    names = ", ".join(tokenizer.convert_ids_to_tokens(sorted(stops))) or "none: the tokenizer has no eos token"
+    return [f"{without} of {total} training rows train no end-of-sequence or end-of-turn token ({names}): the model "
+            "will not learn to stop. Chat rows train their turn's end with `train_on_eos: turn` (the default); "
+            "completion and instruction rows end with a trained eos when the tokenizer has one."]
 
 
 def model_line(cfg, facts) -> str:
@@ -232,7 +275,7 @@ def model_line(cfg, facts) -> str:
     return f"{name}, {facts.parameters:,} parameters; {source}"
 
 
-def plan_warnings(cfg, plan: TrainingPlan) -> list[str]:
+def plan_warnings(cfg, plan: TrainingPlan, counts) -> list[str]:
     """What the data and the batch settings do that the user probably did not mean."""
     found = []
     if cfg.max_steps and plan.steps_per_epoch and plan.epochs_covered != cfg.num_epochs:
@@ -266,10 +309,12 @@ def plan_warnings(cfg, plan: TrainingPlan) -> list[str]:
         found.append(f"{', '.join(asked_for_evals)} set, but there is no eval set (val_set_size or test_datasets): "
                      "no eval will run" + (", and early stopping cannot stop the run" if cfg.early_stopping_patience
                                            else "") + ".")
-    if plan.micro_batches_per_epoch is not None and plan.micro_batches_per_epoch < plan.gradient_accumulation_steps:
-        found.append(f"the global batch ({plan.global_batch_size} rows) is larger than one epoch of data "
-                     f"({plan.micro_batches_per_epoch} micro-batches per rank): every step is a partial batch; "
-                     "lower micro_batch_size or gradient_accumulation_steps.")
+    if counts.batch_rows_per_epoch is not None and counts.batch_rows_per_epoch < plan.global_batch_size:
+        rows = "packed rows" if plan.batching == "packed" else "rows"
+        found.append(f"the global batch ({plan.global_batch_size} {rows}) is larger than one epoch of data "
+                     f"({counts.batch_rows_per_epoch} {rows} in {plan.micro_batches_per_epoch} micro-batches per "
+                     "rank): every step is a partial batch (still an exact mean over its tokens); lower "
+                     "micro_batch_size or gradient_accumulation_steps.")
     if plan.warmup_steps >= plan.total_steps:
         found.append(f"warm-up ({plan.warmup_steps} steps) is as long as the run ({plan.total_steps} steps) "
                      "or longer: the learning rate never reaches its peak.")

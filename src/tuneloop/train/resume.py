@@ -81,10 +81,8 @@ def check_output_dir_apart(cfg) -> None:
                             "another output_dir.")
 
 
-def prepare_output_dir(cfg, output_dir: Path, overwrite: bool, notices: list[str]) -> Path | None:
-    """Main process only. Returns the checkpoint to resume from, or None for a fresh start (the folder
-    then holds nothing of an earlier run). Changes nothing when it refuses; appends what the user should
-    know to `notices`."""
+def make_output_dir(output_dir: Path) -> None:
+    """output_dir is a folder this process can write in (made if missing)."""
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"config: `output_dir: {output_dir}` is a file; give a folder (it is created if missing)")
     try:
@@ -95,6 +93,12 @@ def prepare_output_dir(cfg, output_dir: Path, overwrite: bool, notices: list[str
     except OSError as error:
         raise UserError(f"config: cannot write in `output_dir: {output_dir}` ({error.strerror or error}); choose a "
                         "folder you can write to") from None
+
+
+def prepare_output_dir(cfg, output_dir: Path, overwrite: bool, notices: list[str]) -> Path | None:
+    """Main process only, holding output_dir (run_files.OutputDirLock). Returns the checkpoint to resume from,
+    or None for a fresh start (the folder then holds nothing of an earlier run). Changes nothing when it refuses;
+    appends what the user should know to `notices`."""
     resume = choose_checkpoint(cfg, output_dir, overwrite, notices)
     if resume is not None and resume.parent.resolve() == output_dir.resolve():
         return resume  # this folder's own run, continued
@@ -134,11 +138,25 @@ def continue_from(output_dir: Path, resume: Path) -> None:
                 shutil.rmtree(later)
 
 
-def check_resumable(state: dict, plan: dict, identity: dict, lr_scheduler: str, force: bool) -> list[str]:
-    """Refuses a checkpoint of another run (naming what changed) unless forced. A longer or shorter run is
-    allowed while it still ends after the checkpoint's step: the plan is recomputed and the learning-rate
-    schedule follows the new length from there on (returned as a notice). one_cycle fixes its cycle when the
-    run starts, so with it the length cannot change."""
+FORCE_MAY_NOT = ("the model's shape (its class, parameters and trained parameters: the checkpoint's weights "
+                 "would not fit)", "the engine (FSDP2, DeepSpeed and its ZeRO stage lay weights and optimizer state "
+                 "out their own way)", "the number of ranks of a DeepSpeed or streamed run")
+
+
+def check_resumable(state: dict, plan: dict, identity: dict, lr_scheduler: str,
+                    force: bool) -> tuple[list[str], list[str]]:
+    """Refuses a checkpoint of another run (naming what changed) unless forced; returns (notices, the settings a
+    forced resume overrides). A checkpoint of a model of another shape is refused forced or not: its weights
+    cannot be loaded into this run's model. A longer or shorter run is allowed while it still ends after the
+    checkpoint's step: the plan is recomputed and the learning-rate schedule follows the new length from there on
+    (a notice). one_cycle fixes its cycle when the run starts, so with it the length cannot change."""
+    before_shape, shape = state.get("model_shape"), identity.get("model_shape")
+    if before_shape is not None and before_shape != shape:
+        raise UserError(f"resume: the checkpoint holds a model of another shape ({before_shape['model']}, "
+                        f"{before_shape['trainable_parameters']:,} trained) than this run's ({shape['model']}, "
+                        f"{shape['trainable_parameters']:,} trained): its weights cannot be loaded, --force-resume "
+                        "or not. Restore the model settings (base_model, the adapter, added tokens), or start a "
+                        "fresh output_dir.")
     changed = checkpoint.incompatibilities(state, plan, identity)
     notices = []
     before, now, step = state["plan"]["total_steps"], plan["total_steps"], state["step"]
@@ -152,8 +170,13 @@ def check_resumable(state: dict, plan: dict, identity: dict, lr_scheduler: str, 
                            f"learning-rate schedule follows the new length")
     if changed and not force:
         raise UserError("resume: the checkpoint was written by a different run: " + "; ".join(changed) +
-                        ". Restore the old settings, start a fresh output_dir, or pass --force-resume.")
-    return notices
+                        ". Restore the old settings, start a fresh output_dir, or pass --force-resume to continue "
+                        "the checkpoint's weights, optimizer and step with the new settings (it may override any "
+                        f"setting but {', '.join(FORCE_MAY_NOT[:-1])} and {FORCE_MAY_NOT[-1]}).")
+    if changed:
+        notices.append(f"--force-resume: continuing with settings the checkpoint was not written with: "
+                       f"{'; '.join(changed)} (recorded in {run_files.RESUMES})")
+    return notices, changed
 
 
 def check_finished_run_matches(output_dir: Path, settings: dict) -> None:
