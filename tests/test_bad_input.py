@@ -86,7 +86,8 @@ def test_full_disk_during_a_save_is_a_clear_error_and_the_old_checkpoint_stays(t
     with small_disk(tmp_path) as disk:
         keys = dict(save_strategy=None, save_steps=2, max_steps=6, output_dir=str(disk / "out"))
         config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
-        result = run_in_process("train", str(config))
+        # (past the check before step 1, which would refuse this disk: a disk can also fill during a run)
+        result = run_in_process("train", str(config), "--ignore-disk-check")
         assert_user_error(result, "could not save step 4", "the disk is full", "newest complete checkpoint is "
                           "checkpoint-2")
         assert_only_the_first_checkpoint_stays(disk / "out")
@@ -100,7 +101,7 @@ def test_full_disk_in_a_two_rank_run_stops_every_rank_with_the_message(tmp_path,
         keys = dict(save_strategy=None, save_steps=2, max_steps=6, micro_batch_size=1,
                     output_dir=str(disk / "out"))
         config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
-        result = run_two_ranks("train", str(config), timeout=240)
+        result = run_two_ranks("train", str(config), "--ignore-disk-check", timeout=240)
         assert_every_rank_stopped_with(result, "could not save step 4")  # torchrun prefixes nothing on CPU
         assert "the disk is full" in result.stderr and "newest complete checkpoint is checkpoint-2" in result.stderr
         assert_only_the_first_checkpoint_stays(disk / "out")
@@ -112,7 +113,7 @@ def test_full_disk_during_the_final_save_leaves_no_torn_model(tmp_path, tiny_mod
         out = disk / "out"
         config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=3,
                                                                    output_dir=str(out)))
-        result = run_in_process("train", str(config))
+        result = run_in_process("train", str(config), "--ignore-disk-check")
         assert_user_error(result, "could not save the final model", "the disk is full")
         # nothing that from_pretrained would pick up half-written, and the run is not marked finished
         assert not list(out.glob("*.safetensors")) and not (out / "config.json").exists()
@@ -123,3 +124,13 @@ def test_full_disk_during_the_final_save_leaves_no_torn_model(tmp_path, tiny_mod
 def test_base_model_folder_that_does_not_exist(tmp_path, data):
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tmp_path / "no-such-model", data))
     assert_user_error(run_in_process("plan", str(config)), "`base_model:", "no-such-model` is not an existing folder")
+
+
+def test_a_real_disk_too_small_for_the_model_is_refused_before_step_1(tmp_path, tiny_model_dir, data):
+    with small_disk(tmp_path, size="400k") as disk:  # the tiny model's weights alone are about 0.5 MB
+        out = disk / "out"
+        config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=3,
+                                                                   output_dir=str(out)))
+        assert_user_error(run_in_process("train", str(config)), "GB free, and the run writes about",
+                          "the final model", "--ignore-disk-check")
+        assert not (out / "metrics.jsonl").exists() and not list(out.glob(".tmp-*"))

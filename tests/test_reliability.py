@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import (CHATML, assert_user_error, base_config, read_metrics, run_in_process, tiny_rows, write_config,
+from conftest import (assert_user_error, base_config, read_metrics, run_in_process, tiny_rows, write_config,
                       write_jsonl)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -293,3 +293,171 @@ def test_rows_that_never_train_an_end_token_are_said_in_the_plan(tmp_path, tiny_
     plan = json.loads(run_in_process("plan", str(config_file(tmp_path, tiny_model_dir, chat, name="turn.yml",
                                                              **keys)), "--json").stdout)
     assert not any("end-of-turn token" in w for w in plan["warnings"])
+
+
+# ---- silently wrong, continued -------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_zero2_in_bf16_saves_its_fp32_masters_as_ddp_saves_fp32(tmp_path, tiny_model_dir, data):
+    """DeepSpeed holds the model in bf16 (its fp32 masters in the optimizer): the final folder has the masters, in
+    fp32, with a config that says so; the plan says the dtype, the same for every engine."""
+    import torch
+    from safetensors.torch import load_file
+
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=2, bf16=True, deepspeed="zero2")
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "saved                the model's weights in fp32" in result.stdout
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert {value.dtype for value in weights.values()} == {torch.float32}
+    trained = weights["model.layers.0.mlp.down_proj.weight"]
+    assert (trained != trained.to(torch.bfloat16).float()).any()  # not bf16 values cast up: the masters
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_a_signal_after_the_last_step_says_the_final_model_is_being_saved_and_a_second_one_says_it_was_not(
+        tmp_path):
+    script = tmp_path / "signals.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from pathlib import Path\n"
+        "from tuneloop.train.guards import StopRequests\n"
+        "temp = Path(sys.argv[1]) / '.tmp-final'\n"
+        "temp.mkdir(parents=True)\n"
+        "with StopRequests() as stop:\n"
+        "    stop.finishing(temp)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.5)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n")
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 128 + 2, result.stderr[-2000:]
+    assert "its final model is being saved" in result.stdout and "saving a checkpoint" not in result.stdout
+    assert "the final model was NOT written" in result.stdout
+    assert not (tmp_path / "out" / ".tmp-final").exists()  # nothing torn left to block the next run
+
+
+def test_a_signal_during_the_last_step_is_told_that_the_final_model_is_saved_instead(capsys):
+    import signal
+
+    from tuneloop.train.guards import StopRequests
+
+    with StopRequests() as stop:
+        stop._handle(signal.SIGINT, None)  # during the last step: "saving a checkpoint at the end of this step"
+        stop.finishing(Path("unused"))
+    assert "it saves its final model rather than a checkpoint" in capsys.readouterr().out
+
+
+def test_a_stream_entry_that_cannot_be_read_is_refused_by_the_plan(tmp_path, tiny_model_dir, data):
+    keys = {"datasets": None, "pretraining_dataset": [{"path": str(data), "split": "validation"}],
+            "max_steps": 2, "sequence_len": 32}
+    assert_user_error(run_in_process("plan", str(config_file(tmp_path, tiny_model_dir, data, **keys))),
+                      "`split: validation`", "local files hold one split")
+
+
+def test_check_says_what_it_did_not_check(tmp_path, tiny_model_dir, data):
+    result = run_in_process("check", str(config_file(tmp_path, tiny_model_dir, data)))
+    assert result.returncode == 0 and "not checked here" in result.stdout and "`tuneloop plan CONFIG`" in result.stdout
+
+
+# ---- unclear messages, continued -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("epochs, steps", [(0.5, 3), (0.3, 2), (1.5, 8)])
+def test_a_fraction_of_an_epoch_runs_that_share_of_its_steps_rounded_up(tmp_path, tiny_model_dir, data, epochs,
+                                                                         steps):
+    """40 rows, 4 a step: 10 steps an epoch (as the Trainer: the steps of a fraction round up, on the decimal
+    written: 0.3 × ... is not a float's 3.0000000000000004)."""
+    rows = write_jsonl(tmp_path / "twenty.jsonl", tiny_rows(20, seed=3))  # 5 steps an epoch
+    config = config_file(tmp_path, tiny_model_dir, rows, num_epochs=epochs, save_strategy="no")
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-2000:]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["steps_per_epoch"] == 5 and plan["total_steps"] == steps
+    assert [m["step"] for m in read_metrics(tmp_path / "out") if "loss" in m] == list(range(1, steps + 1))
+    if epochs % 1:
+        assert "its steps rounded up" in result.stdout
+
+
+def test_a_base_folder_without_tokenizer_files_is_said_as_that(tmp_path, tiny_model_dir, data):
+    import shutil
+
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, bare / name)
+    assert_user_error(run_in_process("plan", str(config_file(tmp_path, bare, data))), "holds no tokenizer",
+                      "point `tokenizer_config` at the folder")
+
+
+def test_infer_takes_a_checkpoint_folder_as_it_is(tmp_path, tiny_model_dir, data):
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=3, save_steps=2, save_strategy=None)
+    assert run_in_process("train", str(config)).returncode == 0
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / "tokenizer.json").is_file()  # a checkpoint is a model folder, tokenizer included
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\n")
+    result = run_in_process("infer", "--model", str(checkpoint), "--prompts", str(prompts), "--max-new-tokens", "4")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[0])["prompt"] == "Hello there"
+
+
+def test_a_stream_says_the_rows_it_trained_apart_from_those_it_read_ahead(tmp_path, tiny_model_dir):
+    texts = write_jsonl(tmp_path / "corpus.jsonl", [{"text": row["output"]} for row in tiny_rows(600, seed=2)])
+    keys = {"datasets": None, "pretraining_dataset": [{"path": str(texts)}], "max_steps": 2, "sequence_len": 32,
+            "micro_batch_size": 2}
+    result = run_in_process("train", str(config_file(tmp_path, tiny_model_dir, texts, **keys)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    stream = json.loads((tmp_path / "out" / "summary.json").read_text())["stream"]
+    assert stream["rows_trained"] == 2 * 2 < stream["rows_read"]  # 2 steps of 2 full rows; a chunk read ahead
+    assert f"{stream['rows_trained']} rows trained, {stream['rows_read']} source rows tokenized" in result.stdout
+
+
+# ---- from the field's bug trackers, continued ----------------------------------------------------------------
+
+@pytest.mark.slow
+def test_ranks_wait_for_a_slow_preparation_on_rank_0_without_timing_out(tmp_path, tiny_model_dir, data):
+    """ddp_timeout is honoured (no longer warned about as ignored), and the ranks that wait while rank 0
+    prepares wait without a timed collective: rank 0 takes twice the timeout, and the run goes on (axolotl #2684)."""
+    from conftest import run_two_ranks
+
+    from tuneloop.run import SLOW_PREPARE_ENV
+
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=2, ddp_timeout=4)
+    result = run_two_ranks("train", str(config), env={SLOW_PREPARE_ENV: "9"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ddp_timeout" not in result.stderr  # read, not warned about as ignored
+
+
+def test_a_disk_too_small_for_the_model_and_a_checkpoint_is_refused_before_step_1(tmp_path, tiny_model_dir, data,
+                                                                                   monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=4, save_steps=2, save_strategy=None)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 10**5, 10**5))
+    assert_user_error(run_in_process("train", str(config)), "GB free, and the run writes about",
+                      "a checkpoint", "--ignore-disk-check")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    assert run_in_process("train", str(config), "--ignore-disk-check").returncode == 0
+
+
+def test_a_quota_the_free_space_does_not_show_is_met_by_the_probe(tmp_path, tiny_model_dir, data, monkeypatch):
+    def quota(descriptor, offset, length):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(os, "posix_fallocate", quota)
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=4, save_steps=2, save_strategy=None)
+    assert_user_error(run_in_process("train", str(config)), "cannot hold a checkpoint", "Disk quota exceeded")
+    assert not list((tmp_path / "out").glob(".tmp-disk-probe"))
+
+
+def test_no_run_prints_deepspeeds_cpu_accelerator_line(tmp_path, tiny_model_dir, data):
+    """transformers' save_pretrained makes Accelerate import DeepSpeed (installed for the sharded tests), which
+    printed "Setting accelerator to CPU" in every run: told there is no GPU, it says nothing."""
+    from conftest import run_cli
+
+    result = run_cli("train", str(config_file(tmp_path, tiny_model_dir, data, max_steps=1)))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Setting accelerator to CPU" not in result.stdout + result.stderr

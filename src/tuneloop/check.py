@@ -65,4 +65,7 @@ def check_report(cfg: TuneloopConfig) -> list[str]:
     needs = hardware_needs(cfg, resolved)
     lines += [f"  needs                {need}" for need in needs] or ["  needs                nothing special: "
                                                                      "runs on a CPU or a GPU"]
+    lines.append("  not checked here     the data, the model and its tokenizer, this machine, trackers' credentials, "
+                 "output_dir's disk (check reads no file but the config and imports no torch): "
+                 "`tuneloop plan CONFIG` checks them, as `train` does when it starts")
     return lines

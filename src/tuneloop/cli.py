@@ -113,7 +113,8 @@ def command_train(args) -> int:
     cfg = _config(args)
     with TrainingSession(cfg, hooks=ConsoleHooks()) as session:  # leaving it, the ranks wait for each other
         result = session.run(overwrite=args.overwrite, force_resume=args.force_resume,
-                             ignore_memory_estimate=args.ignore_memory_estimate)
+                             ignore_memory_estimate=args.ignore_memory_estimate,
+                             ignore_disk_check=args.ignore_disk_check)
         if result.error is not None:
             # said before the ranks leave: a launcher stops the other ranks as soon as one exits non-zero
             return _say_error(result.error)
@@ -208,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="resume even if the checkpoint was written with different settings")
     train_parser.add_argument("--ignore-memory-estimate", action="store_true",
                               help="start even when the plan's memory estimate is far above the device's memory")
+    train_parser.add_argument("--ignore-disk-check", action="store_true",
+                              help="start even when output_dir's disk looks too small for the model and a checkpoint")
     train_parser.set_defaults(handler=command_train)
     check_parser = with_config("check", "validate a config without reading data or the model (under a second)")
     check_parser.set_defaults(handler=command_check)

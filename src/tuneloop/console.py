@@ -298,7 +298,10 @@ def done_line(summary: dict, evals: list[dict], output_dir, compiled: bool, earl
     if stream:  # what a streamed run read, and what it left out (a prepared run's plan says it before training)
         left_out = stream["dropped_too_long"] + stream["dropped_no_trained_tokens"]
         passes = stream["passes_started"]
-        parts.append(f"stream: {passes} pass{'es' if passes != 1 else ''} started, {stream['rows_read']} rows read, "
+        trained = stream.get("rows_trained")
+        parts.append(f"stream: {passes} pass{'es' if passes != 1 else ''} started, "
+                     + (f"{trained} rows trained, " if trained is not None else "")
+                     + f"{stream['rows_read']} source rows tokenized (read ahead, a chunk at a time), "
                      f"{left_out} left out ({stream['dropped_too_long']} longer than sequence_len)"
                      + (f", {stream['rows_without_targets']} packed rows without a trained token skipped"
                         if stream["rows_without_targets"] else ""))

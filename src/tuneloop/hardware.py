@@ -57,6 +57,18 @@ def check_hardware(cfg, resolved) -> None:
         raise UserError("config: this machine cannot run this config: " + "; ".join(missing))
 
 
+def quiet_deepspeed_on_cpu() -> None:
+    """Where there is no GPU, DeepSpeed is told so before anything imports it: transformers' save_pretrained asks
+    Accelerate, which imports DeepSpeed whenever it is installed, and DeepSpeed would then print its "Setting
+    accelerator to CPU" warning in every run. (On a GPU it finds CUDA itself.)"""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def native_bf16() -> str | None:
     """Where this machine computes bf16 natively, in words (None: nowhere). Asked of torch, not /proc/cpuinfo."""
     import torch

@@ -115,6 +115,10 @@ def check_model_class(cfg: TuneloopConfig, config) -> None:
                         f"{', '.join(architectures)}; set `model_type: {actual.auto_class}` or the right class")
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.txt")
+
+
 def load_tokenizer(cfg: TuneloopConfig, *, encoder_decoder: bool):
     """The run's tokenizer: trained on the data (`train_tokenizer`: an encoder-decoder's learns from source and
     target apart), `tokenizer_config`'s, or the model's."""
@@ -129,6 +133,12 @@ def load_tokenizer(cfg: TuneloopConfig, *, encoder_decoder: bool):
     tokenizer_class = getattr(transformers, cfg.tokenizer_type or "AutoTokenizer", None)
     if tokenizer_class is None:
         raise UserError(f"config: `tokenizer_type: {cfg.tokenizer_type}` is not a class transformers has")
+    folder = Path(source).expanduser()
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        # (transformers would go on to suggest installing sentencepiece, which is not what is missing)
+        raise UserError(f"model: `{key}: {source}` holds no tokenizer ({', '.join(TOKENIZER_FILES[:4])}, ...): point "
+                        "`tokenizer_config` at the folder of the tokenizer the model was trained with (the model it "
+                        "was fine-tuned from, say)")
     try:
         tokenizer = tokenizer_class.from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
                                                     **_revision(cfg, key))

@@ -30,6 +30,10 @@ from tuneloop.errors import CheckpointFailed, TrainingDiverged, UserError
 from tuneloop.train.hooks import RunHooks, TogetherHooks
 
 
+# Test hook: rank 0 prepares its data this many seconds more slowly (the other ranks must wait without timing out)
+SLOW_PREPARE_ENV = "TUNELOOP_TEST_SLOW_PREPARE_SECONDS"
+
+
 def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
     """The config as a run uses it: validated, with the embedded aliases resolved to local paths."""
     from tuneloop.demo.embedded import resolve_aliases
@@ -43,12 +47,16 @@ def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunH
     from transformers.utils import logging as transformers_logging
 
     from tuneloop.data.source import prepare_rows
+    from tuneloop.hardware import quiet_deepspeed_on_cpu
     from tuneloop.model import check_encoder_decoder_settings, load_tokenizer
 
+    quiet_deepspeed_on_cpu()
     transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
     if resolved.encoder_decoder:
         check_encoder_decoder_settings(cfg)
     tokenizer = load_tokenizer(cfg, encoder_decoder=resolved.encoder_decoder)
+    if os.environ.get(SLOW_PREPARE_ENV) and os.environ.get("RANK", "0") == "0":
+        time.sleep(float(os.environ[SLOW_PREPARE_ENV]))
     return tokenizer, prepare_rows(cfg, resolved, tokenizer, force=force, hooks=hooks or RunHooks())
 
 
@@ -86,20 +94,28 @@ class TrainingSession:
         self.accelerator = None
         self.trackers = None  # main process: the trackers the config asks for (trackers.py), started with the plan
         self.output_lock = None  # main process: output_dir held for this run (run_files.OutputDirLock)
+        self._main_first_count = 0  # the steps the main process takes first (see _wait_for_main)
+        self.ignore_disk_check = False
         self.seconds: dict[str, float] = {}  # wall time of the steps before the loop: data, model load
 
     def __enter__(self) -> "TrainingSession":
+        from datetime import timedelta
+
+        from tuneloop.hardware import quiet_deepspeed_on_cpu
+
+        quiet_deepspeed_on_cpu()  # (before Accelerate is imported)
         import torch
         from accelerate import Accelerator
-        from accelerate.utils import set_seed
+        from accelerate.utils import InitProcessGroupKwargs, set_seed
 
         from tuneloop.engines.base import join_process_group
         from tuneloop.resolved import resolve_run
 
         self.resolved = resolve_run(self.cfg)
-        join_process_group(self.resolved.engine)  # (before Accelerate's, which then uses it)
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                                       mixed_precision=self.resolved.precision.mixed)
+        timeout = timedelta(seconds=self.cfg.ddp_timeout) if self.cfg.ddp_timeout else None
+        join_process_group(self.resolved.engine, timeout)  # (before Accelerate's, which then uses it)
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=self.resolved.precision.mixed,
+                                       kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)] if timeout else None)
         if self.cfg.tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         set_seed(self.cfg.seed)
@@ -109,12 +125,16 @@ class TrainingSession:
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
-    def run(self, overwrite: bool = False, force_resume: bool = False,
-            ignore_memory_estimate: bool = False) -> RunResult:
+    def run(self, overwrite: bool = False, force_resume: bool = False, ignore_memory_estimate: bool = False,
+            ignore_disk_check: bool = False) -> RunResult:
         """The run; every error it meets comes back in `RunResult.error` (see the module's docstring): each is
-        met by every rank at the same point, a main-rank decision being shared before it is acted on."""
+        met by every rank at the same point, a main-rank decision being shared before it is acted on.
+        `overwrite`: replace an earlier run's files; `force_resume`: resume a checkpoint of other settings;
+        `ignore_memory_estimate` / `ignore_disk_check`: start although the device's memory or output_dir's disk
+        looks too small."""
         started = time.perf_counter()
         result = None
+        self.ignore_disk_check = ignore_disk_check
         try:
             result = self._run(overwrite, force_resume, ignore_memory_estimate, started)
             return result
@@ -210,6 +230,7 @@ class TrainingSession:
         import yaml
 
         from tuneloop.train import checkpoint, resume
+        from tuneloop.train.disk import check_room, output_sizes
 
         output_dir = Path(self.cfg.output_dir)
         notices: list[str] = []
@@ -217,6 +238,8 @@ class TrainingSession:
         self.output_lock = run_files.OutputDirLock(output_dir)  # released when the run ends (or its process dies)
         chosen = resume.prepare_output_dir(self.cfg, output_dir, overwrite, notices)
         self.output_lock.sign()
+        if not self.ignore_disk_check:
+            check_room(output_dir, output_sizes(self.cfg, plan), notices.append)
         if chosen is not None:
             state = checkpoint.read_state(chosen)
             said, overridden = resume.check_resumable(state, plan.to_json(), identity, self.cfg.lr_scheduler,
@@ -266,7 +289,7 @@ class TrainingSession:
         from accelerate.utils import gather_object
 
         result, error = self._attempt_on_main(action)
-        self._shared_or_raised(None, error)
+        self._wait_for_main(error)
         if not self.is_main:
             try:
                 result = action()
@@ -276,6 +299,32 @@ class TrainingSession:
         if failed:
             raise UserError(failed[0])
         return result
+
+    def _wait_for_main(self, error: str | None) -> None:
+        """The main process's outcome (its user error, or none) on every rank. The others wait for it on the
+        launcher's key-value store, a minute at a time, not in a collective: rank 0 may prepare a large dataset for
+        longer than any collective's timeout (axolotl #2684), and the ranks that wait must not time out meanwhile."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        store = distributed_c10d._get_default_store()
+        self._main_first_count += 1
+        key = f"tuneloop/main-first/{self._main_first_count}"
+        if self.is_main:
+            store.set(key, error or "")
+        else:
+            while True:
+                try:
+                    store.wait([key], timedelta(seconds=60))
+                    break
+                except dist.DistStoreError as waited:  # a minute without an answer: wait on (a lost store raises)
+                    if "timeout" not in str(waited).lower():
+                        raise
+            error = store.get(key).decode() or None
+        if error is not None:
+            raise UserError(error)
 
     def _attempt_on_main(self, action) -> tuple:
         if not self.is_main:

@@ -84,7 +84,7 @@ SPEED_OR_LOGGING = _keys("""
     strict resize_token_embeddings_to_32x dynamic_checkpoint skip_prepare_dataset num_dataset_shards_to_save
     dataset_keep_in_memory dataloader_pin_memory dataloader_num_workers
     dataloader_prefetch_factor dataloader_drop_last accelerator_config remove_unused_columns push_dataset_to_hub
-    hf_use_auth_token device_map ddp_timeout ddp_bucket_cap_mb ddp_broadcast_buffers ddp_find_unused_parameters
+    hf_use_auth_token device_map ddp_bucket_cap_mb ddp_broadcast_buffers ddp_find_unused_parameters
     do_causal_lm_eval eval_causal_lm_metrics do_bench_eval bench_dataset bench_split gc_steps
     torch_empty_cache_steps gc_collect_steps selective_checkpointing activation_offloading layer_offloading
     sample_packing_group_size sample_packing_bin_size sample_packing_mp_start_method pad_to_multiple_of

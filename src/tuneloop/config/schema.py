@@ -161,7 +161,8 @@ class TuneloopConfig(Strict):
     eval_batch_size: Annotated[Optional[int], WATCHING] = None
     gradient_accumulation_steps: int = 1
     batch_size: Optional[int] = None
-    num_epochs: Annotated[int, RUN_LENGTH] = 1
+    # a fraction is a share of an epoch's steps, rounded up (as the Trainer does): data/source.py
+    num_epochs: Annotated[Union[int, float], RUN_LENGTH] = 1
     max_steps: Annotated[Optional[int], RUN_LENGTH] = None
     # optimisation
     learning_rate: float = 2e-5
@@ -189,6 +190,9 @@ class TuneloopConfig(Strict):
     fsdp_config: Optional[dict[str, Any]] = None
     fsdp_final_state_dict_type: Optional[str] = None
     deepspeed: Optional[Union[str, dict[str, Any]]] = None  # a path, beside the config, or a shipped name (zero2)
+    # seconds a collective may wait for the other ranks (torch's default: 10 min on NCCL, 30 on gloo); the ranks
+    # that wait while rank 0 prepares the data wait without one
+    ddp_timeout: Annotated[Optional[int], SPEED] = None
     # preference training (rl_methods.py; the losses in train/preference.py)
     rl: Optional[str] = None  # a method of rl_methods.py's RL_METHODS; unset: supervised fine-tuning
     rl_beta: Optional[float] = None  # DPO/IPO's beta (default 0.1); axolotl's older `dpo_beta` too
@@ -292,7 +296,14 @@ class TuneloopConfig(Strict):
     def _known_scheduler(cls, value):
         return SCHEDULERS.check(value)
 
-    @field_validator("sequence_len", "micro_batch_size", "gradient_accumulation_steps", "num_epochs", "logging_steps")
+    @field_validator("num_epochs")
+    @classmethod
+    def _epochs(cls, value):
+        if value <= 0:
+            raise ValueError("must be more than 0 (a fraction such as 0.5 runs that share of an epoch's steps)")
+        return value
+
+    @field_validator("sequence_len", "micro_batch_size", "gradient_accumulation_steps", "logging_steps")
     @classmethod
     def _positive(cls, value):
         if value < 1:
@@ -376,7 +387,7 @@ class TuneloopConfig(Strict):
                           "logging, so tuneloop trains without it.", UserWarning, stacklevel=2)
         return value
 
-    @field_validator("max_steps", "eval_batch_size", "batch_size", "dataset_processes",
+    @field_validator("max_steps", "eval_batch_size", "batch_size", "dataset_processes", "ddp_timeout",
                      "save_total_limit", "loss_watchdog_patience", "early_stopping_patience")
     @classmethod
     def _positive_or_none(cls, value):

@@ -190,15 +190,8 @@ def stream_rows(entry, progress: ReadProgress | None = None) -> Iterator[RawRow]
     (`train[:10%]`) counts the rows first when it is given in percent."""
     if is_hub_dataset(entry):
         return _hub_rows(entry)
-    for key in ("name", "revision"):
-        if getattr(entry, key):
-            raise UserError(f"data: `{key}: {getattr(entry, key)}` applies to hub datasets, and {entry.path} is a "
-                            f"local file or folder; remove `{key}`")
-    split_name, start, stop = parse_split(entry.split)
-    if split_name != "train":
-        raise UserError(f"data: `split: {entry.split}` for {entry.path}: local files hold one split, `train` (sliced "
-                        "if you like: train[:10%]); point `path` or `data_files` at the file of the split you want")
-    files = data_files_of(entry)
+    files = check_local_entry(entry)
+    _, start, stop = parse_split(entry.split)
 
     def every_row(report: ReadProgress | None) -> Iterator[RawRow]:
         for file in files:
@@ -210,6 +203,20 @@ def stream_rows(entry, progress: ReadProgress | None = None) -> Iterator[RawRow]
     total = sum(1 for _ in every_row(None)) if "%" in f"{start}{stop}" else None
     first, last = slice_bounds(total, start, stop)
     return itertools.islice(every_row(progress), first, last)
+
+
+def check_local_entry(entry) -> list[Path]:
+    """A local entry's files, with what cannot be read from them refused before a row is read (a stream's entries
+    are checked so when the run is planned, not when the loop reaches them)."""
+    for key in ("name", "revision"):
+        if getattr(entry, key):
+            raise UserError(f"data: `{key}: {getattr(entry, key)}` applies to hub datasets, and {entry.path} is a "
+                            f"local file or folder; remove `{key}`")
+    split_name, _, _ = parse_split(entry.split)
+    if split_name != "train":
+        raise UserError(f"data: `split: {entry.split}` for {entry.path}: local files hold one split, `train` (sliced "
+                        "if you like: train[:10%]); point `path` or `data_files` at the file of the split you want")
+    return data_files_of(entry)
 
 
 def slice_bounds(total: int | None, start: str | None, stop: str | None) -> tuple[int, int | None]:

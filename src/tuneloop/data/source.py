@@ -74,7 +74,7 @@ class PreparedRows:
         return self.store.units
 
     def count_steps(self, spec: BatchingSpec, accumulation: int, padding: Padding, max_steps: int | None,
-                    num_epochs: int) -> StepCounts:
+                    num_epochs: float) -> StepCounts:
         """Every step the run will take, walked on every rank with the loop's own sampler, its tokens counted."""
         from tuneloop.errors import UserError
 
@@ -87,7 +87,7 @@ class PreparedRows:
             raise UserError(f"plan: {len(lengths)} training rows make fewer micro-batches than the "
                             f"{spec.world_size} ranks; lower micro_batch_size or use more data")
         steps_per_epoch = math.ceil(micro_per_rank / accumulation)
-        total_steps = max_steps or steps_per_epoch * num_epochs
+        total_steps = max_steps or steps_for_epochs(steps_per_epoch, num_epochs)
         epochs_to_run = math.ceil(total_steps / steps_per_epoch)
         walk = _TokenWalk(lengths, targets, np.asarray(store["length"]), store.group, padding, spec.mode,
                           np.asarray(store["source_length"]) if self.encoder_decoder else None)
@@ -147,6 +147,14 @@ class PreparedRows:
               unit: str = "tokens") -> TrainingSteps:
         return PreparedSteps(self, plan, tokenizer, accelerator.process_index, hooks, start_step, reference or {},
                              decoder_start_token_id, unit)
+
+
+def steps_for_epochs(steps_per_epoch: int, num_epochs: float) -> int:
+    """The steps of `num_epochs` epochs; a fraction rounds up (as the Trainer does), on the decimal the user wrote
+    (0.3 × 10 is 3 steps, not the 4 that 3.0000000000000004 would round up to)."""
+    from fractions import Fraction
+
+    return max(1, math.ceil(Fraction(str(num_epochs)) * steps_per_epoch))
 
 
 class _TokenWalk:
@@ -228,8 +236,13 @@ class StreamedRows:
     """Rows read and tokenized as the loop reaches them, each rank its own share (stream_steps.py)."""
 
     def __init__(self, cfg, prepared, tokenizer, encoder_decoder: bool, packed: bool):
+        from tuneloop.data.load import check_local_entry, is_hub_dataset
+
         self.cfg, self.prepared, self.tokenizer = cfg, prepared, tokenizer
         self.encoder_decoder, self.packed = encoder_decoder, packed
+        for entry in cfg.train_entries:  # what the loop would meet at its first step, said before it
+            if not is_hub_dataset(entry):
+                check_local_entry(entry)
 
     @property
     def key(self) -> str:
@@ -245,7 +258,7 @@ class StreamedRows:
         return None  # not known before the stream is read
 
     def count_steps(self, spec: BatchingSpec, accumulation: int, padding: Padding, max_steps: int | None,
-                    num_epochs: int) -> StepCounts:
+                    num_epochs: float) -> StepCounts:
         """`max_steps` steps of micro_batch_size × accumulation rows on every rank. Packed, every row is exactly
         sequence_len tokens, so the real tokens are exact too; targets, rows and passes are counted as read."""
         rows = spec.micro_batch_size * accumulation * spec.world_size

@@ -79,6 +79,7 @@ class StreamedSteps(TrainingSteps):
                                   packed, position, shuffle_seed=cfg.seed)
         self.pad_token_id, self.packed, self.padding = tokenizer.pad_token_id, packed, plan.padding
         self.decoder_start_token_id = decoder_start_token_id
+        self.rows_trained = 0  # the rows (packed: full rows) this session's steps trained on this rank
         # a resumed stream is inside a pass that already filled a step (saves come after whole steps)
         self.steps_in_pass = 1 if position is not None and (position.rows_read or position.carry_ids) else 0
 
@@ -134,6 +135,7 @@ class StreamedSteps(TrainingSteps):
                 raise UserError(self.first_failure(failure))
             if not out:
                 self.steps_in_pass += 1
+                self.rows_trained += len(rows)
                 return batches, targets
             if self.steps_in_pass == 0:
                 raise UserError(f"data: a whole pass over the streamed data does not fill one step of "
@@ -153,7 +155,8 @@ class StreamedSteps(TrainingSteps):
     def counts(self) -> dict:
         """What this rank's stream read and left out since this session started (not carried over a resume)."""
         stats = self.stream.stats
-        return {"rows_read": stats.rows_read, "dropped_too_long": stats.dropped_too_long,
+        return {"rows_read": stats.rows_read, "rows_trained": self.rows_trained,
+                "dropped_too_long": stats.dropped_too_long,
                 "dropped_no_trained_tokens": stats.dropped_no_trained_tokens,
                 "rows_without_targets": self.stream.rows_without_targets}
 

@@ -221,7 +221,7 @@ def held_bytes(model, optimizer) -> dict:
     return {"weights": int(weights), "optimizer": int(state + masters)}
 
 
-def join_process_group(spec: EngineSpec) -> None:
+def join_process_group(spec: EngineSpec, timeout=None) -> None:
     """The process group an engine needs, made once, before anything else makes one.
 
     Launched (torchrun, accelerate launch), Accelerate makes the group of the ranks, except where the engine reduces
@@ -237,7 +237,7 @@ def join_process_group(spec: EngineSpec) -> None:
     if "WORLD_SIZE" in os.environ:
         if spec.reduces_on_host and cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend="cuda:nccl,cpu:gloo")
+            dist.init_process_group(backend="cuda:nccl,cpu:gloo", **({"timeout": timeout} if timeout else {}))
         return
     if not spec.needs_a_group_alone:
         return

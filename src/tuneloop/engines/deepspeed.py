@@ -287,8 +287,13 @@ class DeepSpeedEngine(Engine):
             raise UserError(f"checkpoint: DeepSpeed could not load the shards in {folder}")
 
     def full_state_dict(self) -> dict | None:
+        """The weights to save, gathered onto the main process in host memory (collective). Where DeepSpeed holds
+        the model in 16-bit, they are its fp32 masters, so every engine saves what it trained in fp32; else, ZeRO-1/2
+        keep whole weights on every rank (None: the model saves itself) and ZeRO-3 gathers them."""
+        if self.spec.sixteen_bit_weights(self.plan.resolved.precision.mixed):
+            return self._fp32_masters()
         if self.spec.stage != 3:
-            return None  # ZeRO-1/2 keep whole weights on every rank
+            return None
         import deepspeed
 
         # one module's weights gathered at a time (the whole model at once would not fit where ZeRO-3 was needed),
@@ -308,6 +313,38 @@ class DeepSpeedEngine(Engine):
             state.update({name: buffer.detach().cpu().clone() for name, buffer in model.named_buffers()
                           if name in saved})
         return state
+
+
+    def _fp32_masters(self) -> dict:
+        """Every parameter's fp32 master, assembled from the ranks' partitions one at a time (each a collective),
+        and the persistent buffers, onto the main process."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        model, main = self.engine.module.model, self.accelerator.is_main_process
+        state = {}
+        for name, param in model.named_parameters():
+            if not param.requires_grad:  # frozen weights have no master: theirs are the model's own
+                if main:
+                    state[name] = _gathered(param).cpu().clone()
+                continue
+            value = safe_get_full_fp32_param(param)
+            if main:
+                state[name] = value.detach().cpu().clone()
+        if main:
+            saved = set(model.state_dict())
+            state.update({name: buffer.detach().cpu().clone() for name, buffer in model.named_buffers()
+                          if name in saved})
+        return state
+
+
+def _gathered(param):
+    """A parameter whole (a ZeRO-3 partition gathered; others are whole already)."""
+    if not hasattr(param, "ds_id"):
+        return param.detach()
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+        return param.detach().clone()
 
 
 @contextlib.contextmanager

@@ -79,6 +79,7 @@ class TrainingPlan:
     estimated_memory_gb: float | None = None
     memory: dict | None = None  # the estimate's parts per rank: weights, gradients, optimizer, activations, device
     engine: str | None = None  # how the ranks share the model, in words (engines/)
+    saved_dtype: str | None = None  # the dtype of the weights the run saves (the same under every engine)
     model: str | None = None  # the model trained: its class, and where its weights come from
     # encoder-decoder runs: the encoder's and the decoder's real tokens over the run, and the share of each side's
     # computed positions that is padding (each side is padded to its own longest row)
@@ -209,6 +210,8 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     estimate = estimate_memory(cfg, facts, counts.max_micro_batch_tokens, precision, resolved.engine, world_size,
                                device_memory_gb)
     part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),
+            "saved_dtype": "fp32" if cfg.adapter else {"bf16": "bf16", "fp16": "fp16"}.get(
+                "bf16" if cfg.bfloat16 else "fp16" if cfg.float16 else "", "fp32"),
             "attention": resolved.attention.used, "engine": resolved.engine.describe(world_size),
             "estimated_memory_gb": estimate.total_gb, "memory": asdict(estimate)}
     count = count_flops(facts.config, *facts.matmul_weights, counts.sequence_lengths)

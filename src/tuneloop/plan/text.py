@@ -24,7 +24,8 @@ def describe(plan) -> str:
         f"  data                 {plan.train_rows} train {rows}, {plan.train_tokens} tokens, "
         f"{plan.trainable_tokens} trained tokens per epoch; {plan.eval_rows} eval {rows}",
         f"  steps                {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches "
-        f"per rank), {plan.total_steps} in total = {plural(plan.epochs_covered, 'epoch')}",
+        f"per rank), {plan.total_steps} in total = {plural(plan.epochs_covered, 'epoch')}"
+        + (" (a share of an epoch: its steps rounded up)" if plan.epochs_covered % 1 else ""),
         f"  tokens               {plan.tokens_per_step:.0f} trained tokens per step, "
         f"{plan.total_trainable_tokens} over the run",
         f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
@@ -77,6 +78,9 @@ def _machine_lines(plan) -> list[str]:
         lines.append(f"  compute              {_compute_line(plan)}")
     if plan.engine is not None:
         lines.append(f"  engine               {plan.engine}")
+    if plan.saved_dtype is not None:
+        lines.append(f"  saved                the model's weights in {plan.saved_dtype} (safetensors), as trained: the same "
+                     "under every engine")
     lines += [
         f"  memory               {_memory_line(plan)}",
         f"  evals                {plan.eval_count} (at steps {_short(plan.eval_steps_at)})",

@@ -111,11 +111,13 @@ def _from_main(accelerator, value):
 
 
 def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer_state: dict | None, scheduler,
-                     world_size: int = 1, model_state: dict | None = None, weights: bool = True) -> Path:
+                     world_size: int = 1, model_state: dict | None = None, weights: bool = True,
+                     tokenizer=None) -> Path:
     """Main process only, after every rank ran write_rank_rng (and wrote its engine shards, which this moves in: see
     write_on_every_rank). A failure removes the temporary folder and re-raises: the old checkpoints are never
     touched. `optimizer_state` None: it is in the shards. `model_state`: the weights gathered from a sharded model;
-    `weights` False: the checkpoint's weights are only in its shards."""
+    `weights` False: the checkpoint's weights are only in its shards. `tokenizer`: saved beside the weights, so that
+    a checkpoint is a model folder `from_pretrained` and `tuneloop infer --model` take as it is."""
     final = run_files.checkpoint_dir(output_dir, step)
     temp = run_files.temp_checkpoint_dir(output_dir, step)
     shutil.rmtree(temp, ignore_errors=True)
@@ -123,6 +125,8 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer_
         temp.mkdir(parents=True)
         if weights:
             model.save_pretrained(temp, safe_serialization=True, state_dict=model_state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(temp)
         shards = run_files.pending_shards(output_dir, step)
         if shards.is_dir():
             os.replace(shards, temp / SHARDS)

@@ -9,6 +9,7 @@ which it tripped, so the message names that step even when it is read a few step
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -91,6 +92,7 @@ class StopRequests:
 
     def __init__(self):
         self.received: int | None = None
+        self.final_save = None  # the final model's folder in progress, once the run's steps are done
         self._previous = {}
         self._group = None
         self._pending = None  # (work, flag) of the reduce started last step
@@ -119,11 +121,28 @@ class StopRequests:
             time.sleep(0.05)
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
         if self.received is not None:
+            if self.final_save is not None:  # (every write is atomic: the half-written folder is only removed)
+                shutil.rmtree(self.final_save, ignore_errors=True)
+                print(f"\n{name} received again: stopped during the final save, so the final model was NOT "
+                      "written; the last checkpoint is kept (auto_resume_from_checkpoints: true finishes the run "
+                      "from it)", flush=True)
             os._exit(128 + signum)
         self.received = signum
-        print(f"\n{signal.Signals(signum).name} received: saving a checkpoint at the end of this step "
-              "(send it again to stop at once)", flush=True)
+        if self.final_save is not None:
+            print(f"\n{name} received: the run's steps are done and its final model is being saved; send it again "
+                  "to stop at once (the model would then not be written)", flush=True)
+        else:
+            print(f"\n{name} received: saving a checkpoint at the end of this step (send it again to stop at once)",
+                  flush=True)
+
+    def finishing(self, final_save) -> None:
+        """The loop's steps are done and the final model is about to be saved (into `final_save`, a folder)."""
+        if self.received is not None:
+            print("(the signal came during the last step: the run is complete, so it saves its final model rather "
+                  "than a checkpoint)", flush=True)
+        self.final_save = final_save
 
     def requested(self, accelerator, step: int) -> bool:
         """Called by every rank after every step but the last."""

@@ -163,6 +163,8 @@ class TrainingLoop:
                         self.log_train_line(step, lr, grad_norm)
                     self.save(step)
 
+        if stopped_by != "signal":
+            self.stop.finishing(self.output_dir / run_files.TEMP_FINAL)
         self.watchdog.check_before_save(self.accelerator)  # the final model is not saved from a diverged run
         train_seconds = time.perf_counter() - train_start
         training_seconds = train_seconds - (self.seconds["eval"] + self.seconds["save"] - outside_steps_before)
@@ -296,7 +298,7 @@ class TrainingLoop:
             def write_on_main() -> None:
                 written = checkpoint.write_checkpoint(self.output_dir, step, marker, self.language_model,
                                                       engine.optimizer_state(), self.scheduler, self.world_size,
-                                                      model_state=weights, weights=whole)
+                                                      model_state=weights, weights=whole, tokenizer=self.tokenizer)
                 checkpoint.prune_checkpoints(self.output_dir, self.cfg.save_total_limit, keep=written)
 
             checkpoint.write_on_every_rank(

@@ -22,8 +22,29 @@ def save_hf_folder(model, tokenizer, folder: Path, weights: dict | None = None) 
     if config is not None:
         config.use_cache = True  # off for training (packing needs it off); on for whoever generates next
     model.save_pretrained(folder, safe_serialization=True, state_dict=weights)
+    if weights:
+        _config_says_dtype_of(folder, weights)
     tokenizer.save_pretrained(folder)
     make_readable(folder)
+
+
+def _config_says_dtype_of(folder: Path, weights: dict) -> None:
+    """config.json names the dtype of the weights saved beside it (save_pretrained names the model's own, and a
+    16-bit DeepSpeed model saves its fp32 masters): `from_pretrained(dtype="auto")` then loads what was saved."""
+    import json
+
+    import torch
+
+    floats = {value.dtype for value in weights.values() if torch.is_tensor(value) and value.is_floating_point()}
+    path = folder / "config.json"
+    if len(floats) != 1 or not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    name = str(floats.pop()).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = name
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def publish_final(model, tokenizer, output_dir: Path, weights: dict | None = None) -> None:

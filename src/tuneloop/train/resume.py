@@ -114,7 +114,9 @@ def prepare_output_dir(cfg, output_dir: Path, overwrite: bool, notices: list[str
                                      and (output_dir / run_files.PLAN).is_file() and finished_run(output_dir) is None)
     if leftovers and not (overwrite or interrupted_before_first_save or run_files.never_trained(output_dir)):
         names = ", ".join(p.name for p in leftovers[:4]) + (" …" if len(leftovers) > 4 else "")
-        raise UserError(f"output_dir {output_dir} holds another run's files ({names}). Pass --overwrite to "
+        torn = (" Its final model was not written: the run was stopped while saving it."
+                if (output_dir / run_files.TEMP_FINAL).exists() else "")
+        raise UserError(f"output_dir {output_dir} holds another run's files ({names}).{torn} Pass --overwrite to "
                         "replace them, set `auto_resume_from_checkpoints: true` to continue that run, or "
                         "choose another output_dir.")
     run_files.clear_run_files(output_dir)

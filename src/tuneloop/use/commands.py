@@ -76,8 +76,10 @@ def _one_source(args, command: str, flag: str) -> None:
 # ---- infer ---------------------------------------------------------------------------------------
 
 def command_infer(args) -> int:
+    from tuneloop.hardware import quiet_deepspeed_on_cpu
     from tuneloop.use.generate import GenerationSettings, chat, generate_all, print_rows, read_prompts
 
+    quiet_deepspeed_on_cpu()
     _one_source(args, "infer", "--model")
     if args.chat and args.prompts:
         raise UserError("infer: --chat reads the conversation from stdin; drop --prompts (or --chat)")
@@ -135,9 +137,11 @@ def _write(path: Path, text: str, flag: str) -> None:
 # ---- merge-lora ----------------------------------------------------------------------------------
 
 def command_merge(args) -> int:
+    from tuneloop.hardware import quiet_deepspeed_on_cpu
     from tuneloop.run_files import MERGED
     from tuneloop.use.merge import adapter_folder, merge_lora
 
+    quiet_deepspeed_on_cpu()
     _one_source(args, "merge-lora", "--adapter")
     trust_remote_code = False
     if args.config is not None:

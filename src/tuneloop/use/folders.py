@@ -64,6 +64,8 @@ def load_tokenizer_of(folder: ModelFolder):
     from transformers import AutoTokenizer
 
     sources = [folder.path] + ([folder.base] if folder.is_adapter else [])
+    if (folder.path / "tuneloop_state.json").is_file():  # a checkpoint of a run before checkpoints kept a tokenizer:
+        sources.insert(1, folder.path.parent)  # the run's own, in its output_dir
     for source in sources:
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
