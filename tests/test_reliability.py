@@ -461,3 +461,33 @@ def test_no_run_prints_deepspeeds_cpu_accelerator_line(tmp_path, tiny_model_dir,
     result = run_cli("train", str(config_file(tmp_path, tiny_model_dir, data, max_steps=1)))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Setting accelerator to CPU" not in result.stdout + result.stderr
+
+
+def test_a_metrics_line_a_full_disk_kept_out_is_written_later_never_lost_or_doubled(tmp_path, tiny_model_dir, data,
+                                                                                    monkeypatch):
+    import builtins
+
+    from tuneloop.train import track
+
+    calls = {"n": 0}
+
+    def flaky_open(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and "a" in mode:
+            calls["n"] += 1
+            if calls["n"] in (2, 3):  # the second and third lines meet a full disk
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(track, "open", flaky_open, raising=False)
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=5)
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "could not write" in result.stderr and "metrics.jsonl" in result.stderr
+    assert [m["step"] for m in read_metrics(tmp_path / "out") if "loss" in m] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("argument, value", [("--max-new-tokens", "-1"), ("--batch-size", "0"),
+                                             ("--temperature", "-0.5"), ("--top-p", "1.5")])
+def test_infer_refuses_values_out_of_range_as_it_reads_them(tmp_path, argument, value):
+    result = run_in_process("infer", "--model", str(tmp_path), argument, value)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and f"argument {argument}" in result.stderr

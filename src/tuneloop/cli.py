@@ -14,6 +14,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from tuneloop.arguments import positive_gb, ranks
 from tuneloop.errors import DIVERGED_EXIT_CODE, PREEMPTED_EXIT_CODE, TrainingDiverged, UserError
 
 TRAINED_OPEN, TRAINED_CLOSE = "⟦", "⟧"
@@ -167,26 +168,6 @@ def command_setup(args) -> int:
     return 0
 
 
-def at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: a run has at least 1 rank")
-    return value
-
-
-def positive_gb(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GB") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value:g}: a device's memory is more than 0 GB")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tuneloop", description="Fine-tune Hugging Face language models from one "
                                      "YAML file (axolotl's key names), in a loop as fast as a hand-written one.")
@@ -216,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     check_parser.set_defaults(handler=command_check)
     plan_parser = with_config("plan", "print every number of the run before training")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    plan_parser.add_argument("--world-size", type=at_least_one, default=None,
+    plan_parser.add_argument("--world-size", type=ranks, default=None,
                              help="plan a launch on N ranks without launching it")
     plan_parser.add_argument("--device-memory", type=positive_gb, default=None, metavar="GB",
                              help="memory of each device in GB (default: this machine's), to see whether the run "

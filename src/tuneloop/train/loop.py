@@ -321,7 +321,9 @@ class TrainingLoop:
 
     # ---- small helpers ------------------------------------------------------------------------
     def record(self, metrics: dict) -> None:
-        self.metrics.write(metrics)
+        if not self.metrics.write(metrics) and len(self.metrics.pending) == 1:  # said once, when it begins
+            self.hooks.notice(f"could not write {self.metrics.path} (a full disk?): the lines are kept and written "
+                              "when there is room; a checkpoint needs room too, and stops the run if there is none")
         if self.accelerator.is_main_process:
             self.hooks.logged(metrics)
 

@@ -4,6 +4,7 @@ averages over. (What the console shows of them is console.py's.)"""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -16,16 +17,30 @@ class MetricsLog:
     def __init__(self, path: Path, enabled: bool):
         self.path = path
         self.enabled = enabled  # only the main process writes
+        self.pending: list[str] = []  # lines a full disk kept out, written with the next one that fits
 
-    def write(self, record: dict) -> None:
+    def write(self, record: dict) -> bool:
+        """Appends the line; False where it could not be written (a full disk): it is kept and written with the
+        next line, and a line never goes in half (the file is cut back to where it was)."""
         if not self.enabled:
-            return
+            return True
         if not self.path.exists():
             run_files.record(self.path.parent, self.path.name)
-        with open(self.path, "a") as handle:
-            # NaN and inf are written as they are (json's NaN/Infinity): a bad loss must never vanish
-            handle.write(json.dumps(record) + "\n")
-            handle.flush()
+        # NaN and inf are written as they are (json's NaN/Infinity): a bad loss must never vanish
+        self.pending.append(json.dumps(record) + "\n")
+        size = self.path.stat().st_size if self.path.exists() else 0
+        try:
+            with open(self.path, "a") as handle:
+                handle.write("".join(self.pending))
+                handle.flush()
+        except OSError:
+            try:
+                os.truncate(self.path, size)
+            except OSError:
+                pass
+            return False
+        self.pending.clear()
+        return True
 
 
 class LossWindow:

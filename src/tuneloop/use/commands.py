@@ -7,6 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
+from tuneloop.arguments import at_least_one, not_negative, probability
 from tuneloop.errors import UserError
 
 
@@ -31,11 +32,12 @@ def _add_infer(commands) -> None:
     infer.add_argument("--base", metavar="DIR", help="an adapter's base model, instead of the one it names")
     infer.add_argument("--prompts", metavar="FILE", help="prompts: .jsonl rows with `prompt` or `messages`, else "
                        "one prompt a line (default: stdin)")
-    infer.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="the longest completion (128)")
-    infer.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (the default): greedy")
-    infer.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (1.0: off)")
+    infer.add_argument("--max-new-tokens", type=at_least_one, default=128, metavar="N",
+                       help="the longest completion (128)")
+    infer.add_argument("--temperature", type=not_negative, default=0.0, metavar="T", help="0 (the default): greedy")
+    infer.add_argument("--top-p", type=probability, default=1.0, metavar="P", help="nucleus sampling (1.0: off)")
     infer.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling")
-    infer.add_argument("--batch-size", type=int, default=8, metavar="B",
+    infer.add_argument("--batch-size", type=at_least_one, default=8, metavar="B",
                        help="prompts generated together (8); halved on out-of-memory")
     infer.add_argument("--raw", action="store_true",
                        help="plain prompts as raw text, without the tokenizer's chat template")
