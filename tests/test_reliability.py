@@ -298,13 +298,15 @@ def test_rows_that_never_train_an_end_token_are_said_in_the_plan(tmp_path, tiny_
 # ---- silently wrong, continued -------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_zero2_in_bf16_saves_its_fp32_masters_as_ddp_saves_fp32(tmp_path, tiny_model_dir, data):
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_zero_in_bf16_saves_its_fp32_masters_as_ddp_saves_fp32(tmp_path, tiny_model_dir, data, stage):
     """DeepSpeed holds the model in bf16 (its fp32 masters in the optimizer): the final folder has the masters, in
-    fp32, with a config that says so; the plan says the dtype, the same for every engine."""
+    fp32, with a config that says so; the plan says the dtype, the same for every engine. (One process, as a first
+    run before renting more ranks: ZeRO-3 then needs the LOCAL_RANK a launcher would set.)"""
     import torch
     from safetensors.torch import load_file
 
-    config = config_file(tmp_path, tiny_model_dir, data, max_steps=2, bf16=True, deepspeed="zero2")
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=2, bf16=True, deepspeed=stage)
     result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "saved                the model's weights in fp32" in result.stdout

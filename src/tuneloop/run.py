@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tuneloop import run_files
 from tuneloop.config import TuneloopConfig, load_config
+from tuneloop.engines.base import leave_group_of_one
 from tuneloop.errors import CheckpointFailed, TrainingDiverged, UserError
 from tuneloop.train.hooks import RunHooks, TogetherHooks
 
@@ -350,7 +351,7 @@ class TrainingSession:
         finally:
             if self.accelerator.num_processes == 1:
                 _forget_accelerate_state()
-                _forget_one_rank_group()
+                leave_group_of_one()
 
     def leave_together(self) -> None:
         """Ranks wait for each other (rank 0 writes the summary and report meanwhile), then tear down.
@@ -449,12 +450,3 @@ def _forget_accelerate_state() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-
-
-def _forget_one_rank_group() -> None:
-    """The group of one that FSDP2/DeepSpeed needed in a single-process run (engines/base.py), closed with the run
-    so the next run in this process starts without it."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -238,7 +238,11 @@ class OutputDirLock:
         self.descriptor = os.open(output_dir, os.O_RDONLY)
         try:
             fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as error:
+            if not isinstance(error, BlockingIOError):  # a file system without locks: the run goes on unguarded
+                os.close(self.descriptor)
+                self.descriptor = None
+                return
             os.close(self.descriptor)
             holder = read_json(output_dir / LOCK) or {}
             who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}"

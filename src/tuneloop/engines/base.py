@@ -247,4 +247,32 @@ def join_process_group(spec: EngineSpec, timeout=None) -> None:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     backend = "cuda:nccl,cpu:gloo" if cuda else "gloo"  # (offloaded norms are on the host)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            **({"timeout": timeout} if timeout else {}))
+
+
+_UNDONE_WITH_THE_GROUP_OF_ONE: list = []  # what a single process's run set up beside its group, undone with it
+
+
+def launcher_variable_for_one_process(name: str, value: str) -> None:
+    """A variable a launcher would have set (DeepSpeed reads LOCAL_RANK in every ZeRO-3 forward), set for a single
+    process's run until its group of one is left. Set after Accelerate started: it must not think it was launched."""
+    if name not in os.environ:
+        os.environ[name] = value
+        _UNDONE_WITH_THE_GROUP_OF_ONE.append(lambda: os.environ.pop(name, None))
+
+
+def undo_with_the_group_of_one(undo) -> None:
+    """`undo()` when the group of one is left (an engine's process-wide state that would outlive it)."""
+    _UNDONE_WITH_THE_GROUP_OF_ONE.append(undo)
+
+
+def leave_group_of_one() -> None:
+    """The group of one a single-process run made (join_process_group), closed with the run, and the environment
+    set with it unset, so the next run in this process (a test, a notebook) starts without them."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    while _UNDONE_WITH_THE_GROUP_OF_ONE:
+        _UNDONE_WITH_THE_GROUP_OF_ONE.pop()()

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tuneloop.engines.base import Engine, EngineSpec, RankBytes, WholeBytes, sharded_share
+from tuneloop.engines.base import (Engine, EngineSpec, RankBytes, WholeBytes, launcher_variable_for_one_process,
+                                   sharded_share, undo_with_the_group_of_one)
 from tuneloop.errors import UserError
 
 SHIPPED_DEEPSPEED = Path(__file__).parent / "deepspeed_configs"
@@ -221,8 +222,10 @@ class DeepSpeedEngine(Engine):
             raise UserError(f"config: {error}") from None
         optimizer = build_optimizer(cfg, module.model)
         self.base_optimizer = optimizer
-        with _local_rank_named(self.accelerator.local_process_index):
-            engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
+        if "WORLD_SIZE" not in os.environ:  # one process, in a group of one (engines/base.py)
+            launcher_variable_for_one_process("LOCAL_RANK", "0")
+            undo_with_the_group_of_one(forget_deepspeed_groups)
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         if self.spec.stage == 3:
             # ZeRO-3 gathers a module's weights when its forward runs; the chunked loss uses the output head's
             # weight inside the root's forward without calling the head, so the root declares it its own
@@ -337,6 +340,21 @@ class DeepSpeedEngine(Engine):
         return state
 
 
+def forget_deepspeed_groups() -> None:
+    """DeepSpeed keeps the process groups of its first engine in module globals; after a single process's group
+    of one is gone they name a destroyed group, and the next run in the process would fail in them."""
+    from deepspeed.utils import groups
+
+    for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "mesh_device", "_TENSOR_MODEL_PARALLEL_GROUP",
+                 "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+
+
 def _gathered(param):
     """A parameter whole (a ZeRO-3 partition gathered; others are whole already)."""
     if not hasattr(param, "ds_id"):
@@ -346,16 +364,3 @@ def _gathered(param):
     with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
         return param.detach().clone()
 
-
-@contextlib.contextmanager
-def _local_rank_named(local_rank: int):
-    """DeepSpeed reads LOCAL_RANK from the environment, which launchers set; a single `tuneloop train` has none, so
-    it is named for the engine's start only (left set, it would tell later runs in this process they were launched)."""
-    if "LOCAL_RANK" in os.environ:
-        yield
-        return
-    os.environ["LOCAL_RANK"] = str(local_rank)
-    try:
-        yield
-    finally:
-        del os.environ["LOCAL_RANK"]
