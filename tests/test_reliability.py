@@ -493,3 +493,46 @@ def test_a_metrics_line_a_full_disk_kept_out_is_written_later_never_lost_or_doub
 def test_infer_refuses_values_out_of_range_as_it_reads_them(tmp_path, argument, value):
     result = run_in_process("infer", "--model", str(tmp_path), argument, value)
     assert result.returncode == 2 and "Traceback" not in result.stderr and f"argument {argument}" in result.stderr
+
+
+# ---- found by a second reader: the same classes, other cases -------------------------------------------------
+
+def test_yaml_merge_keys_are_read_and_an_unhashable_key_is_said(tmp_path):
+    merged = tmp_path / "merged.yml"
+    merged.write_text("base_model: m\ndatasets:\n  - &e {path: x, type: alpaca}\n  - {<<: *e, split: train}\n")
+    assert run_in_process("check", str(merged)).returncode == 0  # `<<: *anchor` is no key given twice
+    odd = tmp_path / "odd.yml"
+    odd.write_text("base_model: m\n[a, b]: 1\n")
+    assert_user_error(run_in_process("check", str(odd)), "line 2: a key must be a name")
+    number = tmp_path / "number.yml"
+    number.write_text("base_model: m\n1: 2\ndatasets: [{path: x, 3: 4}]\n")
+    assert_user_error(run_in_process("check", str(number)), "unknown key `1`", "unknown key datasets[0].`3`")
+
+
+@pytest.mark.parametrize("setting, fragment", [("num_epochs=.inf", "`num_epochs` must be more than 0"),
+                                               ("num_epochs=.nan", "`num_epochs` must be more than 0"),
+                                               ("seed=-1", "`seed` must be a whole number from 0 to 4294967295")])
+def test_numbers_the_config_cannot_run_with_are_refused_by_check(tmp_path, tiny_model_dir, data, setting,
+                                                                 fragment):
+    assert_user_error(run_in_process("check", str(config_file(tmp_path, tiny_model_dir, data)), "--set", setting),
+                      fragment)
+
+
+def test_a_damaged_checkpoint_marker_is_a_message(tmp_path, tiny_model_dir, data):
+    folder = tmp_path / "checkpoint-3"
+    folder.mkdir()
+    (folder / "tuneloop_state.json").write_text('{"step": 1}')
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=1, resume_from_checkpoint=str(folder))
+    assert_user_error(run_in_process("train", str(config)), "tuneloop_state.json is damaged",
+                      "point resume_from_checkpoint at another checkpoint")
+
+
+def test_training_goes_on_when_the_reader_of_its_output_goes_away(tmp_path, tiny_model_dir, data):
+    """`tuneloop train CONFIG | head -1`: the log goes nowhere, the run finishes and saves its model."""
+    config = config_file(tmp_path, tiny_model_dir, data, max_steps=2)
+    process = subprocess.Popen([sys.executable, "-m", "tuneloop", "train", str(config)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 0, stderr[-2000:]
+    assert (tmp_path / "out" / "model.safetensors").is_file() and "Traceback" not in stderr

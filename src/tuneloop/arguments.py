@@ -26,6 +26,16 @@ def ranks(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 2 ** 32:
+        raise argparse.ArgumentTypeError(f"{value}: a seed is from 0 to 4294967295")
+    return value
+
+
 def positive_gb(text: str) -> float:
     value = _number(text, "a number of GB")
     if value <= 0:

@@ -107,7 +107,49 @@ def marked_text(input_ids: list[int], labels: list[int], tokenizer) -> str:
     return "".join(pieces)
 
 
+class ReaderGone:
+    """A stream whose reader may go away (`tuneloop train … | head`): then what is printed goes nowhere, and the
+    run goes on (it must not die of its log: its model and checkpoints are what matters)."""
+
+    def __init__(self, stream):
+        self.stream, self.gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                return self.stream.write(text)
+            except BrokenPipeError:
+                self._went()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except BrokenPipeError:
+                self._went()
+
+    def _went(self) -> None:
+        self.gone = True
+        try:  # the interpreter's last flush of the real stream would complain at exit otherwise
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def command_train(args) -> int:
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = ReaderGone(sys.stdout), ReaderGone(sys.stderr)
+    try:
+        return _train(args)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _train(args) -> int:
     from tuneloop.console import ConsoleHooks
     from tuneloop.run import TrainingSession
 

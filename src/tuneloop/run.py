@@ -239,6 +239,8 @@ class TrainingSession:
         self.output_lock = run_files.OutputDirLock(output_dir)  # released when the run ends (or its process dies)
         chosen = resume.prepare_output_dir(self.cfg, output_dir, overwrite, notices)
         self.output_lock.sign()
+        if self.output_lock.descriptor is None:
+            notices.append(f"{output_dir}'s file system gives no locks: one run at a time in it is not enforced")
         if not self.ignore_disk_check:
             check_room(output_dir, output_sizes(self.cfg, plan), notices.append)
         if chosen is not None:
@@ -303,7 +305,7 @@ class TrainingSession:
 
     def _wait_for_main(self, error: str | None) -> None:
         """The main process's outcome (its user error, or none) on every rank. The others wait for it on the
-        launcher's key-value store, a minute at a time, not in a collective: rank 0 may prepare a large dataset for
+        launcher's key-value store, ten minutes at a time, not in a collective: rank 0 may prepare a large dataset for
         longer than any collective's timeout (axolotl #2684), and the ranks that wait must not time out meanwhile."""
         from datetime import timedelta
 
@@ -318,9 +320,9 @@ class TrainingSession:
         else:
             while True:
                 try:
-                    store.wait([key], timedelta(seconds=60))
+                    store.wait([key], timedelta(minutes=10))
                     break
-                except dist.DistStoreError as waited:  # a minute without an answer: wait on (a lost store raises)
+                except dist.DistStoreError as waited:  # no answer yet: wait on (a lost store raises otherwise)
                     if "timeout" not in str(waited).lower():
                         raise
             error = store.get(key).decode() or None

@@ -286,6 +286,8 @@ class Trackers(RunHooks):
                     folder = output_dir / kind.folder
                     self.folders[kind.folder] = run_files.entries_of(folder) if folder.exists() else None
                 self.started[name] = kind.start(cfg, output_dir, parameters)
+                if kind.folder is not None:  # its files are there now: recorded at once (a kill loses no record)
+                    run_files.record_shared_folder(output_dir, kind.folder, self.folders[kind.folder])
             except ImportError as error:
                 self.finish(None)
                 raise UserError(_missing_library(name, error.name or name, kind.package)) from None

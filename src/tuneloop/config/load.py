@@ -56,6 +56,7 @@ def _triage_top_level(raw: dict, problems: list[str]) -> dict:
     config/axolotl.py classifies it."""
     kept = {}
     for key, value in raw.items():
+        key = str(key)  # (a YAML key may read as a number)
         name = ALIASES.get(key, key)
         if name in TOP_LEVEL_KEYS:
             if name in kept:
@@ -80,6 +81,7 @@ def _triage_dataset(entry: Any, where: str, problems: list[str]) -> Any:
         return entry  # pydantic names the type error
     kept = {}
     for key, value in entry.items():
+        key = str(key)
         if key in DATASET_KEYS:
             kept[key] = value
         elif key in axolotl.DATASET_REFUSED:
@@ -191,7 +193,14 @@ class _KeysOnce(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: the merged keys may be overridden
+                continue
             key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                raise _DuplicateKey(f"line {key_node.start_mark.line + 1}: a key must be a name, not "
+                                    f"{key!r}") from None
             if key in seen:
                 raise _DuplicateKey(f"`{key}` is given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})"
                                     "; keep one of them")

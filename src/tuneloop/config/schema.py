@@ -8,6 +8,7 @@ written with another value of it is another run (train/resume.py).
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -296,10 +297,12 @@ class TuneloopConfig(Strict):
     def _known_scheduler(cls, value):
         return SCHEDULERS.check(value)
 
-    @field_validator("num_epochs")
+    @field_validator("num_epochs", mode="before")
     @classmethod
     def _epochs(cls, value):
-        if value <= 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return value  # (pydantic names the type)
+        if not math.isfinite(value) or value <= 0:
             raise ValueError("must be more than 0 (a fraction such as 0.5 runs that share of an epoch's steps)")
         return value
 
@@ -408,6 +411,13 @@ class TuneloopConfig(Strict):
     def _not_negative(cls, value, info):
         if value is not None and value < 0:
             raise ValueError(f"must be 0{ZERO_MEANS.get(info.field_name, '')} or more")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value):
+        if not 0 <= value < 2 ** 32:
+            raise ValueError("must be a whole number from 0 to 4294967295 (numpy's and torch's seeds)")
         return value
 
     @field_validator("lora_r", "lora_alpha")

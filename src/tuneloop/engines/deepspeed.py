@@ -326,9 +326,10 @@ class DeepSpeedEngine(Engine):
         model, main = self.engine.module.model, self.accelerator.is_main_process
         state = {}
         for name, param in model.named_parameters():
-            if not param.requires_grad:  # frozen weights have no master: theirs are the model's own
-                if main:
-                    state[name] = _gathered(param).cpu().clone()
+            if not param.requires_grad:  # frozen weights have no master (gathered by every rank: a collective)
+                whole = _gathered(param)
+                if main:  # in fp32 like the rest: the values DeepSpeed computed with (its cast rounded them)
+                    state[name] = whole.float().cpu().clone()
                 continue
             value = safe_get_full_fp32_param(param)
             if main:

@@ -87,9 +87,10 @@ def _attempt(action, output_dir: Path, what: str) -> str | None:
         except OSError:
             full, newest = False, "unknown (the output folder cannot be read)"
         reason = "the disk is full" if full else f"{type(error).__name__}: {error}"
+        then = ("run again" if newest == "none" else
+                "resume (auto_resume_from_checkpoints: true)")
         return (f"checkpoint: could not save {what} to {output_dir}: {reason}. Nothing was overwritten; "
-                f"the newest complete checkpoint is {newest}. Free space and resume "
-                "(auto_resume_from_checkpoints: true).")
+                f"the newest complete checkpoint is {newest}. Free space and {then}.")
 
 
 def _gathered(accelerator, value) -> list:
@@ -201,7 +202,16 @@ def damage(checkpoint: Path) -> str | None:
 def read_state(checkpoint: Path) -> dict:
     if not (checkpoint / run_files.STATE).is_file():
         raise UserError(f"checkpoint: {checkpoint} is not a complete tuneloop checkpoint (no {run_files.STATE})")
-    return json.loads((checkpoint / run_files.STATE).read_text())
+    try:
+        state = json.loads((checkpoint / run_files.STATE).read_text())
+    except (OSError, ValueError) as error:
+        state, why = None, str(error)
+    else:
+        why = "it does not hold a checkpoint's step and plan"
+    if not isinstance(state, dict) or not isinstance(state.get("plan"), dict) or "step" not in state:
+        raise UserError(f"checkpoint: {checkpoint / run_files.STATE} is damaged ({why}); point "
+                        "resume_from_checkpoint at another checkpoint, or start a fresh output_dir")
+    return state
 
 
 def incompatibilities(state: dict, plan: dict, identity: dict) -> list[str]:

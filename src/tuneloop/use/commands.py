@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tuneloop.arguments import at_least_one, not_negative, probability
+from tuneloop.arguments import at_least_one, not_negative, probability, seed
 from tuneloop.errors import UserError
 
 
@@ -36,7 +36,7 @@ def _add_infer(commands) -> None:
                        help="the longest completion (128)")
     infer.add_argument("--temperature", type=not_negative, default=0.0, metavar="T", help="0 (the default): greedy")
     infer.add_argument("--top-p", type=probability, default=1.0, metavar="P", help="nucleus sampling (1.0: off)")
-    infer.add_argument("--seed", type=int, default=None, metavar="S", help="seed for sampling")
+    infer.add_argument("--seed", type=seed, default=None, metavar="S", help="seed for sampling")
     infer.add_argument("--batch-size", type=at_least_one, default=8, metavar="B",
                        help="prompts generated together (8); halved on out-of-memory")
     infer.add_argument("--raw", action="store_true",
