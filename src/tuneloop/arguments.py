@@ -7,32 +7,24 @@ import argparse
 
 
 def at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: it must be at least 1")
-    return value
+    return _whole(text, "a whole number", 1, None, "it must be at least 1")
 
 
 def ranks(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of ranks") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: a run has at least 1 rank")
-    return value
+    return _whole(text, "a whole number of ranks", 1, None, "a run has at least 1 rank")
 
 
 def seed(text: str) -> int:
+    return _whole(text, "a whole number", 0, 2 ** 32 - 1, "a seed is from 0 to 4294967295")
+
+
+def _whole(text: str, what: str, low: int, high: int | None, why: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 0 <= value < 2 ** 32:
-        raise argparse.ArgumentTypeError(f"{value}: a seed is from 0 to 4294967295")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{value}: {why}")
     return value
 
 
