@@ -97,6 +97,7 @@ OUTPUT_FILES = (
     OutputEntry(BEST, "the early-stopping best model"), OutputEntry(OLD_BEST, "the previous best model"),
     OutputEntry(TENSORBOARD, "TensorBoard event files"), OutputEntry(WANDB, "wandb's run files"),
     OutputEntry(MERGED, "the merged model (merge-lora)"),
+    OutputEntry("*.gguf", "GGUF exports (export)"), OutputEntry("*.Modelfile", "Ollama Modelfiles (export)"),
 )
 # Every name tuneloop has written into output_dir, one a line: what `--overwrite` may remove is what is both
 # listed here and an OUTPUT_FILES name, so a user's own README.md or checkpoint-notes.txt is never touched.

@@ -1,4 +1,4 @@
-"""The `infer`, `eval` and `merge-lora` subcommands. Light at import: torch, transformers and peft are imported
+"""The `infer`, `eval`, `merge-lora` and `export` subcommands. Light at import: torch, transformers and peft are imported
 inside the handlers, so `tuneloop --help` stays instant."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from tuneloop.errors import UserError
 
 
 def add_use_commands(commands) -> None:
-    """Registers the three commands on the CLI's subparsers object."""
+    """Registers the four commands on the CLI's subparsers object."""
     _add_infer(commands)
     _add_eval(commands)
     _add_merge(commands)
+    _add_export(commands)
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, optional: bool) -> None:
@@ -62,6 +63,25 @@ def _add_merge(commands) -> None:
     merge.add_argument("--output", metavar="DIR", help="where the merged model goes (default: OUTPUT_DIR/merged, "
                        "or ADAPTER/merged); it must not exist or be empty")
     merge.set_defaults(handler=command_merge)
+
+
+def _add_export(commands) -> None:
+    from tuneloop.use.gguf.quantize import QUANTIZATIONS
+
+    export = commands.add_parser("export", help="the trained model as one GGUF file for llama.cpp / Ollama "
+                                 "(a LoRA run merged first), with an Ollama Modelfile beside it")
+    _add_config_arguments(export, optional=True)
+    export.add_argument("--model", metavar="DIR", help="a model folder or a LoRA adapter folder, instead of CONFIG")
+    export.add_argument("--base", metavar="DIR", help="an adapter's base model, instead of the one it names")
+    export.add_argument("--format", choices=["gguf"], default="gguf", help="gguf (the one format there is)")
+    export.add_argument("--quant", choices=QUANTIZATIONS.names(), default="q8_0",
+                        help="the weights' type: q8_0 (the default: close to f16, half its size), f32, f16, bf16, "
+                             "q4_0; norms and biases stay f32")
+    export.add_argument("--output", metavar="FILE",
+                        help="the GGUF file (default: OUTPUT_DIR/model-QUANT.gguf, or DIR/model-QUANT.gguf)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output that tuneloop exported (never another program's file)")
+    export.set_defaults(handler=command_export)
 
 
 def load_config(args):
@@ -154,4 +174,34 @@ def command_merge(args) -> int:
         folder = adapter_folder(args.adapter, "--adapter", args.base)
     output = Path(args.output).expanduser() if args.output else folder.path / MERGED
     print(f"merged model saved to {merge_lora(folder, output, trust_remote_code)}", flush=True)
+    return 0
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+def command_export(args) -> int:
+    from tuneloop.hardware import quiet_deepspeed_on_cpu
+    from tuneloop.use.folders import find_model_folder
+    from tuneloop.use.gguf.write import export_gguf
+
+    quiet_deepspeed_on_cpu()
+    _one_source(args, "export", "--model")
+    trust_remote_code = False
+    if args.config is not None:
+        cfg = load_config(args)
+        trust_remote_code = cfg.trust_remote_code
+        folder = find_model_folder(cfg.output_dir, "export: output_dir", base=args.base or cfg.base_model,
+                                   no_model_hint="; train first (`tuneloop train CONFIG`), or give --model DIR")
+    else:
+        folder = find_model_folder(args.model, "export: --model", base=args.base)
+    if args.output:
+        output = Path(args.output).expanduser()
+        if output.suffix != ".gguf":
+            raise UserError(f"export: --output {output} does not end in .gguf; llama.cpp and Ollama look for that")
+    else:
+        output = folder.path / f"model-{args.quant}.gguf"
+    done = export_gguf(folder, output, args.quant, overwrite=args.overwrite, trust_remote_code=trust_remote_code)
+    print(f"exported {done.gguf} ({done.bytes / 1e6:.1f} MB) and {done.modelfile}; run it with:", flush=True)
+    print(f"  llama-cli -m {done.gguf} -cnv        # llama.cpp", flush=True)
+    print(f"  cd {done.gguf.parent} && ollama create NAME -f {done.modelfile.name} && ollama run NAME", flush=True)
     return 0

@@ -1,0 +1,202 @@
+"""The export: the model folder (a LoRA adapter merged into its base in memory) as one GGUF file, and an Ollama
+Modelfile beside it.
+
+The file is written under a hidden temporary name in the output's folder and renamed into place when complete
+and on disk, so a kill or a full disk never leaves a torn file where llama.cpp would load it. An existing output
+is replaced only with --overwrite, and only when tuneloop wrote it (the file's `tuneloop.export` key, the
+Modelfile's first line): a user's own GGUF of the same name is never touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tuneloop import __version__, run_files
+from tuneloop.errors import UserError
+from tuneloop.use.folders import ModelFolder
+from tuneloop.use.gguf.architectures import FileTensor, add_metadata, architecture_of, file_tensors, head_dim
+from tuneloop.use.gguf.chat import WRITTEN_BY, ChatFacts, chat_facts, modelfile
+from tuneloop.use.gguf.quantize import QUANTIZATIONS, encode, stored_bytes, tensor_type
+from tuneloop.use.gguf.vocab import GgufVocab, add_vocab, read_vocab
+
+MARKER_KEY = "tuneloop.export"  # in every file tuneloop writes: what --overwrite may replace
+
+
+@dataclass(frozen=True)
+class Export:
+    gguf: Path
+    modelfile: Path
+    tensors: int
+    bytes: int
+
+
+def modelfile_path(output: Path) -> Path:
+    return output.with_suffix(".Modelfile")
+
+
+def check_outputs(output: Path, overwrite: bool) -> None:
+    """Said before anything loads: an existing file is replaced only with --overwrite, and only if ours."""
+    for path, ours in ((output, _is_our_gguf), (modelfile_path(output), _is_our_modelfile)):
+        if not path.exists() and not path.is_symlink():
+            continue
+        if not overwrite:
+            raise UserError(f"export: {path} exists; add --overwrite to replace it (only a file tuneloop exported "
+                            "is replaced), or choose another --output")
+        if path.is_dir() or path.is_symlink() or not ours(path):
+            raise UserError(f"export: {path} exists and tuneloop did not write it; --overwrite never replaces "
+                            "another program's file: choose another --output, or move it yourself")
+
+
+def _is_our_gguf(path: Path) -> bool:
+    try:
+        import gguf
+
+        return MARKER_KEY in gguf.GGUFReader(path).fields
+    except Exception:  # not a GGUF at all, or a damaged one: not ours to replace
+        return False
+
+
+def _is_our_modelfile(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.readline().startswith(WRITTEN_BY)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def export_gguf(folder: ModelFolder, output: Path, quant: str, *, overwrite: bool = False,
+                trust_remote_code: bool = False, say=print) -> Export:
+    from transformers import AutoConfig
+
+    from tuneloop.use.folders import load_model_from, load_tokenizer_of
+
+    quantization = QUANTIZATIONS[quant]
+    check_outputs(output, overwrite)
+    config_source = folder.base if folder.is_adapter else folder.path
+    try:
+        config = AutoConfig.from_pretrained(config_source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise UserError(f"export: cannot read the model config of {config_source}: {error}") from None
+    arch = architecture_of(config)  # an unknown family is said before the weights load
+    tokenizer = load_tokenizer_of(folder)
+    model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
+    if folder.is_adapter:
+        model = model.merge_and_unload()  # in memory: the adapter folder is left as it is
+    config = model.config
+    vocab = read_vocab(tokenizer, config.vocab_size)
+    facts = chat_facts(tokenizer)
+    if facts.turn_end is not None and tokenizer.convert_tokens_to_ids(facts.turn_end) != vocab.special_ids.get("eos"):
+        vocab.special_ids["eot"] = tokenizer.convert_tokens_to_ids(facts.turn_end)
+    tensors = file_tensors(model.state_dict(), config, arch)
+    types = [tensor_type(tensor.name, tensor.shape, quantization) for tensor in tensors]
+    total = sum(stored_bytes(tensor.shape, kind) for tensor, kind in zip(tensors, types))
+    for line in header(folder, output, quant, config, arch.gguf_name, vocab, facts, tensors, types, total):
+        say(line)
+    check_free_space(output.parent, total)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    metadata_warnings = _write_atomically(output, lambda path: _write_file(
+        path, folder, quantization, config, arch, vocab, facts, tensors, types, total))
+    for warning in metadata_warnings:
+        say(f"warning: {warning}")
+    stops = [token for token in dict.fromkeys([facts.turn_end, tokenizer.eos_token]) if token]
+    text = modelfile(output.name, modelfile_path(output).name, facts, stops)
+    _write_atomically(modelfile_path(output), lambda path: path.write_text(text, encoding="utf-8"))
+    if run_files.is_tuneloop_run(output.parent):
+        run_files.record(output.parent, output.name, modelfile_path(output).name)  # `train --overwrite` may clear
+    return Export(output, modelfile_path(output), len(tensors), total)
+
+
+def header(folder, output, quant, config, gguf_arch, vocab: GgufVocab, facts: ChatFacts, tensors, types, total):
+    from collections import Counter
+
+    counts = Counter(kind.name for kind in types)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    special = ", ".join(f"{name} {vocab.tokens[index]}" for name, index in vocab.special_ids.items())
+    template = ("none: prompts are plain text" if facts.template is None else
+                f"the run's ({len(facts.template)} characters); Ollama TEMPLATE: "
+                + (f"{facts.family.name}, checked by rendering" if facts.family else "not translated"))
+    source = f"{folder.path} (LoRA adapter merged into {folder.base})" if folder.is_adapter else str(folder.path)
+    yield f"export      {source} -> {output}"
+    yield (f"  model     {gguf_arch} ({config.model_type}): {config.num_hidden_layers} layers, hidden "
+           f"{config.hidden_size}, {config.num_attention_heads} heads ({kv_heads} kv, dim {head_dim(config)}), "
+           f"context {config.max_position_embeddings}"
+           + (", head tied to the embedding" if getattr(config, "tie_word_embeddings", False) else ""))
+    yield (f"  tensors   {len(tensors)}, {total / 1e6:.1f} MB as {quant}: "
+           + ", ".join(f"{count} {name}" for name, count in sorted(counts.items())))
+    yield (f"  tokenizer {vocab.model}" + (f" (pre {vocab.pre})" if vocab.pre else "")
+           + f", {len(vocab.tokens) - vocab.padded} tokens" + (f" + {vocab.padded} padding" if vocab.padded else "")
+           + f", {len(vocab.merges)} merges; {special}; adds bos: {'yes' if vocab.add_bos else 'no'}")
+    yield f"  template  {template}"
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    existing = next((parent for parent in [folder, *folder.parents] if parent.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    if free < needed + (64 << 20):  # the file and some room for everything else
+        raise UserError(f"export: the file needs {needed / 1e9:.2f} GB and {existing} has {free / 1e9:.2f} GB free; "
+                        "free some space or choose another --output (nothing was written)")
+
+
+def _write_atomically(path: Path, write):
+    handle, temp_name = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    os.close(handle)
+    temp = Path(temp_name)
+    try:
+        result = write(temp)
+        with open(temp, "rb") as written:
+            os.fsync(written.fileno())
+        mask = os.umask(0)
+        os.umask(mask)
+        temp.chmod(0o666 & ~mask)  # mkstemp's file is private; an exported model is for a server to read
+        os.replace(temp, path)
+        run_files.fsync_folder_entry(path.parent)
+        return result
+    except OSError as error:
+        temp.unlink(missing_ok=True)
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise UserError(f"export: the disk filled while writing {path}; nothing was written (free some space, "
+                            "or choose another --output)") from None
+        # numpy's tofile says a short write without an errno ("N requested and M written"): a full disk or a quota
+        raise UserError(f"export: cannot write {path} ({error.strerror or error}); nothing was written (a full disk "
+                        "or a file-size limit? free some space, or choose another --output)") from None
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _write_file(path: Path, folder: ModelFolder, quantization, config, arch, vocab: GgufVocab, facts: ChatFacts,
+                tensors: list[FileTensor], types: list, total: int) -> list[str]:
+    import gguf
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    writer = gguf.GGUFWriter(path, arch.gguf_name)
+    writer.add_name(folder.path.resolve().name)
+    writer.add_string(MARKER_KEY, __version__)
+    writer.add_file_type(gguf.LlamaFileType[quantization.file_type])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    warnings = add_metadata(writer, config, arch)
+    add_vocab(writer, vocab)
+    if facts.template:
+        writer.add_chat_template(facts.template)
+    for tensor, kind in zip(tensors, types):
+        byte_shape = gguf.quants.quant_shape_to_byte_shape(tensor.shape, kind) if kind.name not in ("F32", "F16") \
+            else tensor.shape
+        dtype = {"F32": np.float32, "F16": np.float16}.get(kind.name, np.uint8)
+        writer.add_tensor_info(tensor.name, byte_shape, np.dtype(dtype), stored_bytes(tensor.shape, kind),
+                               raw_dtype=None if kind.name in ("F32", "F16") else kind)
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=None, leave=False) as bar:
+        for tensor, kind in zip(tensors, types):
+            data = encode(tensor.values(), kind)
+            writer.write_tensor_data(data)
+            bar.update(data.nbytes)
+    writer.close()
+    return warnings
