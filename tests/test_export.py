@@ -115,22 +115,66 @@ def llama3_dir(tmp_path_factory) -> Path:
     return save_model(target, config, LlamaForCausalLM)
 
 
-@pytest.fixture(scope="module")
-def sentencepiece_dir(tmp_path_factory) -> Path:
-    """LLaMA-2 / Mistral's tokenizer shape: BPE over "▁"-marked words with byte fallback (<0xNN> tokens), built
-    by transformers' own LlamaTokenizer from a vocabulary trained here; on a tiny LLaMA with 4 heads of 4 kv."""
+def sentencepiece_vocabulary(specials: list[str]) -> tuple[dict, list]:
+    """(vocab, merges) of a BPE over "▁"-marked words trained here, with the specials first and the 256 byte
+    tokens of byte fallback after them, as sentencepiece lays them out."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
 
-    target = tmp_path_factory.mktemp("tiny_sentencepiece")
     trainer_tokenizer = Tokenizer(models.BPE())
     trainer_tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     trainer_tokenizer.train_from_iterator(CORPUS * 20, trainers.BpeTrainer(vocab_size=400))
     trained = json.loads(trainer_tokenizer.to_str())["model"]
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{byte:02X}>": 3 + byte for byte in range(256)}}
+    vocab = {token: index for index, token in enumerate(specials)}
+    vocab.update({f"<0x{byte:02X}>": len(specials) + byte for byte in range(256)})
     for token, _ in sorted(trained["vocab"].items(), key=lambda item: item[1]):
         vocab.setdefault(token, len(vocab))
-    tokenizer = LlamaTokenizer(vocab=vocab, merges=[tuple(merge) for merge in trained["merges"]])
+    return vocab, [tuple(merge) for merge in trained["merges"]]
+
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' "
+    "else message['role']) + '\n' + message['content'] + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def gemma_dir(target: Path, config_class, model_class) -> Path:
+    """Gemma's shape: its sentencepiece-style tokenizer (no space prefix), <start_of_turn>/<end_of_turn>, and the
+    config's defaults for what llama.cpp fixes (head dimension 256 = query_pre_attn_scalar, the sliding layers)."""
+    from transformers import GemmaTokenizer
+
+    tokenizer = GemmaTokenizer(*sentencepiece_vocabulary(["<pad>", "<eos>", "<bos>", "<unk>"]))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    tokenizer.save_pretrained(target)
+    config = config_class(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                          pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return save_model(target, config, model_class)
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory) -> Path:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return gemma_dir(tmp_path_factory.mktemp("tiny_gemma2"), Gemma2Config, Gemma2ForCausalLM)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory) -> Path:
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return gemma_dir(tmp_path_factory.mktemp("tiny_gemma3"), Gemma3TextConfig, Gemma3ForCausalLM)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dir(tmp_path_factory) -> Path:
+    """LLaMA-2 / Mistral's tokenizer shape: BPE over "▁"-marked words with byte fallback (<0xNN> tokens), built
+    by transformers' own LlamaTokenizer from a vocabulary trained here; on a tiny LLaMA with 4 heads of 4 kv."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaTokenizer
+
+    target = tmp_path_factory.mktemp("tiny_sentencepiece")
+    tokenizer = LlamaTokenizer(*sentencepiece_vocabulary(["<unk>", "<s>", "</s>"]))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tokenizer.chat_template = CHATML
     tokenizer.save_pretrained(target)
@@ -218,6 +262,7 @@ FAMILIES = {  # fixture, llama.cpp architecture, tokenizer.ggml.model, tokenizer
     "llama": ("tiny_model_dir", "llama", "gpt2", "gpt-2"), "qwen2": ("qwen2_dir", "qwen2", "gpt2", "qwen2"),
     "llama3": ("llama3_dir", "llama", "gpt2", "llama-bpe"), "sentencepiece": ("sentencepiece_dir", "llama", "llama", None),
     "mistral": ("mistral_dir", "llama", "gpt2", "gpt-2"), "qwen3": ("qwen3_dir", "qwen3", "gpt2", "qwen2"),
+    "gemma2": ("gemma2_dir", "gemma2", "llama", None), "gemma3": ("gemma3_dir", "gemma3", "llama", None),
 }
 
 
@@ -250,7 +295,8 @@ def test_an_f32_export_reads_back_with_the_folders_logits_tokens_template_and_co
         config.num_key_value_heads, config.max_position_embeddings, config.vocab_size)
     assert meta[f"{arch}.attention.key_length"] == meta[f"{arch}.rope.dimension_count"] == (
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    assert meta[f"{arch}.rope.freq_base"] == pytest.approx(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters.get("full_attention", config.rope_parameters)  # Gemma 3: per layer type
+    assert meta[f"{arch}.rope.freq_base"] == pytest.approx(rope["rope_theta"])
     assert meta[f"{arch}.attention.layer_norm_rms_epsilon"] == pytest.approx(config.rms_norm_eps)
     assert meta["tokenizer.chat_template"] == tokenizer.chat_template
     assert meta["tokenizer.ggml.add_bos_token"] is (tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id)
@@ -354,7 +400,8 @@ def test_the_modelfile_translates_a_template_only_when_it_renders_the_same(tiny_
     assert fields(untranslated.gguf)["tokenizer.chat_template"] == tokenizer.chat_template
 
 
-def test_export_refuses_what_it_cannot_write_and_never_replaces_a_file_it_did_not_write(tiny_model_dir, tmp_path):
+def test_export_refuses_what_it_cannot_write_and_never_replaces_a_file_it_did_not_write(tiny_model_dir, gemma2_dir,
+                                                                                        tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     output = tmp_path / "model.gguf"
@@ -375,8 +422,18 @@ def test_export_refuses_what_it_cannot_write_and_never_replaces_a_file_it_did_no
     gpt2 = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=420)).save_pretrained(gpt2)
     assert_user_error(run_in_process("export", "--model", str(gpt2)), "does not know the architecture 'gpt2'",
-                      "'llama', 'mistral', 'qwen2' or 'qwen3'")
+                      "'llama', 'mistral', 'qwen2', 'qwen3', 'gemma2' or 'gemma3_text'")
     assert not list(gpt2.glob("*.gguf"))
+
+    for key, value, said in (("query_pre_attn_scalar", 64, "scales its queries by query_pre_attn_scalar 64"),
+                             ("layer_types", ["full_attention", "sliding_attention"], "fixes one full-attention")):
+        changed = tmp_path / f"gemma2-{key}"
+        changed.mkdir()
+        for path in gemma2_dir.iterdir():
+            (changed / path.name).write_bytes(path.read_bytes())
+        config = json.loads((changed / "config.json").read_text())
+        (changed / "config.json").write_text(json.dumps({**config, key: value}))
+        assert_user_error(run_in_process("export", "--model", str(changed)), said, "would compute another model")
 
     no_tokenizer = tmp_path / "no_tokenizer"
     no_tokenizer.mkdir()

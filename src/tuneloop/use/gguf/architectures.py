@@ -8,6 +8,10 @@ What the `gguf` package (llama.cpp's own writer) does not know, and llama.cpp's 
 * A model whose head is tied to its input embedding has no `output.weight` in the file: llama.cpp (and
   transformers' GGUF reader) then use the embedding as the head.
 * Mistral has no architecture of its own in llama.cpp: it is written as `llama`, as the conversion script does.
+* Gemma's RMS norms compute x·(1 + w) in transformers and x·w in llama.cpp: the file holds w + 1. llama.cpp
+  fixes what transformers configures for Gemma (the layers that attend within a sliding window, the queries'
+  scale, the local rope base): a config that differs is refused rather than written into a file that computes
+  something else.
 """
 
 from __future__ import annotations
@@ -26,6 +30,55 @@ class GgufArchitecture:
     gguf_name: str  # llama.cpp's `general.architecture`
     permute_qk: bool  # the query/key rows interleaved per head (llama.cpp's `llama` rotary layout)
     rope_freqs_tensor: bool = False  # LLaMA-3.1's rope scaling is written as a `rope_freqs.weight` tensor
+    norm_offset: float = 0.0  # added to every RMS norm weight (Gemma's 1 + w)
+    family_metadata: Callable | None = None  # (writer, config) -> None: the family's own keys
+    family_check: Callable | None = None  # (config) -> None: a UserError for what llama.cpp would compute otherwise
+
+
+def _gemma_checks(config, sliding_every: int, layers_27b: int) -> None:
+    """What llama.cpp hard-codes for this Gemma, checked against the config."""
+    name = config.model_type
+    dim = head_dim(config)
+    scalar = getattr(config, "query_pre_attn_scalar", dim)
+    per_head = config.hidden_size // config.num_attention_heads
+    if scalar != dim and not (scalar == per_head and config.num_hidden_layers == layers_27b):
+        raise UserError(f"export: this {name} scales its queries by query_pre_attn_scalar {scalar}; llama.cpp "
+                        f"scales them by the head dimension {dim} (hidden / heads only for the 27B model), so the "
+                        "GGUF would compute another model")
+    expected = ["full_attention" if layer % sliding_every == sliding_every - 1 else "sliding_attention"
+                for layer in range(config.num_hidden_layers)]
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and list(layer_types) != expected and getattr(config, "sliding_window", None):
+        raise UserError(f"export: this {name} attends within a sliding window on layers {layer_types}; llama.cpp's "
+                        f"{name} fixes one full-attention layer in {sliding_every}, so the GGUF would compute "
+                        "another model")
+
+
+def _gemma2_check(config) -> None:
+    _gemma_checks(config, sliding_every=2, layers_27b=46)
+
+
+def _gemma2_metadata(writer, config) -> None:
+    if config.attn_logit_softcapping is not None:
+        writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
+    if config.final_logit_softcapping is not None:
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
+    if config.sliding_window:
+        writer.add_sliding_window(int(config.sliding_window))
+
+
+def _gemma3_check(config) -> None:
+    _gemma_checks(config, sliding_every=6, layers_27b=62)
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None):
+        raise UserError("export: this gemma3 caps its logits (attn/final_logit_softcapping); llama.cpp's gemma3 "
+                        "does not, so the GGUF would compute another model")
+
+
+def _gemma3_metadata(writer, config) -> None:
+    if config.sliding_window:
+        writer.add_sliding_window(int(config.sliding_window))
+    local = (getattr(config, "rope_parameters", None) or {}).get("sliding_attention", {})
+    writer.add_rope_freq_base_swa(float(local.get("rope_theta", getattr(config, "rope_local_base_freq", 10000.0))))
 
 
 # HF `model_type` -> what llama.cpp calls it
@@ -34,6 +87,10 @@ GGUF_ARCHITECTURES.add("llama", GgufArchitecture("llama", permute_qk=True, rope_
 GGUF_ARCHITECTURES.add("mistral", GgufArchitecture("llama", permute_qk=True))
 GGUF_ARCHITECTURES.add("qwen2", GgufArchitecture("qwen2", permute_qk=False))
 GGUF_ARCHITECTURES.add("qwen3", GgufArchitecture("qwen3", permute_qk=False))
+GGUF_ARCHITECTURES.add("gemma2", GgufArchitecture("gemma2", permute_qk=False, norm_offset=1.0,
+                                                  family_metadata=_gemma2_metadata, family_check=_gemma2_check))
+GGUF_ARCHITECTURES.add("gemma3_text", GgufArchitecture("gemma3", permute_qk=False, norm_offset=1.0,
+                                                       family_metadata=_gemma3_metadata, family_check=_gemma3_check))
 
 
 def architecture_of(config) -> GgufArchitecture:
@@ -51,6 +108,8 @@ def head_dim(config) -> int:
 def rope_parameters(config) -> dict:
     """transformers 5 keeps rope_theta and the scaling in `rope_parameters`; older configs at the top level."""
     parameters = dict(getattr(config, "rope_parameters", None) or {})
+    if "full_attention" in parameters:  # per layer type (Gemma 3): the file's rope is the full-attention layers'
+        parameters = dict(parameters["full_attention"])
     if "rope_theta" not in parameters and getattr(config, "rope_theta", None) is not None:
         parameters["rope_theta"] = config.rope_theta
     scaling = getattr(config, "rope_scaling", None)
@@ -58,6 +117,16 @@ def rope_parameters(config) -> dict:
         parameters = {**scaling, **parameters}
     parameters.setdefault("rope_type", parameters.get("type", "default"))
     return parameters
+
+
+def check_exportable(config, arch: GgufArchitecture) -> None:
+    """Said before the weights load: a rope the file cannot state, a family setting llama.cpp does not follow."""
+    kind = rope_parameters(config)["rope_type"]
+    if kind not in ("default", "linear", "yarn") and not (kind == "llama3" and arch.rope_freqs_tensor):
+        raise UserError(f"export: rope scaling {kind!r} ({config.model_type}) has no GGUF form tuneloop writes; "
+                        "it writes default, linear, yarn and (LLaMA) llama3")
+    if arch.family_check is not None:
+        arch.family_check(config)
 
 
 def add_metadata(writer, config, arch: GgufArchitecture) -> list[str]:
@@ -88,11 +157,10 @@ def add_metadata(writer, config, arch: GgufArchitecture) -> list[str]:
         writer.add_rope_scaling_factor(float(rope["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings")
                                                  or config.max_position_embeddings))
-    elif kind == "llama3" and arch.rope_freqs_tensor:
-        pass  # written as the rope_freqs tensor (extra_tensors)
-    elif kind != "default":
-        raise UserError(f"export: rope scaling {kind!r} ({config.model_type}) has no GGUF form tuneloop writes; "
-                        "it writes default, linear, yarn and (LLaMA) llama3")
+    # llama3: written as the rope_freqs tensor (extra_tensors); others were refused by check_exportable
+    if arch.family_metadata is not None:
+        arch.family_metadata(writer, config)
+        return warnings
     window = getattr(config, "sliding_window", None)
     if window and window < config.max_position_embeddings and getattr(config, "use_sliding_window", True):
         warnings.append(f"the model attends within a sliding window of {window} tokens; llama.cpp's "
@@ -162,14 +230,18 @@ def file_tensors(state: dict, config, arch: GgufArchitecture) -> list[FileTensor
             rotary_heads = heads
         elif arch.permute_qk and ".attn_k." in gguf_name:
             rotary_heads = kv_heads
-        tensors.append(FileTensor(gguf_name, tuple(tensor.shape), name, partial(_as_file_array, tensor, rotary_heads)))
+        offset = arch.norm_offset if name.endswith("norm.weight") else 0.0
+        tensors.append(FileTensor(gguf_name, tuple(tensor.shape), name,
+                                  partial(_as_file_array, tensor, rotary_heads, offset)))
     for name, array in extra_tensors(config, arch).items():
         tensors.append(FileTensor(name, tuple(array.shape), None, lambda array=array: array))
     return tensors
 
 
-def _as_file_array(tensor, rotary_heads: int | None):
+def _as_file_array(tensor, rotary_heads: int | None, offset: float):
     import torch
 
     array = tensor.detach().to(torch.float32).cpu().numpy()
+    if offset:
+        array = array + offset
     return interleave_rotary_rows(array, rotary_heads) if rotary_heads else array

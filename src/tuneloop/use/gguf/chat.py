@@ -73,9 +73,10 @@ def chat_facts(tokenizer) -> ChatFacts:
     if not template:
         return ChatFacts(None, None, None, None)
     try:
-        return ChatFacts(template, turn_end_token(tokenizer), *_ollama_family(tokenizer))
-    except Exception:  # a template that refuses the probes (strict role order, tools required): said as untranslated
-        return ChatFacts(template, None, None, None)
+        turn_end = turn_end_token(tokenizer)
+    except Exception:  # a template that cannot render a plain user/assistant exchange: no turn end to name
+        turn_end = None
+    return ChatFacts(template, turn_end, *_ollama_family(tokenizer))
 
 
 def turn_end_token(tokenizer) -> str | None:
@@ -91,12 +92,16 @@ def turn_end_token(tokenizer) -> str | None:
 
 
 def _ollama_family(tokenizer) -> tuple[OllamaFamily | None, str | None]:
-    for family in FAMILIES:
+    try:
+        renderings = [_render(tokenizer, probe, True) for probe in _PROBES]
         alone = _render(tokenizer, [{"role": "user", "content": "x"}], True)
+    except Exception:  # a template that refuses a probe (no system role, tools required): not translated
+        return None, None
+    for family in FAMILIES:
         match = re.match(family.system_block, alone, re.S)
         default_system = match.group(1) if match else None
-        if all(family.render(_with_system(probe, default_system)) == _render(tokenizer, probe, True)
-               for probe in _PROBES):
+        if all(family.render(_with_system(probe, default_system)) == rendering
+               for probe, rendering in zip(_PROBES, renderings)):
             return family, default_system
     return None, None
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from tuneloop import __version__, run_files
 from tuneloop.errors import UserError
 from tuneloop.use.folders import ModelFolder
-from tuneloop.use.gguf.architectures import FileTensor, add_metadata, architecture_of, file_tensors, head_dim
+from tuneloop.use.gguf.architectures import (FileTensor, add_metadata, architecture_of, check_exportable, file_tensors,
+                                             head_dim)
 from tuneloop.use.gguf.chat import WRITTEN_BY, ChatFacts, chat_facts, modelfile
 from tuneloop.use.gguf.quantize import QUANTIZATIONS, encode, stored_bytes, tensor_type
 from tuneloop.use.gguf.vocab import GgufVocab, add_vocab, read_vocab
@@ -82,7 +83,8 @@ def export_gguf(folder: ModelFolder, output: Path, quant: str, *, overwrite: boo
         config = AutoConfig.from_pretrained(config_source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise UserError(f"export: cannot read the model config of {config_source}: {error}") from None
-    arch = architecture_of(config)  # an unknown family is said before the weights load
+    arch = architecture_of(config)  # an unknown family, or a setting llama.cpp would not follow, is said before
+    check_exportable(config, arch)  # the weights load
     tokenizer = load_tokenizer_of(folder)
     model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
     if folder.is_adapter:
