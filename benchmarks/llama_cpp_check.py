@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 WORDS = ("The quick brown fox jumps over the lazy dog . Hello there , how are you today ? naïve café 日本語 "
-         "3.14159 2025-12-02 x=y+1; can't won't (parenthesis) [brackets] {braces} \"quotes\" tabs\t new\nlines").split(" ")
+         "3.14159 2025-12-02 x=y+1; can't won't (parenthesis) [brackets] {braces} \"quotes\" tabs\t new\nlines"
+         ).split(" ")
 QUESTION = "What is the capital of France?"
 
 
@@ -94,7 +95,8 @@ def check(model_dir: Path, quant: str, llama_python: str, work: Path, existing: 
     subprocess.run([llama_python, __file__, "--inner", str(request), str(result)], check=True)
     answer = json.loads(result.read_text())
     logits = np.load(str(result) + ".npy")
-    same_tokens = sum(tokenizer(text)["input_ids"] == ids for text, ids in zip(strings, answer["tokens"]))
+    same = [tokenizer(text)["input_ids"] == ids for text, ids in zip(strings, answer["tokens"])]
+    same_tokens = f"{sum(same[0::2])} + {sum(same[1::2])}"  # plain text + chat turns, 50 each
     return {"model": model_dir.name, "quant": quant, "MB": output.stat().st_size / 1e6, "tokens_same": same_tokens,
             "max_abs_logit_diff": float(np.abs(logits - reference).max()),
             "argmax_same": bool((logits.argmax(-1) == reference.argmax(-1)).all()),
@@ -129,7 +131,7 @@ def main() -> None:
             for quant in args.quants:
                 rows.append(check(model_dir, quant, args.llama_python, Path(work)))
                 print(json.dumps(rows[-1], ensure_ascii=False), flush=True)
-    print("\n| model | quant | MB | same ids (of 100 strings) | max abs Δ logit vs HF f32 | argmax same | "
+    print("\n| model | quant | MB | same ids (plain + chat, of 50 + 50) | max abs Δ logit vs HF f32 | argmax same | "
           "16 greedy tokens same |\n|---|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['model']} | {row['quant']} | {row['MB']:.1f} | {row['tokens_same']} | "

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHATML, CORPUS, assert_user_error, run_cli, run_in_process
+from conftest import CHATML, CORPUS, assert_user_error, run_in_process
 
 from tuneloop.use.folders import find_model_folder
 from tuneloop.use.gguf.write import export_gguf
@@ -260,7 +260,8 @@ def hf(model_dir: Path, round_to=None):
 
 FAMILIES = {  # fixture, llama.cpp architecture, tokenizer.ggml.model, tokenizer.ggml.pre
     "llama": ("tiny_model_dir", "llama", "gpt2", "gpt-2"), "qwen2": ("qwen2_dir", "qwen2", "gpt2", "qwen2"),
-    "llama3": ("llama3_dir", "llama", "gpt2", "llama-bpe"), "sentencepiece": ("sentencepiece_dir", "llama", "llama", None),
+    "llama3": ("llama3_dir", "llama", "gpt2", "llama-bpe"),
+    "sentencepiece": ("sentencepiece_dir", "llama", "llama", None),
     "mistral": ("mistral_dir", "llama", "gpt2", "gpt-2"), "qwen3": ("qwen3_dir", "qwen3", "gpt2", "qwen2"),
     "gemma2": ("gemma2_dir", "gemma2", "llama", None), "gemma3": ("gemma3_dir", "gemma3", "llama", None),
 }
@@ -304,6 +305,11 @@ def test_an_f32_export_reads_back_with_the_folders_logits_tokens_template_and_co
     tensor_names = {tensor.name for tensor in __import__("gguf").GGUFReader(done.gguf).tensors}
     assert ("output.weight" in tensor_names) is (not config.tie_word_embeddings)
     assert ("rope_freqs.weight" in tensor_names) is (name == "llama3")
+    if tokenizer_model == "llama":  # sentencepiece-style: llama.cpp prefixes after every special token too, so a
+        # template-driven model is written without the prefix (chat turns tokenize as in HF; llama.cpp itself was
+        # checked by benchmarks/llama_cpp_check.py), and the header says what differs
+        assert meta["tokenizer.ggml.add_space_prefix"] is False
+        assert ("prepend_scheme 'first'" in said) is (name == "sentencepiece")
     if name == "qwen2":  # the rows with no token are there, as unused [PADn] tokens
         assert len(meta["tokenizer.ggml.tokens"]) == config.vocab_size > len(tokenizer)
         assert meta["tokenizer.ggml.tokens"][-1] == f"[PAD{config.vocab_size - 1}]"
@@ -338,6 +344,41 @@ def test_16_bit_exports_hold_the_weights_rounded_and_nothing_else(quant, dtype, 
     assert (logits(gguf_model, tokenizer) - logits(exact, tokenizer)).abs().max().item() <= 1e-2
     # 2 layers × 7 matrices + the (tied) embedding; 2 × (3 biases + 2 norms) + the final norm
     assert f"26, 0.2 MB as {quant}: 15 {quant.upper()}, 11 F32" in said
+
+
+@pytest.mark.parametrize("quant", ["f16", "bf16", "q8_0", "q4_0"])
+def test_each_quantization_holds_exactly_the_f32_tensors_in_its_type(quant, qwen2_dir, tmp_path):
+    """Tensor by tensor, the file at `quant` holds the f32 export's values quantized by the gguf package itself in
+    the type the file states: vectors f32, matrices in the quantization's type, the vocabulary-sized embedding
+    q8_0 under q4_0."""
+    import gguf
+    import numpy as np
+
+    plain, _ = export(qwen2_dir, tmp_path / "f32.gguf", "f32")
+    done, _ = export(qwen2_dir, tmp_path / f"{quant}.gguf", quant)
+    reference = {tensor.name: tensor for tensor in gguf.GGUFReader(plain.gguf).tensors}
+    kinds = set()
+    for tensor in gguf.GGUFReader(done.gguf).tensors:
+        values = np.asarray(reference[tensor.name].data, dtype=np.float32)
+        kind = tensor.tensor_type
+        kinds.add((kind.name, len(values.shape) > 1, tensor.name == "token_embd.weight"))
+        expected = gguf.dequantize(gguf.quants.quantize(values, kind), kind) if kind.name != "F32" else values
+        assert np.array_equal(gguf.dequantize(tensor.data, kind), expected), tensor.name
+    matrices = {"f16": "F16", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0"}[quant]
+    embedding = "Q8_0" if quant == "q4_0" else matrices
+    assert kinds == {("F32", False, False), (matrices, True, False), (embedding, True, True)}
+
+
+def test_every_architecture_and_quantization_is_reached_by_a_test(request):
+    """Each GGUF_ARCHITECTURES entry is the model type of a family the round-trip test exports, and each
+    quantization is one the tests above write."""
+    from tuneloop.use.gguf.architectures import GGUF_ARCHITECTURES
+    from tuneloop.use.gguf.quantize import QUANTIZATIONS
+
+    reached = {json.loads((request.getfixturevalue(fixture) / "config.json").read_text())["model_type"]
+               for fixture, *_ in FAMILIES.values()}
+    assert reached == set(GGUF_ARCHITECTURES.names())
+    assert set(QUANTIZATIONS.names()) == {"f32", "f16", "bf16", "q8_0", "q4_0"}
 
 
 def test_a_lora_adapter_is_merged_in_memory_and_its_folder_left_as_it_was(tiny_model_dir, tmp_path):
@@ -392,7 +433,7 @@ def test_the_modelfile_translates_a_template_only_when_it_renders_the_same(tiny_
     for path in tiny_model_dir.iterdir():
         (odd / path.name).write_bytes(path.read_bytes())
     tokenizer = AutoTokenizer.from_pretrained(odd)
-    tokenizer.chat_template = "{% for message in messages %}{{ message['role'] + ': ' + message['content'] }}{% endfor %}"
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}{% endfor %}"
     tokenizer.save_pretrained(odd)
     untranslated, said = export(odd, tmp_path / "odd.gguf", "q8_0")
     assert "TEMPLATE" not in untranslated.modelfile.read_text().replace("template from", "")

@@ -265,3 +265,28 @@ def test_merge_lora_refuses_a_full_model_and_a_filled_output(runs, tmp_path):
                       str(taken), "--output")
     assert [p.name for p in taken.iterdir()] == ["mine.txt"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+
+
+# ---- export --------------------------------------------------------------------------------------
+
+def test_export_of_a_lora_run_from_its_config_holds_the_adapter_merged_and_is_the_runs_own(runs, tiny_model_dir,
+                                                                                           tmp_path):
+    """`tuneloop export CONFIG` on a LoRA run: OUTPUT_DIR/model-f32.gguf holds base + adapter (transformers' GGUF
+    loader gives the adapter's logits within 1e-5) and is recorded as the run's, as merge-lora's folder is."""
+    from transformers import AutoModelForCausalLM
+
+    from tuneloop import run_files
+
+    out = tmp_path / "out"
+    shutil.copytree(out_of(runs["lora"]), out)  # the module's run stays as the other tests see it
+    result = run_in_process("export", str(runs["lora"]), "--set", f"output_dir={out}", "--quant", "f32")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "LoRA adapter merged into" in result.stdout and "model-f32.gguf" in result.stdout
+    assert {"model-f32.gguf", "model-f32.Modelfile"} <= run_files.written_names(out)
+    read_here = tmp_path / "read"  # transformers takes a folder with adapter_config.json for peft's
+    read_here.mkdir()
+    (read_here / "model.gguf").hardlink_to(out / "model-f32.gguf")
+    exported = AutoModelForCausalLM.from_pretrained(read_here, gguf_file="model.gguf", dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.no_grad():
+        assert (exported(ids).logits - lora_model(runs, tiny_model_dir)(ids).logits).abs().max() < 1e-5

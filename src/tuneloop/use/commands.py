@@ -1,5 +1,5 @@
-"""The `infer`, `eval`, `merge-lora` and `export` subcommands. Light at import: torch, transformers and peft are imported
-inside the handlers, so `tuneloop --help` stays instant."""
+"""The `infer`, `eval`, `merge-lora` and `export` subcommands. Light at import: torch, transformers and peft are
+imported inside the handlers, so `tuneloop --help` stays instant."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ What the `gguf` package (llama.cpp's own writer) does not know, and llama.cpp's 
   transformers' GGUF reader) then use the embedding as the head.
 * Mistral has no architecture of its own in llama.cpp: it is written as `llama`, as the conversion script does.
 * Gemma's RMS norms compute x·(1 + w) in transformers and x·w in llama.cpp: the file holds w + 1. llama.cpp
-  fixes what transformers configures for Gemma (the layers that attend within a sliding window, the queries'
-  scale, the local rope base): a config that differs is refused rather than written into a file that computes
-  something else.
+  fixes two things transformers configures for Gemma (the layers that attend within a sliding window, the
+  queries' scale): a config that differs is refused rather than written into a file that computes something
+  else. Gemma 3's local rope base goes into `rope.freq_base_swa`.
 """
 
 from __future__ import annotations
@@ -204,8 +204,7 @@ def interleave_rotary_rows(weight, heads: int):
 class FileTensor:
     name: str  # llama.cpp's name
     shape: tuple[int, ...]
-    source: str | None  # the HF tensor it is made from (None: computed, as rope_freqs)
-    values: Callable[[], "numpy.ndarray"]  # float32, in llama.cpp's layout; computed when written
+    values: Callable  # () -> a float32 numpy array in llama.cpp's layout, computed when written
 
 
 def file_tensors(state: dict, config, arch: GgufArchitecture) -> list[FileTensor]:
@@ -231,10 +230,10 @@ def file_tensors(state: dict, config, arch: GgufArchitecture) -> list[FileTensor
         elif arch.permute_qk and ".attn_k." in gguf_name:
             rotary_heads = kv_heads
         offset = arch.norm_offset if name.endswith("norm.weight") else 0.0
-        tensors.append(FileTensor(gguf_name, tuple(tensor.shape), name,
-                                  partial(_as_file_array, tensor, rotary_heads, offset)))
+        values = partial(_as_file_array, tensor, rotary_heads, offset)
+        tensors.append(FileTensor(gguf_name, tuple(tensor.shape), values))
     for name, array in extra_tensors(config, arch).items():
-        tensors.append(FileTensor(name, tuple(array.shape), None, lambda array=array: array))
+        tensors.append(FileTensor(name, tuple(array.shape), lambda array=array: array))
     return tensors
 
 

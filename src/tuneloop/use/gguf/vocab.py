@@ -39,6 +39,7 @@ class GgufVocab:
     add_eos: bool = False
     add_space_prefix: bool | None = None
     padded: int = 0  # rows of the embedding with no token: written as [PADn] tokens (UNUSED)
+    note: str | None = None  # where llama.cpp will tokenize differently, said in the header
 
 
 def read_vocab(tokenizer, vocab_size: int) -> GgufVocab:
@@ -73,7 +74,7 @@ def read_vocab(tokenizer, vocab_size: int) -> GgufVocab:
     vocab = GgufVocab(kind, pre, tokens, types, merges, padded=padded)
     if kind == "llama":
         vocab.scores = merge_scores(tokens, merges)
-        vocab.add_space_prefix = adds_space_prefix(spec)
+        vocab.add_space_prefix, vocab.note = space_prefix(spec, chat=bool(tokenizer.chat_template))
     vocab.special_ids = special_ids(tokenizer)
     vocab.add_bos, vocab.add_eos = adds_bos_eos(tokenizer)
     return vocab
@@ -138,12 +139,27 @@ def merge_scores(tokens: list[str], merges: list[str]) -> list[float]:
     return [-float(made_at[token] + 1) if token in made_at else 0.0 for token in tokens]
 
 
-def adds_space_prefix(spec: dict) -> bool:
-    """Sentencepiece-style tokenizers put "▁" before the text (Metaspace's prepend, or a Prepend normalizer)."""
+def space_prefix(spec: dict, chat: bool) -> tuple[bool, str | None]:
+    """(tokenizer.ggml.add_space_prefix, a note): whether llama.cpp puts "▁" before text, as this tokenizer does.
+
+    llama.cpp prefixes the text at the start and after every special token, as sentencepiece itself (and HF's
+    legacy Prepend normalizer, and Metaspace's "always") does. Metaspace's "first" prefixes only the start of the
+    whole input, which llama.cpp cannot do: a model with a chat template is prompted through it, where every
+    turn's text follows a special token, so the file says no prefix (chat prompts tokenize as in HF; a plain prompt
+    differs in its first word); without a template, the other way round."""
     metaspace = _find(spec.get("pre_tokenizer"), "Metaspace")
-    if metaspace is not None:
-        return metaspace.get("prepend_scheme", "always") != "never" and metaspace.get("add_prefix_space", True)
-    return _find(spec.get("normalizer"), "Prepend") is not None
+    if metaspace is None:
+        return _find(spec.get("normalizer"), "Prepend") is not None, None
+    scheme = metaspace.get("prepend_scheme", "always" if metaspace.get("add_prefix_space", True) else "never")
+    if scheme != "first":
+        return scheme == "always", None
+    if chat:
+        return False, ("llama.cpp cannot prefix only the start of the input (Metaspace prepend_scheme 'first'): "
+                       "written without the prefix, so chat prompts tokenize as here and a plain prompt's first "
+                       "word differs")
+    return True, ("llama.cpp cannot prefix only the start of the input (Metaspace prepend_scheme 'first'): "
+                  "written with the prefix, so plain text tokenizes as here and text right after a special token "
+                  "differs")
 
 
 def _find(node, kind: str):

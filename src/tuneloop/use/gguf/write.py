@@ -134,6 +134,8 @@ def header(folder, output, quant, config, gguf_arch, vocab: GgufVocab, facts: Ch
            + f", {len(vocab.tokens) - vocab.padded} tokens" + (f" + {vocab.padded} padding" if vocab.padded else "")
            + f", {len(vocab.merges)} merges; {special}; adds bos: {'yes' if vocab.add_bos else 'no'}")
     yield f"  template  {template}"
+    if vocab.note:
+        yield f"  note      {vocab.note}"
 
 
 def check_free_space(folder: Path, needed: int) -> None:
