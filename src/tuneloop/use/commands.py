@@ -95,6 +95,26 @@ def _one_source(args, command: str, flag: str) -> None:
         raise UserError(f"{command}: give CONFIG or {flag} DIR (one of them)")
 
 
+def _source_folder(args, command: str, flag: str, find=None):
+    """(the model folder CONFIG's output_dir or `flag` names, trust_remote_code): an adapter sits on --base, else
+    on the config's base_model, else on the base its adapter_config.json names. `find(path, what, base)`: how
+    the folder is read (default: a full model or an adapter)."""
+    from tuneloop.use.folders import find_model_folder
+
+    _one_source(args, command, flag)
+    if args.config is not None:
+        cfg = load_config(args)
+        if find is not None:
+            return find(cfg.output_dir, "output_dir", args.base or cfg.base_model), cfg.trust_remote_code
+        return find_model_folder(cfg.output_dir, f"{command}: output_dir", base=args.base or cfg.base_model,
+                                 no_model_hint="; train first (`tuneloop train CONFIG`), or give --model DIR"), \
+            cfg.trust_remote_code
+    given = getattr(args, flag.strip("-"))
+    if find is not None:
+        return find(given, flag, args.base), False
+    return find_model_folder(given, f"{command}: {flag}", base=args.base), False
+
+
 # ---- infer ---------------------------------------------------------------------------------------
 
 def command_infer(args) -> int:
@@ -102,7 +122,7 @@ def command_infer(args) -> int:
     from tuneloop.use.generate import GenerationSettings, chat, generate_all, print_rows, read_prompts
 
     quiet_deepspeed_on_cpu()
-    _one_source(args, "infer", "--model")
+    _one_source(args, "infer", "--model")  # said before the others
     if args.chat and args.prompts:
         raise UserError("infer: --chat reads the conversation from stdin; drop --prompts (or --chat)")
     settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.batch_size,
@@ -119,17 +139,10 @@ def command_infer(args) -> int:
 
 def load_for_inference(args):
     """(model, tokenizer): CONFIG's output_dir (an adapter there sits on the config's base_model) or --model."""
-    from tuneloop.use.folders import find_model_folder, load_model_from, load_tokenizer_of
+    from tuneloop.use.folders import load_model_from, load_tokenizer_of
     from tuneloop.use.generate import prepare_for_generation
 
-    trust_remote_code = False
-    if args.config is not None:
-        cfg = load_config(args)
-        trust_remote_code = cfg.trust_remote_code
-        folder = find_model_folder(cfg.output_dir, "infer: output_dir", base=args.base or cfg.base_model,
-                                   no_model_hint="; train first (`tuneloop train CONFIG`), or give --model DIR")
-    else:
-        folder = find_model_folder(args.model, "infer: --model", base=args.base)
+    folder, trust_remote_code = _source_folder(args, "infer", "--model")
     tokenizer = load_tokenizer_of(folder)
     model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
     return prepare_for_generation(model), tokenizer
@@ -164,14 +177,7 @@ def command_merge(args) -> int:
     from tuneloop.use.merge import adapter_folder, merge_lora
 
     quiet_deepspeed_on_cpu()
-    _one_source(args, "merge-lora", "--adapter")
-    trust_remote_code = False
-    if args.config is not None:
-        cfg = load_config(args)
-        trust_remote_code = cfg.trust_remote_code
-        folder = adapter_folder(cfg.output_dir, "output_dir", args.base or cfg.base_model)
-    else:
-        folder = adapter_folder(args.adapter, "--adapter", args.base)
+    folder, trust_remote_code = _source_folder(args, "merge-lora", "--adapter", find=adapter_folder)
     output = Path(args.output).expanduser() if args.output else folder.path / MERGED
     print(f"merged model saved to {merge_lora(folder, output, trust_remote_code)}", flush=True)
     return 0
@@ -181,19 +187,10 @@ def command_merge(args) -> int:
 
 def command_export(args) -> int:
     from tuneloop.hardware import quiet_deepspeed_on_cpu
-    from tuneloop.use.folders import find_model_folder
     from tuneloop.use.gguf.write import export_gguf
 
     quiet_deepspeed_on_cpu()
-    _one_source(args, "export", "--model")
-    trust_remote_code = False
-    if args.config is not None:
-        cfg = load_config(args)
-        trust_remote_code = cfg.trust_remote_code
-        folder = find_model_folder(cfg.output_dir, "export: output_dir", base=args.base or cfg.base_model,
-                                   no_model_hint="; train first (`tuneloop train CONFIG`), or give --model DIR")
-    else:
-        folder = find_model_folder(args.model, "export: --model", base=args.base)
+    folder, trust_remote_code = _source_folder(args, "export", "--model")
     if args.output:
         output = Path(args.output).expanduser()
         if output.suffix != ".gguf":
