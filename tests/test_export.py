@@ -346,7 +346,10 @@ def test_16_bit_exports_hold_the_weights_rounded_and_nothing_else(quant, dtype, 
     assert f"26, 0.2 MB as {quant}: 15 {quant.upper()}, 11 F32" in said
 
 
-@pytest.mark.parametrize("quant", ["f16", "bf16", "q8_0", "q4_0"])
+QUANTIZED = ["f16", "bf16", "q8_0", "q4_0"]  # each against the f32 export, which the round-trip test reads back
+
+
+@pytest.mark.parametrize("quant", QUANTIZED)
 def test_each_quantization_holds_exactly_the_f32_tensors_in_its_type(quant, qwen2_dir, tmp_path):
     """Tensor by tensor, the file at `quant` holds the f32 export's values quantized by the gguf package itself in
     the type the file states: vectors f32, matrices in the quantization's type, the vocabulary-sized embedding
@@ -378,7 +381,7 @@ def test_every_architecture_and_quantization_is_reached_by_a_test(request):
     reached = {json.loads((request.getfixturevalue(fixture) / "config.json").read_text())["model_type"]
                for fixture, *_ in FAMILIES.values()}
     assert reached == set(GGUF_ARCHITECTURES.names())
-    assert set(QUANTIZATIONS.names()) == {"f32", "f16", "bf16", "q8_0", "q4_0"}
+    assert set(QUANTIZATIONS.names()) == {"f32", *QUANTIZED}
 
 
 def test_a_lora_adapter_is_merged_in_memory_and_its_folder_left_as_it_was(tiny_model_dir, tmp_path):
@@ -457,7 +460,7 @@ def test_export_refuses_what_it_cannot_write_and_never_replaces_a_file_it_did_no
     theirs = tmp_path / "theirs.gguf"
     theirs.write_bytes(b"GGUF someone else's file")
     refused = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(theirs), "--overwrite")
-    assert_user_error(refused, "tuneloop did not write it", "never replaces")
+    assert_user_error(refused, "is not a file tuneloop exported", "never replaces")
     assert theirs.read_bytes() == b"GGUF someone else's file"
 
     gpt2 = tmp_path / "gpt2"
@@ -545,3 +548,96 @@ def test_the_embedded_models_export_holds_the_tensors_of_the_llama_cpp_file_it_c
     assert len(same) == 19
     for key in same:
         assert ours.fields[key].contents() == original.fields[key].contents(), key
+
+
+def tokenizer_variant(model_dir: Path, target: Path, *, normalizer=None, pre_tokenizer=None, byte_fallback=False):
+    """The tiny LLaMA with a tokenizer of another shape (trained here, at most as many tokens as the model has rows)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    target.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (target / name).write_bytes((model_dir / name).read_bytes())
+    tokenizer = Tokenizer(models.BPE(byte_fallback=byte_fallback, unk_token="<unk>" if byte_fallback else None))
+    tokenizer.pre_tokenizer = pre_tokenizer or pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.decoder = decoders.ByteFallback() if byte_fallback else decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if not byte_fallback else [])
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(target)
+    return target
+
+
+def test_a_tokenizer_llama_cpp_would_split_otherwise_is_refused_naming_what_it_does(tiny_model_dir, tmp_path):
+    """A prefix space before byte-level BPE, a normalizer llama.cpp does not apply, byte fallback behind a split
+    that is not sentencepiece's: each loads in llama.cpp and tokenizes differently (seen there), so each is exit 2."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    for name, shape, said in (
+            ("prefix", {"pre_tokenizer": pre_tokenizers.ByteLevel(add_prefix_space=True)}, "add_prefix_space: true"),
+            ("lowercase", {"normalizer": normalizers.Lowercase()}, "normalizes text first"),
+            ("whitespace", {"pre_tokenizer": pre_tokenizers.Whitespace(), "byte_fallback": True},
+             "splits text before its merges")):
+        folder = tokenizer_variant(tiny_model_dir, tmp_path / name, **shape)
+        assert_user_error(run_in_process("export", "--model", str(folder)), said, "tokenize text differently")
+        assert not list(folder.glob("*.gguf")) and not list(folder.glob(".tmp-*"))
+
+
+def test_overwrite_leaves_a_file_changed_since_tuneloop_wrote_it(tiny_model_dir, tmp_path):
+    """A GGUF whose recorded type no longer matches (llama-quantize copies the marker key into its output) and an
+    edited Modelfile are the user's now: --overwrite refuses them and leaves them as they are."""
+    output = tmp_path / "model.gguf"
+    export(tiny_model_dir, output, "f16")
+    data = output.read_bytes()
+    marker = b"file_type=1 "
+    assert data.count(marker) == 1
+    output.write_bytes(data.replace(marker, b"file_type=7 "))  # what another tool's rewrite of the file looks like
+    changed = output.read_bytes()
+    refused = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(output), "--overwrite")
+    assert_user_error(refused, "is not a file tuneloop exported (or it changed since)")
+    assert output.read_bytes() == changed
+
+    again = tmp_path / "again.gguf"
+    done, _ = export(tiny_model_dir, again, "q8_0")
+    done.modelfile.write_text(done.modelfile.read_text() + "PARAMETER temperature 0.2\n")
+    refused = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(again), "--overwrite")
+    assert_user_error(refused, str(done.modelfile), "is not a file tuneloop exported")
+    assert "temperature 0.2" in done.modelfile.read_text()
+
+
+def test_what_a_killed_export_left_is_removed_and_a_folder_that_cannot_be_made_is_said(tiny_model_dir, tmp_path):
+    left = tmp_path / ".tmp-model.gguf-k1ll3d"
+    left.write_bytes(b"half a file")
+    mine = tmp_path / ".tmp-notes.txt"
+    mine.write_text("not an export's")
+    result = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(tmp_path / "model.gguf"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"removed {left}" in result.stdout and not left.exists() and mine.exists()
+    (tmp_path / "afile").write_text("")
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--output",
+                                     str(tmp_path / "afile" / "model.gguf")), "cannot make the folder")
+
+
+@pytest.mark.slow
+def test_sigterm_while_writing_leaves_neither_a_file_nor_a_temporary(tmp_path):
+    """The embedded model at f32 (540 MB, a few seconds to write): SIGTERM once the temporary appears; exit 143, and
+    the folder holds what it held before."""
+    import os
+    import time
+
+    from tuneloop.demo.embedded import ensure_embedded_model
+
+    process = subprocess.Popen([sys.executable, "-m", "tuneloop", "export", "--model", str(ensure_embedded_model()),
+                                "--quant", "f32", "--output", str(tmp_path / "model.gguf")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list(tmp_path.glob(".tmp-model.gguf-*")) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, "the export ended before it could be interrupted"
+    time.sleep(0.3)  # in the middle of the tensors
+    os.kill(process.pid, signal.SIGTERM)
+    process.communicate(timeout=120)
+    assert process.returncode == 143
+    assert list(tmp_path.iterdir()) == []

@@ -1,7 +1,9 @@
 """What the machine has, and what a config needs of it.
 
-Options that change what is trained and need hardware (4/8-bit loading, 8-bit optimizers, fp16, DeepSpeed) are
-accepted by the config and the plan, and refused when `train` starts on a machine without it: `check_hardware`.
+Options that change what is trained and need hardware or a library (4/8-bit loading, 8-bit optimizers, fp16,
+DeepSpeed) are accepted by the config and the plan, and refused when `train` starts on a machine without it:
+`check_hardware`. bitsandbytes is asked itself whether it quantizes (or steps its optimizers) on the run's device:
+since 0.49 it has a CPU backend, so QLoRA runs without a GPU.
 `hardware_needs` says which without importing torch, for `tuneloop check`. What the run then uses (precision,
 attention kernel) is decided in resolved.py, from `native_bf16` and friends.
 """
@@ -27,10 +29,12 @@ def hardware_needs(cfg, resolved) -> list[str]:
     if quantized_loading(cfg):
         needs.append(f"{quantized_loading(cfg)} quantized loading (`adapter: {cfg.adapter}`"
                      f"{', load_in_4bit' if cfg.load_in_4bit else ', load_in_8bit' if cfg.load_in_8bit else ''}): "
-                     "a CUDA GPU and bitsandbytes")
+                     "bitsandbytes (on a GPU, or its CPU backend)")
     kind = OPTIMIZERS[cfg.optimizer]
     if kind.needs_cuda:
         needs.append(f"`optimizer: {cfg.optimizer}`: a CUDA GPU" + (f" and {kind.library}" if kind.library else ""))
+    elif kind.library:
+        needs.append(f"`optimizer: {cfg.optimizer}`: {kind.library}")
     if cfg.fp16:
         needs.append("`fp16: true`: a CUDA GPU")
     return needs + resolved.engine.needs()
@@ -42,19 +46,60 @@ def check_hardware(cfg, resolved) -> None:
 
     missing = []
     cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
     if quantized_loading(cfg):
-        if not cuda:
-            missing.append(f"{quantized_loading(cfg)} quantized loading (QLoRA / load_in_*bit) needs a CUDA GPU")
-        elif importlib.util.find_spec("bitsandbytes") is None:
-            missing.append("quantized loading needs bitsandbytes: pip install bitsandbytes")
+        refusal = bitsandbytes_refusal(quantized_loading(cfg), device)
+        if refusal:
+            missing.append(f"{quantized_loading(cfg)} quantized loading (QLoRA / load_in_*bit) {refusal}")
     missing += resolved.engine.missing()
     kind = OPTIMIZERS[cfg.optimizer]
     if kind.needs_cuda and not cuda:
         missing.append(f"`optimizer: {cfg.optimizer}` needs a CUDA GPU; adamw_torch_fused runs everywhere")
     elif kind.library and importlib.util.find_spec(kind.library) is None:
         missing.append(f"`optimizer: {cfg.optimizer}` needs {kind.library}: pip install {kind.library}")
+    elif kind.library:
+        refusal = optimizer_refusal(cfg, kind, device)
+        if refusal:
+            missing.append(f"`optimizer: {cfg.optimizer}` {refusal}")
     if missing:
         raise UserError("config: this machine cannot run this config: " + "; ".join(missing))
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def bitsandbytes_refusal(kind: str, device: str) -> str | None:
+    """None when bitsandbytes quantizes a tensor the way `kind` loads weights on `device`, else why not, in its
+    own words: asked of bitsandbytes (a tiny quantization), not inferred from torch.cuda."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "needs bitsandbytes: pip install bitsandbytes"
+    import torch
+
+    try:
+        import bitsandbytes.functional as bnb_functional
+
+        probe = torch.ones(64, 64, device=device)
+        if kind == "4bit":
+            bnb_functional.quantize_4bit(probe, quant_type="nf4")
+        else:
+            bnb_functional.int8_vectorwise_quant(probe.half())
+    except Exception as error:  # bitsandbytes' own refusal: no backend for this device, a missing library, ...
+        return f"is not possible here: bitsandbytes cannot quantize on the {device} ({_first_line(error)})"
+    return None
+
+
+def optimizer_refusal(cfg, kind, device: str) -> str | None:
+    """None when the library's optimizer builds and steps a tiny parameter on `device`, else its reason."""
+    import torch
+
+    parameter = torch.nn.Parameter(torch.ones(256, 256, device=device))
+    parameter.grad = torch.ones_like(parameter)
+    try:
+        kind.build([{"params": [parameter]}], cfg).step()
+    except Exception as error:
+        return f"cannot step on the {device}: {kind.library} says {_first_line(error)}"
+    return None
 
 
 def quiet_deepspeed_on_cpu() -> None:

@@ -68,11 +68,12 @@ OPTIMIZERS.add("adamw_torch_fused", OptimizerKind(_adamw(fused=True), state_byte
 OPTIMIZERS.add("sgd", OptimizerKind(_sgd, state_bytes_per_param=0))
 OPTIMIZERS.add("adafactor", OptimizerKind(_adafactor, state_bytes_per_param=4))
 # two states of one byte each (8-bit) or half a byte (4-bit), plus small per-block scales
-OPTIMIZERS.add("adamw_bnb_8bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "AdamW8bit"), 2, True,
+# bitsandbytes steps them on the CPU too (its CPU backend; asked at start-up: hardware.optimizer_refusal)
+OPTIMIZERS.add("adamw_bnb_8bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "AdamW8bit"), 2, False,
                                                "bitsandbytes"), aliases=("adamw_8bit",))
-OPTIMIZERS.add("paged_adamw_8bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "PagedAdamW8bit"), 2, True,
+OPTIMIZERS.add("paged_adamw_8bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "PagedAdamW8bit"), 2, False,
                                                  "bitsandbytes"))
-OPTIMIZERS.add("paged_adamw_32bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "PagedAdamW32bit"), 8, True,
+OPTIMIZERS.add("paged_adamw_32bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "PagedAdamW32bit"), 8, False,
                                                   "bitsandbytes"))
 OPTIMIZERS.add("adamw_torch_8bit", OptimizerKind(_library_adamw("torchao.optim", "AdamW8bit"), 2, True, "torchao"))
 OPTIMIZERS.add("adamw_torch_4bit", OptimizerKind(_library_adamw("torchao.optim", "AdamW4bit"), 1, True, "torchao"))

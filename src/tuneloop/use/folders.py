@@ -78,9 +78,11 @@ def load_tokenizer_of(folder: ModelFolder):
 
 
 def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | None = None, model_class=None,
-                    base_config=None, trust_remote_code: bool = False, vocabulary: int | None = None):
+                    base_config=None, trust_remote_code: bool = False, vocabulary: int | None = None,
+                    quantization=None):
     """The model of a full folder, or the adapter on its base (not merged). `vocabulary`: the tokenizer's
-    length; a base with fewer embedding rows is grown first, as the run grew it before training the adapter."""
+    length; a base with fewer embedding rows is grown first, as the run grew it before training the adapter.
+    `quantization`: a bitsandbytes config the base is loaded with (a QLoRA run's adapter sits on 4-bit weights)."""
     from safetensors import SafetensorError
     from transformers.utils import logging as transformers_logging
 
@@ -89,6 +91,8 @@ def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | No
     options = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
         options["attn_implementation"] = attn_implementation
+    if quantization is not None:
+        options["quantization_config"] = quantization
     if not folder.is_adapter:
         try:
             return loader.from_pretrained(folder.path, **options)

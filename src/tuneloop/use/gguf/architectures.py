@@ -125,6 +125,13 @@ def check_exportable(config, arch: GgufArchitecture) -> None:
     if kind not in ("default", "linear", "yarn") and not (kind == "llama3" and arch.rope_freqs_tensor):
         raise UserError(f"export: rope scaling {kind!r} ({config.model_type}) has no GGUF form tuneloop writes; "
                         "it writes default, linear, yarn and (LLaMA) llama3")
+    rope = rope_parameters(config)
+    if kind == "yarn" and rope.get("attention_factor") is not None:
+        expected = 0.1 * math.log(float(rope["factor"])) + 1.0  # the scale llama.cpp applies, from the factor alone
+        if abs(float(rope["attention_factor"]) - expected) > 1e-6:
+            raise UserError(f"export: this model's yarn rope sets attention_factor {rope['attention_factor']}; "
+                            f"llama.cpp scales attention by 0.1·ln(factor) + 1 = {expected:.4f} whatever the config "
+                            "says, so the GGUF would compute another model")
     if arch.family_check is not None:
         arch.family_check(config)
 
@@ -157,6 +164,11 @@ def add_metadata(writer, config, arch: GgufArchitecture) -> list[str]:
         writer.add_rope_scaling_factor(float(rope["factor"]))
         writer.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings")
                                                  or config.max_position_embeddings))
+        # what transformers' yarn takes from the config, when the config sets it (llama.cpp's defaults otherwise)
+        if rope.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(float(rope["beta_fast"]))
+        if rope.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(float(rope["beta_slow"]))
     # llama3: written as the rope_freqs tensor (extra_tensors); others were refused by check_exportable
     if arch.family_metadata is not None:
         arch.family_metadata(writer, config)

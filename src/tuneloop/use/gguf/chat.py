@@ -13,8 +13,6 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-WRITTEN_BY = "# Written by tuneloop export"
-
 _PROBES = (
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi there"},
      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is 2 + 2?"}],
@@ -114,7 +112,8 @@ def _with_system(messages: list[dict], system: str | None) -> list[dict]:
 
 
 def modelfile(gguf_name: str, modelfile_name: str, facts: ChatFacts, stops: list[str]) -> str:
-    lines = [f"{WRITTEN_BY}. Create the model with:  ollama create NAME -f {modelfile_name}", f"FROM ./{gguf_name}"]
+    """The Modelfile's lines (files.modelfile_text puts the line that says who wrote them first)."""
+    lines = [f"# Create the model with:  ollama create NAME -f {modelfile_name}", f"FROM ./{gguf_name}"]
     if facts.family is not None:
         lines.append(f'TEMPLATE """{facts.family.template}"""')
         if facts.default_system is not None:

@@ -57,9 +57,11 @@ def read_vocab(tokenizer, vocab_size: int) -> GgufVocab:
         kind, pre = "gpt2", byte_level_pre(spec.get("pre_tokenizer"))
     elif model.get("byte_fallback"):
         kind, pre = "llama", None
+        check_sentencepiece_split(spec.get("pre_tokenizer"), spec.get("normalizer"))
     else:
         raise UserError("export: the tokenizer is BPE but neither byte-level nor with byte fallback; llama.cpp "
                         "has no tokenizer that splits text as it does")
+    normalizer_note = check_normalizer(spec.get("normalizer"), kind)
     tokens = _tokens_by_id(model["vocab"], spec.get("added_tokens") or [])
     if len(tokens) > vocab_size:
         raise UserError(f"export: the tokenizer has {len(tokens)} tokens but the model only {vocab_size} embedding "
@@ -71,10 +73,11 @@ def read_vocab(tokenizer, vocab_size: int) -> GgufVocab:
     tokens += [f"[PAD{index}]" for index in range(len(tokens), vocab_size)]
     types += [UNUSED] * padded
     merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model.get("merges") or []]
-    vocab = GgufVocab(kind, pre, tokens, types, merges, padded=padded)
+    vocab = GgufVocab(kind, pre, tokens, types, merges, padded=padded, note=normalizer_note)
     if kind == "llama":
         vocab.scores = merge_scores(tokens, merges)
-        vocab.add_space_prefix, vocab.note = space_prefix(spec, chat=bool(tokenizer.chat_template))
+        vocab.add_space_prefix, prefix_note = space_prefix(spec, chat=bool(tokenizer.chat_template))
+        vocab.note = "; ".join(note for note in (vocab.note, prefix_note) if note) or None
     vocab.special_ids = special_ids(tokenizer)
     vocab.add_bos, vocab.add_eos = adds_bos_eos(tokenizer)
     return vocab
@@ -88,12 +91,52 @@ def _mentions(node, kind: str) -> bool:
     return False
 
 
+def _steps(node) -> list[dict]:
+    return node.get("pretokenizers", node.get("normalizers", [])) if node and node["type"] == "Sequence" \
+        else [node] if node else []
+
+
+def _refuse(what: str, node) -> UserError:
+    return UserError(f"export: the tokenizer {what} ({json.dumps(node)[:160]}), which llama.cpp's tokenizer does "
+                     "not do; the GGUF would tokenize text differently, so it is not written")
+
+
+def check_normalizer(normalizer, kind: str) -> str | None:
+    """What llama.cpp's tokenizers do before splitting: nothing for byte-level BPE, "▁" for spaces (and a
+    prefix) for sentencepiece-style. Any other normalizer is refused; NFC, which Qwen's tokenizers apply and
+    llama.cpp does not, is accepted with a note (it changes only text that is not NFC already)."""
+    steps = _steps(normalizer)
+    if not steps:
+        return None
+    if kind == "gpt2" and [step["type"] for step in steps] == ["NFC"]:
+        return "llama.cpp does not NFC-normalize as this tokenizer does: text not already in NFC tokenizes differently"
+    spaces = [step for step in steps if step["type"] == "Replace" and step.get("pattern") == {"String": " "}
+              and step.get("content") == "\u2581"]
+    prefix = [step for step in steps if step["type"] == "Prepend" and step.get("prepend") == "\u2581"]
+    if kind == "llama" and spaces and len(spaces) + len(prefix) == len(steps) and len(prefix) <= 1:
+        return None
+    raise _refuse("normalizes text first", normalizer)
+
+
+def check_sentencepiece_split(pre_tokenizer, normalizer) -> None:
+    """Sentencepiece-style BPE splits nothing but at "▁": a Metaspace, nothing (LLaMA-2's normalizer does the
+    work), or Gemma's split at spaces after its normalizer made them "▁"."""
+    steps = _steps(pre_tokenizer)
+    if not steps or [step["type"] for step in steps] == ["Metaspace"]:
+        return
+    if ([step["type"] for step in steps] == ["Split"] and steps[0].get("pattern") == {"String": " "}
+            and steps[0].get("behavior") == "MergedWithPrevious" and _steps(normalizer)):
+        return
+    raise _refuse("splits text before its merges", pre_tokenizer)
+
+
 def byte_level_pre(pre_tokenizer) -> str:
     """llama.cpp's name for the way this byte-level tokenizer splits text before its merges."""
-    steps = pre_tokenizer.get("pretokenizers", []) if pre_tokenizer and pre_tokenizer["type"] == "Sequence" \
-        else [pre_tokenizer] if pre_tokenizer else []
+    steps = _steps(pre_tokenizer)
     shape = [step["type"] for step in steps]
     byte_level = [step for step in steps if step["type"] == "ByteLevel"]
+    if any(step.get("add_prefix_space") for step in byte_level):
+        raise _refuse("puts a space before the text (ByteLevel add_prefix_space: true)", pre_tokenizer)
     if shape == ["ByteLevel"] and byte_level[0].get("use_regex", True):
         return "gpt-2"  # GPT-2's own regex inside ByteLevel
     if (shape == ["Digits", "ByteLevel"] and steps[0].get("individual_digits")
@@ -151,8 +194,11 @@ def space_prefix(spec: dict, chat: bool) -> tuple[bool, str | None]:
     if metaspace is None:
         return _find(spec.get("normalizer"), "Prepend") is not None, None
     scheme = metaspace.get("prepend_scheme", "always" if metaspace.get("add_prefix_space", True) else "never")
+    if scheme == "always":
+        return True, ("llama.cpp adds the space prefix also to text that starts with a space (this tokenizer does "
+                      "not): such text gets one more \u2581")
     if scheme != "first":
-        return scheme == "always", None
+        return False, None
     if chat:
         return False, ("llama.cpp cannot prefix only the start of the input (Metaspace prepend_scheme 'first'): "
                        "written without the prefix, so chat prompts tokenize as here and a plain prompt's first "

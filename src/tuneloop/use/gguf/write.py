@@ -1,18 +1,10 @@
 """The export: the model folder (a LoRA adapter merged into its base in memory) as one GGUF file, and an Ollama
-Modelfile beside it.
-
-The file is written under a hidden temporary name in the output's folder and renamed into place when complete
-and on disk, so a kill or a full disk never leaves a torn file where llama.cpp would load it. An existing output
-is replaced only with --overwrite, and only when tuneloop wrote it (the file's `tuneloop.export` key, the
-Modelfile's first line): a user's own GGUF of the same name is never touched.
+Modelfile beside it; how the two files are kept safe is files.py's.
 """
 
 from __future__ import annotations
 
-import errno
-import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,11 +13,11 @@ from tuneloop.errors import UserError
 from tuneloop.use.folders import ModelFolder
 from tuneloop.use.gguf.architectures import (FileTensor, add_metadata, architecture_of, check_exportable, file_tensors,
                                              head_dim)
-from tuneloop.use.gguf.chat import WRITTEN_BY, ChatFacts, chat_facts, modelfile
+from tuneloop.use.gguf.chat import ChatFacts, chat_facts, modelfile
+from tuneloop.use.gguf.files import (MARKER_KEY, check_outputs, gguf_marker, interrupted_by_termination, make_folder,
+                                     modelfile_path, modelfile_text, publish, stale_temporaries, write_temporary)
 from tuneloop.use.gguf.quantize import QUANTIZATIONS, encode, stored_bytes, tensor_type
 from tuneloop.use.gguf.vocab import GgufVocab, add_vocab, read_vocab
-
-MARKER_KEY = "tuneloop.export"  # in every file tuneloop writes: what --overwrite may replace
 
 
 @dataclass(frozen=True)
@@ -34,40 +26,6 @@ class Export:
     modelfile: Path
     tensors: int
     bytes: int
-
-
-def modelfile_path(output: Path) -> Path:
-    return output.with_suffix(".Modelfile")
-
-
-def check_outputs(output: Path, overwrite: bool) -> None:
-    """Said before anything loads: an existing file is replaced only with --overwrite, and only if ours."""
-    for path, ours in ((output, _is_our_gguf), (modelfile_path(output), _is_our_modelfile)):
-        if not path.exists() and not path.is_symlink():
-            continue
-        if not overwrite:
-            raise UserError(f"export: {path} exists; add --overwrite to replace it (only a file tuneloop exported "
-                            "is replaced), or choose another --output")
-        if path.is_dir() or path.is_symlink() or not ours(path):
-            raise UserError(f"export: {path} exists and tuneloop did not write it; --overwrite never replaces "
-                            "another program's file: choose another --output, or move it yourself")
-
-
-def _is_our_gguf(path: Path) -> bool:
-    try:
-        import gguf
-
-        return MARKER_KEY in gguf.GGUFReader(path).fields
-    except Exception:  # not a GGUF at all, or a damaged one: not ours to replace
-        return False
-
-
-def _is_our_modelfile(path: Path) -> bool:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.readline().startswith(WRITTEN_BY)
-    except (OSError, UnicodeDecodeError):
-        return False
 
 
 def export_gguf(folder: ModelFolder, output: Path, quant: str, *, overwrite: bool = False,
@@ -100,14 +58,29 @@ def export_gguf(folder: ModelFolder, output: Path, quant: str, *, overwrite: boo
     for line in header(folder, output, quant, config, arch.gguf_name, vocab, facts, tensors, types, total):
         say(line)
     check_free_space(output.parent, total)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    metadata_warnings = _write_atomically(output, lambda path: _write_file(
-        path, folder, quantization, config, arch, vocab, facts, tensors, types, total))
-    for warning in metadata_warnings:
-        say(f"warning: {warning}")
+    make_folder(output.parent)
+    for stale in stale_temporaries(output):
+        stale.unlink(missing_ok=True)
+        say(f"removed {stale}, what an earlier export that was killed left")
     stops = [token for token in dict.fromkeys([facts.turn_end, tokenizer.eos_token]) if token]
-    text = modelfile(output.name, modelfile_path(output).name, facts, stops)
-    _write_atomically(modelfile_path(output), lambda path: path.write_text(text, encoding="utf-8"))
+    text = modelfile_text(modelfile(output.name, modelfile_path(output).name, facts, stops))
+    written = []
+    try:
+        with interrupted_by_termination():
+            gguf_temp, warnings = write_temporary(output, lambda path: _write_file(
+                path, folder, quantization, config, arch, vocab, facts, tensors, types, total))
+            written.append(gguf_temp)
+            modelfile_temp, _ = write_temporary(modelfile_path(output),
+                                                lambda path: path.write_text(text, encoding="utf-8"))
+            written.append(modelfile_temp)
+            check_outputs(output, overwrite)  # again: the paths may have been taken while the model loaded
+            publish([(gguf_temp, output), (modelfile_temp, modelfile_path(output))])
+    except BaseException:
+        for temp in written:
+            temp.unlink(missing_ok=True)
+        raise
+    for warning in warnings:
+        say(f"warning: {warning}")
     if run_files.is_tuneloop_run(output.parent):
         run_files.record(output.parent, output.name, modelfile_path(output).name)  # `train --overwrite` may clear
     return Export(output, modelfile_path(output), len(tensors), total)
@@ -146,33 +119,6 @@ def check_free_space(folder: Path, needed: int) -> None:
                         "free some space or choose another --output (nothing was written)")
 
 
-def _write_atomically(path: Path, write):
-    handle, temp_name = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-    os.close(handle)
-    temp = Path(temp_name)
-    try:
-        result = write(temp)
-        with open(temp, "rb") as written:
-            os.fsync(written.fileno())
-        mask = os.umask(0)
-        os.umask(mask)
-        temp.chmod(0o666 & ~mask)  # mkstemp's file is private; an exported model is for a server to read
-        os.replace(temp, path)
-        run_files.fsync_folder_entry(path.parent)
-        return result
-    except OSError as error:
-        temp.unlink(missing_ok=True)
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise UserError(f"export: the disk filled while writing {path}; nothing was written (free some space, "
-                            "or choose another --output)") from None
-        # numpy's tofile says a short write without an errno ("N requested and M written"): a full disk or a quota
-        raise UserError(f"export: cannot write {path} ({error.strerror or error}); nothing was written (a full disk "
-                        "or a file-size limit? free some space, or choose another --output)") from None
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-
-
 def _write_file(path: Path, folder: ModelFolder, quantization, config, arch, vocab: GgufVocab, facts: ChatFacts,
                 tensors: list[FileTensor], types: list, total: int) -> list[str]:
     import gguf
@@ -181,8 +127,9 @@ def _write_file(path: Path, folder: ModelFolder, quantization, config, arch, voc
 
     writer = gguf.GGUFWriter(path, arch.gguf_name)
     writer.add_name(folder.path.resolve().name)
-    writer.add_string(MARKER_KEY, __version__)
-    writer.add_file_type(gguf.LlamaFileType[quantization.file_type])
+    file_type = gguf.LlamaFileType[quantization.file_type]
+    writer.add_string(MARKER_KEY, gguf_marker(__version__, int(file_type), len(tensors), total))
+    writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     warnings = add_metadata(writer, config, arch)
     add_vocab(writer, vocab)

@@ -1,0 +1,106 @@
+"""QLoRA and 8-bit loading on this CPU, through bitsandbytes' CPU backend: a QLoRA step of `tuneloop train` equals
+a hand-written peft + bitsandbytes step on the same quantized weights, adapter and batch; `tuneloop eval` of the run
+gives back its last eval (the adapter on the base quantized as the run quantized it); 8-bit weights and the 8-bit
+and paged optimizers train. fp32 compute (`bnb_4bit_compute_dtype: float32`, `bf16: false`): the comparison is of
+the same sums, so it holds to rounding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import base_config, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
+from safetensors.torch import load_file
+
+pytest.importorskip("bitsandbytes")
+
+QLORA = {"adapter": "qlora", "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+         "lora_target_linear": True, "bnb_config_kwargs": {"bnb_4bit_compute_dtype": "float32"}}
+TWO_SGD_STEPS = {"optimizer": "sgd", "learning_rate": 0.5, "lr_scheduler": "constant", "max_grad_norm": 0,
+                 "max_steps": 2, "micro_batch_size": 4, "save_strategy": "steps", "save_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def qlora_run(tmp_path_factory, tiny_model_dir) -> dict:
+    root = tmp_path_factory.mktemp("qlora")
+    data = write_jsonl(root / "train.jsonl", tiny_rows(40, seed=5))
+    # an eval after step 1 too: the step after it must be a training step still (see adapters.keep_4bit_layout)
+    keys = base_config(root, tiny_model_dir, data, val_set_size=0.2, eval_strategy="steps", eval_steps=1,
+                       **QLORA, **TWO_SGD_STEPS)
+    config = write_config(root / "run.yml", **keys)
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"config": config, "keys": keys, "out": root / "out"}
+
+
+def test_a_qlora_step_equals_a_hand_written_peft_and_bitsandbytes_step(qlora_run, tiny_model_dir):
+    """Step 2 of the run (after the run's eval at step 1), from its step-1 checkpoint: the same NF4 weights (double
+    quantization, as QLoRA), the same adapter, the same micro-batch; loss and adapter within 1e-5 relative."""
+    from peft import PeftModel, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.batching import epoch_micro_batches
+    from tuneloop.data.collate import Collator
+    from tuneloop.data.prepare import prepare
+    from tuneloop.plan.build import train_spec
+    from tuneloop.resolved import resolve_config
+    from tuneloop.train.objectives import summed_token_loss
+
+    out = qlora_run["out"]
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quantization, dtype=torch.float32)
+    assert type(base.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    model = PeftModel.from_pretrained(prepare_model_for_kbit_training(base, use_gradient_checkpointing=False),
+                                      str(out / "checkpoint-1"), is_trainable=True)
+    model.config.use_cache = False
+    model.train()  # as the loop trains it: bitsandbytes' CPU inference kernel takes over an eval-mode layer
+
+    cfg = config_from_dict(qlora_run["keys"])
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prepared = prepare(cfg, tokenizer)
+    second = epoch_micro_batches(np.asarray(prepared.train["length"]), train_spec(cfg, resolve_config(cfg), 1), 0)[0][1]
+    batch = Collator(prepared.train, tokenizer.pad_token_id, packed=False)(second)
+    loss = summed_token_loss(model(**batch.inputs).logits, batch.targets) / batch.n_targets
+    loss.backward()
+    with torch.no_grad():
+        stepped = {name: parameter - 0.5 * parameter.grad for name, parameter in model.named_parameters()
+                   if parameter.requires_grad}
+
+    logged = [line["loss"] for line in read_metrics(out) if "loss" in line and line.get("step") == 2]
+    assert logged and logged[0] == pytest.approx(loss.item(), rel=1e-5)
+    saved = load_file(out / "adapter_model.safetensors")
+    before = load_file(out / "checkpoint-1" / "adapter_model.safetensors")
+    assert set(saved) == {name.replace(".default", "") for name in stepped}
+    moved = sum(float((saved[key] - before[key]).pow(2).sum()) for key in saved) ** 0.5
+    assert moved > 1e-3  # a real update to compare
+    for name, expected in stepped.items():
+        key = name.replace(".default", "")
+        assert float((saved[key] - expected).norm() / expected.norm()) < 1e-5, key  # relative L2, per tensor
+
+
+def test_eval_of_a_qlora_run_gives_back_its_last_eval(qlora_run):
+    import json
+
+    result = run_in_process("eval", str(qlora_run["config"]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    last = [line for line in read_metrics(qlora_run["out"]) if "eval_loss" in line][-1]
+    assert last["step"] == 2 and measured["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["paged_adamw_8bit", "adamw_bnb_8bit"])
+def test_8_bit_weights_and_bitsandbytes_optimizers_train_on_this_cpu(optimizer, tmp_path, tiny_model_dir):
+    data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(16, seed=2))
+    keys = base_config(tmp_path, tiny_model_dir, data, adapter="lora", load_in_8bit=True, lora_r=4, lora_alpha=8,
+                       lora_target_linear=True, optimizer=optimizer, max_steps=2, learning_rate=1e-2)
+    config = write_config(tmp_path / "run.yml", **keys)
+    checked = run_in_process("check", str(config))
+    assert checked.returncode == 0 and "bitsandbytes (on a GPU, or its CPU backend)" in checked.stdout
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [line["loss"] for line in read_metrics(tmp_path / "out") if "loss" in line]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    assert any(float(tensor.abs().sum()) > 0 for key, tensor in adapter.items() if "lora_B" in key)
