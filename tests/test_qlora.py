@@ -104,3 +104,43 @@ def test_8_bit_weights_and_bitsandbytes_optimizers_train_on_this_cpu(optimizer, 
     assert len(losses) == 2 and all(np.isfinite(losses))
     adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
     assert any(float(tensor.abs().sum()) > 0 for key, tensor in adapter.items() if "lora_B" in key)
+
+
+def test_merge_lora_of_a_qlora_run_folds_the_adapter_into_the_base_it_was_trained_on(qlora_run, tiny_model_dir,
+                                                                                    tmp_path):
+    """merge-lora CONFIG on a QLoRA run: the adapter goes into the NF4 base dequantized (what it was trained
+    against), so the merged model computes what the quantized base with its adapter does (measured 2.1e-7, allowed
+    1e-5; folding it into the full-precision weights instead: 0.085); `export` merges the same way."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tuneloop.adapters import keep_4bit_layout
+
+    merged_dir = tmp_path / "merged"
+    result = run_in_process("merge-lora", str(qlora_run["config"]), "--output", str(merged_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "dequantized, as it was trained" in result.stdout
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
+    assert merged.dtype == torch.float32 and not getattr(merged, "is_quantized", False)
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quantization, dtype=torch.float32)
+    keep_4bit_layout(base)  # (bitsandbytes' bf16 inference kernel would be another computation)
+    adapter = PeftModel.from_pretrained(base, str(qlora_run["out"])).eval()
+    full_precision = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                                               str(qlora_run["out"])).merge_and_unload().eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    with torch.no_grad():
+        expected = adapter(ids).logits
+        on_dequantized = (merged(ids).logits - expected).abs().max().item()
+        on_full_precision = (full_precision(ids).logits - expected).abs().max().item()
+    assert on_dequantized < 1e-5 and on_full_precision > 100 * max(on_dequantized, 1e-7)
+
+    # `export` of the run merges the same way: its f32 GGUF, read back by transformers, computes the same
+    gguf_file = tmp_path / "qlora.gguf"
+    exported = run_in_process("export", str(qlora_run["config"]), "--quant", "f32", "--output", str(gguf_file))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    read_back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (read_back(ids).logits - expected).abs().max().item() < 1e-5

@@ -96,7 +96,7 @@ def _one_source(args, command: str, flag: str) -> None:
 
 
 def _source_folder(args, command: str, flag: str, find=None):
-    """(the model folder CONFIG's output_dir or `flag` names, trust_remote_code): an adapter sits on --base, else
+    """(the model folder CONFIG's output_dir or `flag` names, the config or None): an adapter sits on --base, else
     on the config's base_model, else on the base its adapter_config.json names. `find(path, what, base)`: how
     the folder is read (default: a full model or an adapter)."""
     from tuneloop.use.folders import find_model_folder
@@ -105,14 +105,17 @@ def _source_folder(args, command: str, flag: str, find=None):
     if args.config is not None:
         cfg = load_config(args)
         if find is not None:
-            return find(cfg.output_dir, "output_dir", args.base or cfg.base_model), cfg.trust_remote_code
+            return find(cfg.output_dir, "output_dir", args.base or cfg.base_model), cfg
         return find_model_folder(cfg.output_dir, f"{command}: output_dir", base=args.base or cfg.base_model,
-                                 no_model_hint="; train first (`tuneloop train CONFIG`), or give --model DIR"), \
-            cfg.trust_remote_code
+                                 no_model_hint="; train first (`tuneloop train CONFIG`), or give --model DIR"), cfg
     given = getattr(args, flag.strip("-"))
     if find is not None:
-        return find(given, flag, args.base), False
-    return find_model_folder(given, f"{command}: {flag}", base=args.base), False
+        return find(given, flag, args.base), None
+    return find_model_folder(given, f"{command}: {flag}", base=args.base), None
+
+
+def _trusts_remote_code(cfg) -> bool:
+    return bool(cfg is not None and cfg.trust_remote_code)
 
 
 # ---- infer ---------------------------------------------------------------------------------------
@@ -142,7 +145,8 @@ def load_for_inference(args):
     from tuneloop.use.folders import load_model_from, load_tokenizer_of
     from tuneloop.use.generate import prepare_for_generation
 
-    folder, trust_remote_code = _source_folder(args, "infer", "--model")
+    folder, cfg = _source_folder(args, "infer", "--model")
+    trust_remote_code = _trusts_remote_code(cfg)
     tokenizer = load_tokenizer_of(folder)
     model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
     return prepare_for_generation(model), tokenizer
@@ -177,10 +181,31 @@ def command_merge(args) -> int:
     from tuneloop.use.merge import adapter_folder, merge_lora
 
     quiet_deepspeed_on_cpu()
-    folder, trust_remote_code = _source_folder(args, "merge-lora", "--adapter", find=adapter_folder)
+    folder, cfg = _source_folder(args, "merge-lora", "--adapter", find=adapter_folder)
     output = Path(args.output).expanduser() if args.output else folder.path / MERGED
-    print(f"merged model saved to {merge_lora(folder, output, trust_remote_code)}", flush=True)
+    quantization = _quantization_of_run(cfg, folder)
+    merged = merge_lora(folder, output, _trusts_remote_code(cfg), quantization)
+    print(f"merged model saved to {merged}" + (" (the adapter merged into its base dequantized, as it was trained)"
+                                                if quantization is not None else ""), flush=True)
     return 0
+
+
+def _quantization_of_run(cfg, folder):
+    """The bitsandbytes config the adapter's run loaded its base with: from CONFIG, or the run_config.yml a tuneloop
+    run leaves beside its adapter; None for a LoRA on full-precision weights."""
+    from tuneloop.adapters import quantization_config
+    from tuneloop.hardware import quantized_loading
+
+    if cfg is None:
+        from tuneloop.config import load_config as load_yaml
+        from tuneloop.run_files import RUN_CONFIG
+
+        run_config = folder.path / RUN_CONFIG
+        if not run_config.is_file():
+            return None
+        cfg = load_yaml(str(run_config))
+    kind = quantized_loading(cfg)
+    return quantization_config(cfg, kind) if kind else None
 
 
 # ---- export --------------------------------------------------------------------------------------
@@ -190,14 +215,16 @@ def command_export(args) -> int:
     from tuneloop.use.gguf.write import export_gguf
 
     quiet_deepspeed_on_cpu()
-    folder, trust_remote_code = _source_folder(args, "export", "--model")
+    folder, cfg = _source_folder(args, "export", "--model")
+    trust_remote_code = _trusts_remote_code(cfg)
     if args.output:
         output = Path(args.output).expanduser()
         if output.suffix != ".gguf":
             raise UserError(f"export: --output {output} does not end in .gguf; llama.cpp and Ollama look for that")
     else:
         output = folder.path / f"model-{args.quant}.gguf"
-    done = export_gguf(folder, output, args.quant, overwrite=args.overwrite, trust_remote_code=trust_remote_code)
+    done = export_gguf(folder, output, args.quant, overwrite=args.overwrite, trust_remote_code=trust_remote_code,
+                       base_quantization=_quantization_of_run(cfg, folder) if folder.is_adapter else None)
     print(f"exported {done.gguf} ({done.bytes / 1e6:.1f} MB) and {done.modelfile}; run it with:", flush=True)
     print(f"  llama-cli -m {done.gguf} -cnv        # llama.cpp", flush=True)
     print(f"  cd {done.gguf.parent} && ollama create NAME -f {done.modelfile.name} && ollama run NAME", flush=True)

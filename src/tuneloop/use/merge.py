@@ -36,14 +36,18 @@ def check_output_free(output: Path) -> None:
                         "remove it yourself")
 
 
-def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = False) -> Path:
-    """The merged model and the adapter's tokenizer (the run's, with its chat template) in `output`."""
+def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = False, quantization=None) -> Path:
+    """The merged model and the adapter's tokenizer (the run's, with its chat template) in `output`.
+    `quantization`: the bitsandbytes config a QLoRA / 8-bit run loaded its base with; the adapter is then merged
+    into that base dequantized (the weights it was trained against), in the base's own dtype."""
     check_output_free(output)
     from tuneloop.use.folders import load_model_from, load_tokenizer_of
 
     tokenizer = load_tokenizer_of(folder)
-    # the base in its own dtype: the merged weights are what serving the base in that dtype would compute with
-    model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
+    if quantization is not None:
+        model = adapter_on_dequantized_base(folder, quantization, trust_remote_code, len(tokenizer))
+    else:  # the base in its own dtype: the merged weights are what serving the base in that dtype computes with
+        model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
     merged = model.merge_and_unload()
     merged.config.use_cache = True  # for whoever generates next
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -62,3 +66,29 @@ def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = Fals
         shutil.rmtree(temp, ignore_errors=True)  # ours alone: the output folder was never touched
         raise
     return output
+
+
+def adapter_on_dequantized_base(folder: ModelFolder, quantization, trust_remote_code: bool, vocabulary: int):
+    """The adapter on its base loaded quantized as the run loaded it, then dequantized (transformers' own
+    `dequantize`) to the base's dtype: merging into the full-precision weights would add the adapter to weights it
+    never saw."""
+    from transformers import AutoConfig
+
+    from tuneloop.use.folders import attach_adapter, check_base_reachable, loader_of
+
+    check_base_reachable(folder)
+    try:
+        own_dtype = getattr(AutoConfig.from_pretrained(folder.base, trust_remote_code=trust_remote_code), "dtype", None)
+        base = loader_of(folder, trust_remote_code=trust_remote_code).from_pretrained(
+            folder.base, quantization_config=quantization, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise UserError(f"merge-lora: cannot load {folder.base}, the quantized base of the adapter in {folder.path} "
+                        f"({type(error).__name__}: {error})") from None
+    base = base.dequantize()
+    if own_dtype is not None:
+        base = base.to(own_dtype)
+    if vocabulary > base.get_input_embeddings().weight.shape[0]:
+        from tuneloop.model import grow_embeddings
+
+        grow_embeddings(base, vocabulary)
+    return attach_adapter(base, folder.path)

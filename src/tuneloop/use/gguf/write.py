@@ -29,7 +29,9 @@ class Export:
 
 
 def export_gguf(folder: ModelFolder, output: Path, quant: str, *, overwrite: bool = False,
-                trust_remote_code: bool = False, say=print) -> Export:
+                trust_remote_code: bool = False, base_quantization=None, say=print) -> Export:
+    """`base_quantization`: the bitsandbytes config a QLoRA run's base was loaded with (the adapter is merged into that
+    base dequantized, as merge-lora does)."""
     from transformers import AutoConfig
 
     from tuneloop.use.folders import load_model_from, load_tokenizer_of
@@ -44,7 +46,12 @@ def export_gguf(folder: ModelFolder, output: Path, quant: str, *, overwrite: boo
     arch = architecture_of(config)  # an unknown family, or a setting llama.cpp would not follow, is said before
     check_exportable(config, arch)  # the weights load
     tokenizer = load_tokenizer_of(folder)
-    model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
+    if folder.is_adapter and base_quantization is not None:
+        from tuneloop.use.merge import adapter_on_dequantized_base
+
+        model = adapter_on_dequantized_base(folder, base_quantization, trust_remote_code, len(tokenizer))
+    else:
+        model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
     if folder.is_adapter:
         model = model.merge_and_unload()  # in memory: the adapter folder is left as it is
     config = model.config
