@@ -85,6 +85,12 @@ def test_set_overrides_any_key_parsed_as_yaml():
         config_from_dict(MINIMAL, ["learnin_rate=1"])
 
 
+def test_an_unquoted_no_strategy_is_no_as_in_yaml_files_people_write():
+    """`save_strategy: no` and `--set save_strategy=no` reach the schema as YAML's false."""
+    assert config_from_dict({**MINIMAL, "save_strategy": False, "eval_strategy": False}).save_strategy == "no"
+    assert config_from_dict(MINIMAL, ["eval_strategy=no"]).eval_strategy == "no"
+
+
 def test_cli_user_error_exits_2_with_one_message_and_no_traceback(tmp_path):
     path = write_config(tmp_path / "bad.yml", **MINIMAL, micro_batch_sise=2)
     result = run_cli("plan", str(path))  # a fresh process: what a user's shell sees

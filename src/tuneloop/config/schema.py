@@ -413,6 +413,12 @@ class TuneloopConfig(Strict):
             raise ValueError(f"must be 0{ZERO_MEANS.get(info.field_name, '')} or more")
         return value
 
+    @field_validator("save_strategy", "eval_strategy", mode="before")
+    @classmethod
+    def _unquoted_no(cls, value):
+        """`save_strategy: no` unquoted is YAML's false (as `--set save_strategy=no` is): it means "no"."""
+        return "no" if value is False else value
+
     @field_validator("seed")
     @classmethod
     def _seed(cls, value):
