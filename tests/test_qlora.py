@@ -171,3 +171,46 @@ def test_two_ddp_ranks_of_qlora_equal_one_process(tmp_path, tiny_model_dir):
     size = sum(float(adapters["one"][k].pow(2).sum()) for k in b_weights) ** 0.5
     assert difference / size < 1e-5
     assert all(torch.equal(adapters["one"][k], adapters["two"][k]) for k in adapters["one"] if "lora_A" in k)
+
+
+@pytest.mark.slow
+def test_a_qlora_run_killed_at_a_random_step_resumes_to_the_same_adapter_bit_for_bit(tmp_path, tiny_model_dir):
+    """kill -9 between checkpoints (evals in between), then auto-resume: the final adapter equals the uninterrupted
+    run's exactly, and so do the losses of every step."""
+    import random
+    import signal
+
+    from test_resume import start_train, wait_for_steps
+
+    from tuneloop.run_files import complete_checkpoints
+
+    data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(48, seed=9))
+    keys = {**QLORA, "micro_batch_size": 4, "learning_rate": 2e-3, "warmup_steps": 2, "save_strategy": None,
+            "save_steps": 3, "save_total_limit": 2, "val_set_size": 0.15, "evals_per_epoch": 2,
+            "auto_resume_from_checkpoints": True}
+    runs = {}
+    for name in ("straight", "killed"):
+        (tmp_path / name).mkdir()
+        runs[name] = write_config(tmp_path / name / "run.yml", **base_config(tmp_path / name, tiny_model_dir, data,
+                                                                            **keys))
+    straight = run_in_process("train", str(runs["straight"]))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    expected = read_metrics(tmp_path / "straight" / "out")
+    total = max(line["step"] for line in expected if "loss" in line)
+
+    seed = random.randrange(10**6)
+    kill_after = random.Random(seed).randint(4, total - 2)
+    process = start_train(runs["killed"])
+    wait_for_steps(tmp_path / "killed" / "out", kill_after, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, f"the run ended before the kill (seed {seed})"
+    newest = complete_checkpoints(tmp_path / "killed" / "out")[-1]
+    resumed = run_in_process("train", str(runs["killed"]))
+    assert resumed.returncode == 0 and f"resuming from {newest}" in resumed.stdout, resumed.stderr[-2000:]
+
+    ours = load_file(tmp_path / "killed" / "out" / "adapter_model.safetensors")
+    theirs = load_file(tmp_path / "straight" / "out" / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours), f"seed {seed}"
+    metrics = read_metrics(tmp_path / "killed" / "out")
+    assert [line["loss"] for line in metrics if "loss" in line] == [line["loss"] for line in expected if "loss" in line]
