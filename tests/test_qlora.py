@@ -80,6 +80,17 @@ def test_a_qlora_step_equals_a_hand_written_peft_and_bitsandbytes_step(qlora_run
         assert float((saved[key] - expected).norm() / expected.norm()) < 1e-5, key  # relative L2, per tensor
 
 
+def test_the_plan_counts_the_4_bit_weights_as_the_process_holds_them(qlora_run):
+    """NF4 data, its absmax (quantized twice) and code books, the unquantized embedding, norms and head, the adapter:
+    the plan's weight bytes are the bytes the run's tensors held (0.1%); the optimizer's, the adapter's AdamW."""
+    import json
+
+    held = json.loads((qlora_run["out"] / "summary.json").read_text())["held_bytes_per_rank"][0]
+    memory = json.loads((qlora_run["out"] / "plan.json").read_text())["memory"]
+    assert held["weights"] == pytest.approx(memory["per_rank_bytes"]["weights"], rel=1e-3)
+    assert memory["weights_gb"] < memory["parameters"] * 4 / 1e9 / 1.5  # well under the fp32 base
+
+
 def test_eval_of_a_qlora_run_gives_back_its_last_eval(qlora_run):
     import json
 
@@ -102,6 +113,11 @@ def test_8_bit_weights_and_bitsandbytes_optimizers_train_on_this_cpu(optimizer, 
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [line["loss"] for line in read_metrics(tmp_path / "out") if "loss" in line]
     assert len(losses) == 2 and all(np.isfinite(losses))
+    import json
+
+    held = json.loads((tmp_path / "out" / "summary.json").read_text())["held_bytes_per_rank"][0]
+    planned = json.loads((tmp_path / "out" / "plan.json").read_text())["memory"]["per_rank_bytes"]
+    assert held["weights"] == pytest.approx(planned["weights"], rel=1e-3)  # int8 data and its row scales
     adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
     assert any(float(tensor.abs().sum()) > 0 for key, tensor in adapter.items() if "lora_B" in key)
 

@@ -264,6 +264,7 @@ class ModelFacts:
     embeddings_trained: bool = True  # the input embeddings are trained (not under LoRA without modules_to_save)
     module_classes: frozenset = frozenset()  # the class names of the model's modules (an engine checks its own)
     layer_classes: tuple = ()  # the model's decoder-layer classes (transformers' _no_split_modules)
+    quantizable: tuple[int, int, int] = (0, 0, 0)  # (weights, rows, layers) of the linears 4/8-bit loading quantizes
 
 
 def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFacts:
@@ -287,6 +288,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
         with torch.device("meta"):  # (mean-initialising new rows reads values: there are none on meta)
             model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     embedding_name = next(name for name, module in model.named_modules() if module is model.get_input_embeddings())
+    quantizable = quantizable_linears(cfg, model)
     classes = frozenset(type(module).__name__ for module in model.modules())
     layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
     parameters = sum(p.numel() for p in model.parameters())
@@ -306,7 +308,25 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                       count_matmul_weights(model), grown_rows=max(grown, 0),
                       embedding_rows=len(tokenizer) - grown if tokenizer is not None else 0,
                       embeddings_trained=embeddings_trained,
-                      module_classes=classes, layer_classes=layer_classes)
+                      module_classes=classes, layer_classes=layer_classes, quantizable=quantizable)
+
+
+def quantizable_linears(cfg: TuneloopConfig, model) -> tuple[int, int, int]:
+    """(weights, output rows, layers) of the linear layers bitsandbytes quantizes when loading: all but the output head
+    (transformers keeps it, and whatever `llm_int8_skip_modules` names, in full precision); embeddings and norms
+    are not linear layers."""
+    import torch
+
+    head = model.get_output_embeddings()
+    skipped = set((cfg.bnb_config_kwargs or {}).get("llm_int8_skip_modules") or [])
+    weights = rows = layers = 0
+    for name, module in model.named_modules():
+        if (isinstance(module, torch.nn.Linear) and module is not head
+                and not any(part in skipped for part in name.split("."))):
+            weights += module.weight.numel()
+            rows += module.out_features
+            layers += 1
+    return weights, rows, layers
 
 
 def count_matmul_weights(model) -> tuple[int, int]:

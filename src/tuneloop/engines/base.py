@@ -203,7 +203,22 @@ def local_bytes(tensor) -> int:
         tensor = tensor.to_local()
     elif hasattr(tensor, "ds_tensor"):
         tensor = tensor.ds_tensor
-    return tensor.numel() * tensor.element_size()
+    return tensor.numel() * tensor.element_size() + quantization_state_bytes(tensor)
+
+
+def quantization_state_bytes(tensor) -> int:
+    """The scales a bitsandbytes weight keeps beside its packed values: a 4-bit weight's absmax (and, quantized
+    twice, the absmax of those and its code book), an 8-bit weight's per-row scales."""
+    import torch
+
+    state = getattr(tensor, "quant_state", None)
+    parts = []
+    while state is not None:
+        parts += [state.absmax, state.code]
+        state = getattr(state, "state2", None)
+    scales = getattr(tensor, "SCB", None)
+    parts.append(scales)
+    return sum(part.numel() * part.element_size() for part in parts if torch.is_tensor(part))
 
 
 def held_bytes(model, optimizer) -> dict:
@@ -213,6 +228,9 @@ def held_bytes(model, optimizer) -> dict:
     import torch
 
     weights = sum(local_bytes(param) for param in {id(p): p for p in model.parameters()}.values())
+    # an 8-bit layer's row scales move from its weight to the layer's state at its first forward
+    weights += sum(quantization_state_bytes(module.state) for module in model.modules()
+                   if type(getattr(module, "state", None)).__name__ == "MatmulLtState")
     model_params = {id(p) for p in model.parameters()}
     state = sum(local_bytes(value) for per_param in optimizer.state.values() for value in per_param.values()
                 if torch.is_tensor(value))

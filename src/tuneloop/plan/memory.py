@@ -72,12 +72,15 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them; 4-bit NF4 or
     # 8-bit when quantized; an fp32 master copy where the engine's optimizer steps one (DeepSpeed)
     parameter_bytes, master_bytes = engine.held_widths(2 if cfg.bfloat16 or cfg.float16 else 4, precision)
-    weight_bytes = {"4bit": 0.5, "8bit": 1}.get(quantized_loading(cfg), parameter_bytes)
     trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights
+    held_weights = quantized_weights_bytes(cfg, facts, parameter_bytes) or params * parameter_bytes
+    if cfg.adapter:
+        held_weights += trainable * trained_bytes  # the adapter's own weights, beside the base
+    weight_bytes = held_weights / max(params, 1)  # as held on average (the reference copy, the engines' shares)
     # the optimizer's states follow the weights it steps: the masters', where there are masters
     state_bytes = OPTIMIZERS[cfg.optimizer].state_bytes_per_param * (1 if master_bytes else trained_bytes / 4)
     layers = getattr(config, "num_hidden_layers", 0)
-    whole = WholeBytes(weights=params * weight_bytes, gradients=trainable * trained_bytes,
+    whole = WholeBytes(weights=held_weights, gradients=trainable * trained_bytes,
                        optimizer=trainable * (state_bytes + master_bytes), parameters=params, trainable=trainable,
                        weight_bytes=weight_bytes, layer_parameters=_layer_parameters(config), layers=layers)
     share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
@@ -97,6 +100,24 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         engine=engine.describe(world_size), world_size=world_size, gathered_gb=round(share.gathered / gb, 3),
         host_gb=round(share.host / gb, 3),
         per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer)})
+
+
+def quantized_weights_bytes(cfg, facts: ModelFacts, parameter_bytes: float) -> float | None:
+    """The base's bytes when bitsandbytes loads it quantized (None otherwise), as its tensors hold them: NF4/FP4
+    packs two weights a byte with one absmax per 64-weight block (a byte, and an fp32 per 256 blocks, with double
+    quantization; an fp32 without); int8 a byte a weight and an fp32 scale per row. The layers it does not
+    quantize (the output head, embeddings, norms) stay in the weights' dtype. Each 4-bit layer also keeps its
+    16-value code book (and the 256-value one of its absmax, quantized twice)."""
+    kind = quantized_loading(cfg)
+    if not kind:
+        return None
+    weights, rows, layers = facts.quantizable
+    if kind == "8bit":
+        packed = weights * 1 + rows * 4
+    else:
+        double = (cfg.bnb_config_kwargs or {}).get("bnb_4bit_use_double_quant", True)
+        packed = weights * (0.5 + (1 / 64 + 4 / (64 * 256) if double else 4 / 64)) + layers * 4 * (16 + 256 * double)
+    return packed + (facts.parameters - weights) * parameter_bytes
 
 
 def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str) -> float:
