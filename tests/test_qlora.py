@@ -153,6 +153,12 @@ def test_merge_lora_of_a_qlora_run_folds_the_adapter_into_the_base_it_was_traine
         on_full_precision = (full_precision(ids).logits - expected).abs().max().item()
     assert on_dequantized < 1e-5 and on_full_precision > 100 * max(on_dequantized, 1e-7)
 
+    # --dtype names the merged weights' dtype (the dequantized base is cast to it before the adapter is folded in)
+    as_bf16 = run_in_process("merge-lora", str(qlora_run["config"]), "--output", str(tmp_path / "bf16"),
+                             "--dtype", "bfloat16")
+    assert as_bf16.returncode == 0, as_bf16.stderr[-3000:]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
     # `export` of the run merges the same way: its f32 GGUF, read back by transformers, computes the same
     gguf_file = tmp_path / "qlora.gguf"
     exported = run_in_process("export", str(qlora_run["config"]), "--quant", "f32", "--output", str(gguf_file))

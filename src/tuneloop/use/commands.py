@@ -56,12 +56,17 @@ def _add_eval(commands) -> None:
 
 
 def _add_merge(commands) -> None:
+    from tuneloop.use.merge import MERGE_DTYPES  # (light: merge.py imports torch inside its functions)
+
     merge = commands.add_parser("merge-lora", help="fold a LoRA adapter into its base: a plain model folder")
     _add_config_arguments(merge, optional=True)
     merge.add_argument("--adapter", metavar="DIR", help="the adapter folder, instead of CONFIG's output_dir")
     merge.add_argument("--base", metavar="DIR", help="the base model, instead of the one the adapter names")
     merge.add_argument("--output", metavar="DIR", help="where the merged model goes (default: OUTPUT_DIR/merged, "
                        "or ADAPTER/merged); it must not exist or be empty")
+    merge.add_argument("--dtype", choices=MERGE_DTYPES, default="auto",
+                       help="the merged weights' dtype (auto, the default: the base's own; a QLoRA run's base is "
+                            "dequantized to it)")
     merge.set_defaults(handler=command_merge)
 
 
@@ -184,7 +189,7 @@ def command_merge(args) -> int:
     folder, cfg = _source_folder(args, "merge-lora", "--adapter", find=adapter_folder)
     output = Path(args.output).expanduser() if args.output else folder.path / MERGED
     quantization = _quantization_of_run(cfg, folder)
-    merged = merge_lora(folder, output, _trusts_remote_code(cfg), quantization)
+    merged = merge_lora(folder, output, _trusts_remote_code(cfg), quantization, dtype=args.dtype)
     print(f"merged model saved to {merged}" + (" (the adapter merged into its base dequantized, as it was trained)"
                                                 if quantization is not None else ""), flush=True)
     return 0

@@ -36,18 +36,25 @@ def check_output_free(output: Path) -> None:
                         "remove it yourself")
 
 
-def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = False, quantization=None) -> Path:
-    """The merged model and the adapter's tokenizer (the run's, with its chat template) in `output`.
-    `quantization`: the bitsandbytes config a QLoRA / 8-bit run loaded its base with; the adapter is then merged
-    into that base dequantized (the weights it was trained against), in the base's own dtype."""
+MERGE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the base's own
+
+
+def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = False, quantization=None,
+               dtype: str = "auto") -> Path:
+    """The merged model and the adapter's tokenizer (the run's, with its chat template) in `output`, its weights in
+    `dtype` ("auto": the base's own). `quantization`: the bitsandbytes config a QLoRA / 8-bit run loaded its base
+    with; the adapter is then merged into that base dequantized (the weights it was trained against)."""
+    import torch
+
     check_output_free(output)
     from tuneloop.use.folders import load_model_from, load_tokenizer_of
 
     tokenizer = load_tokenizer_of(folder)
+    wanted = dtype if dtype == "auto" else getattr(torch, dtype)
     if quantization is not None:
-        model = adapter_on_dequantized_base(folder, quantization, trust_remote_code, len(tokenizer))
-    else:  # the base in its own dtype: the merged weights are what serving the base in that dtype computes with
-        model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
+        model = adapter_on_dequantized_base(folder, quantization, trust_remote_code, len(tokenizer), wanted)
+    else:  # the base in its own dtype (or the one asked): what serving the base in that dtype computes with
+        model = load_model_from(folder, wanted, trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
     merged = model.merge_and_unload()
     merged.config.use_cache = True  # for whoever generates next
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -68,10 +75,12 @@ def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = Fals
     return output
 
 
-def adapter_on_dequantized_base(folder: ModelFolder, quantization, trust_remote_code: bool, vocabulary: int):
+def adapter_on_dequantized_base(folder: ModelFolder, quantization, trust_remote_code: bool, vocabulary: int,
+                                dtype="auto"):
     """The adapter on its base loaded quantized as the run loaded it, then dequantized (transformers' own
-    `dequantize`) to the base's dtype: merging into the full-precision weights would add the adapter to weights it
-    never saw."""
+    `dequantize`) to `dtype` ("auto": the base's own): merging into the full-precision weights would add the
+    adapter to weights it never saw."""
+    import torch
     from transformers import AutoConfig
 
     from tuneloop.use.folders import attach_adapter, check_base_reachable, loader_of
@@ -85,8 +94,11 @@ def adapter_on_dequantized_base(folder: ModelFolder, quantization, trust_remote_
         raise UserError(f"merge-lora: cannot load {folder.base}, the quantized base of the adapter in {folder.path} "
                         f"({type(error).__name__}: {error})") from None
     base = base.dequantize()
-    if own_dtype is not None:
-        base = base.to(own_dtype)
+    target = own_dtype if dtype == "auto" else dtype
+    if isinstance(target, str):  # a config may spell it
+        target = getattr(torch, target, None)
+    if isinstance(target, torch.dtype):
+        base = base.to(target)
     if vocabulary > base.get_input_embeddings().weight.shape[0]:
         from tuneloop.model import grow_embeddings
 
