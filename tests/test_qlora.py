@@ -127,6 +127,8 @@ def test_merge_lora_of_a_qlora_run_folds_the_adapter_into_the_base_it_was_traine
     """merge-lora CONFIG on a QLoRA run: the adapter goes into the NF4 base dequantized (what it was trained
     against), so the merged model computes what the quantized base with its adapter does (measured 2.1e-7, allowed
     1e-5; folding it into the full-precision weights instead: 0.085); `export` merges the same way."""
+    import json
+
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
@@ -158,6 +160,22 @@ def test_merge_lora_of_a_qlora_run_folds_the_adapter_into_the_base_it_was_traine
                              "--dtype", "bfloat16")
     assert as_bf16.returncode == 0, as_bf16.stderr[-3000:]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+    # a checkpoint folder is the run's too (its run_config.yml is in the output_dir above it)
+    from_checkpoint = run_in_process("merge-lora", "--adapter", str(qlora_run["out"] / "checkpoint-1"), "--output",
+                                     str(tmp_path / "from-checkpoint"))
+    assert from_checkpoint.returncode == 0 and "dequantized, as it was trained" in from_checkpoint.stdout
+
+    # infer puts the adapter on the quantized base as well: its greedy text is the merged model's
+    from conftest import write_jsonl as prompts_file
+
+    prompts = prompts_file(tmp_path / "prompts.jsonl", [{"prompt": "Name three colours."}])
+    completions = []
+    for source in (["--model", str(merged_dir)], [str(qlora_run["config"])]):
+        answer = run_in_process("infer", *source, "--prompts", str(prompts), "--max-new-tokens", "8")
+        assert answer.returncode == 0, answer.stderr[-2000:]
+        completions.append([json.loads(line)["completion"] for line in answer.stdout.splitlines()])
+    assert completions[0] == completions[1] and completions[0][0]
 
     # `export` of the run merges the same way: its f32 GGUF, read back by transformers, computes the same
     gguf_file = tmp_path / "qlora.gguf"
@@ -236,3 +254,33 @@ def test_a_qlora_run_killed_at_a_random_step_resumes_to_the_same_adapter_bit_for
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours), f"seed {seed}"
     metrics = read_metrics(tmp_path / "killed" / "out")
     assert [line["loss"] for line in metrics if "loss" in line] == [line["loss"] for line in expected if "loss" in line]
+
+
+def test_bitsandbytes_settings_are_checked_before_anything_loads(tmp_path, tiny_model_dir):
+    """A misspelled key would be ignored by transformers, a bad value would crash the load: `check` says each."""
+    from conftest import assert_user_error
+
+    data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(8, seed=1))
+    for settings, said in (({"bnb_4bit_compute_dtyp": "float32"}, "`bnb_config_kwargs.bnb_4bit_compute_dtyp` is not"),
+                           ({"bnb_4bit_compute_dtype": "floa32"}, "is not a dtype"),
+                           ({"bnb_4bit_quant_type": "nf5"}, "use nf4 or fp4"),
+                           ({"bnb_4bit_use_double_quant": "yes"}, "must be true or false"),
+                           ({"load_in_8bit": True}, "say it as the top-level `load_in_8bit`")):
+        config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **{
+            **QLORA, "bnb_config_kwargs": settings}))
+        for command in ("check", "plan"):
+            assert_user_error(run_in_process(command, str(config)), said)
+
+
+def test_the_plan_counts_the_unquantized_layers_in_fp32_under_bfloat16_weights(tmp_path, tiny_model_dir):
+    """`bfloat16: true` with QLoRA: peft's preparation upcasts the embedding, head and norms to fp32, as held."""
+    import json
+
+    data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(8, seed=1))
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **QLORA, bfloat16=True,
+                                                            max_steps=1))
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    held = json.loads((tmp_path / "out" / "summary.json").read_text())["held_bytes_per_rank"][0]
+    planned = json.loads((tmp_path / "out" / "plan.json").read_text())["memory"]["per_rank_bytes"]
+    assert held["weights"] == pytest.approx(planned["weights"], rel=1e-3)

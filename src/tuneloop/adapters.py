@@ -65,10 +65,15 @@ def quantization_config(cfg, kind: str):
     from transformers import BitsAndBytesConfig
 
     if kind == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True, **(cfg.bnb_config_kwargs or {}))
-    settings = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                "bnb_4bit_compute_dtype": torch.bfloat16, **(cfg.bnb_config_kwargs or {})}
-    return BitsAndBytesConfig(**settings)
+        settings = {"load_in_8bit": True, **(cfg.bnb_config_kwargs or {})}
+    else:
+        settings = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                    "bnb_4bit_compute_dtype": torch.bfloat16, **(cfg.bnb_config_kwargs or {})}
+    try:
+        return BitsAndBytesConfig(**settings)
+    except (ValueError, TypeError, AttributeError) as error:  # (the config's rules catch the usual mistakes first)
+        raise UserError(f"config: `bnb_config_kwargs` {cfg.bnb_config_kwargs}: bitsandbytes' config refuses it: "
+                        f"{error}") from None
 
 
 def prepare_quantized(cfg, model):

@@ -48,7 +48,8 @@ def check_hardware(cfg, resolved) -> None:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     if quantized_loading(cfg):
-        refusal = bitsandbytes_refusal(quantized_loading(cfg), device)
+        refusal = bitsandbytes_refusal(quantized_loading(cfg), device,
+                                       (cfg.bnb_config_kwargs or {}).get("bnb_4bit_quant_type", "nf4"))
         if refusal:
             missing.append(f"{quantized_loading(cfg)} quantized loading (QLoRA / load_in_*bit) {refusal}")
     missing += resolved.engine.missing()
@@ -69,7 +70,7 @@ def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
-def bitsandbytes_refusal(kind: str, device: str) -> str | None:
+def bitsandbytes_refusal(kind: str, device: str, quant_type: str = "nf4") -> str | None:
     """None when bitsandbytes quantizes a tensor the way `kind` loads weights on `device`, else why not, in its
     own words: asked of bitsandbytes (a tiny quantization), not inferred from torch.cuda."""
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -81,7 +82,7 @@ def bitsandbytes_refusal(kind: str, device: str) -> str | None:
 
         probe = torch.ones(64, 64, device=device)
         if kind == "4bit":
-            bnb_functional.quantize_4bit(probe, quant_type="nf4")
+            bnb_functional.quantize_4bit(probe, quant_type=quant_type)
         else:
             bnb_functional.int8_vectorwise_quant(probe.half())
     except Exception as error:  # bitsandbytes' own refusal: no backend for this device, a missing library, ...

@@ -312,19 +312,21 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
 
 
 def quantizable_linears(cfg: TuneloopConfig, model) -> tuple[int, int, int]:
-    """(weights, output rows, layers) of the linear layers bitsandbytes quantizes when loading: all but the output head
-    (transformers keeps it, and whatever `llm_int8_skip_modules` names, in full precision); embeddings and norms
-    are not linear layers."""
+    """(weights, output rows, layers) of the layers bitsandbytes quantizes when loading, by transformers' own rule:
+    every Linear (and GPT-2's Conv1D) but those its skip patterns match — `llm_int8_skip_modules` when given (it
+    replaces the default), else the output head and tied weights."""
     import torch
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
 
-    head = model.get_output_embeddings()
-    skipped = set((cfg.bnb_config_kwargs or {}).get("llm_int8_skip_modules") or [])
+    skip = (cfg.bnb_config_kwargs or {}).get("llm_int8_skip_modules")
+    patterns = list(skip) if skip is not None else get_keys_to_not_convert(model)
     weights = rows = layers = 0
     for name, module in model.named_modules():
-        if (isinstance(module, torch.nn.Linear) and module is not head
-                and not any(part in skipped for part in name.split("."))):
+        conv1d = type(module).__name__ == "Conv1D"
+        if (isinstance(module, torch.nn.Linear) or conv1d) and should_convert_module(name, patterns):
             weights += module.weight.numel()
-            rows += module.out_features
+            rows += module.weight.shape[1] if conv1d else module.out_features
             layers += 1
     return weights, rows, layers
 

@@ -72,6 +72,37 @@ def chat_template(cfg) -> Problems:
         yield "`chat_template: jinja` needs the template text in `chat_template_jinja`"
 
 
+# BitsAndBytesConfig's keys, by the kind of value each takes (a key not here would be ignored by transformers)
+BNB_KEYS = {
+    "bnb_4bit_compute_dtype": "dtype", "bnb_4bit_quant_storage": "dtype",
+    "bnb_4bit_quant_type": ("nf4", "fp4"), "bnb_4bit_use_double_quant": bool, "llm_int8_threshold": float,
+    "llm_int8_skip_modules": list, "llm_int8_enable_fp32_cpu_offload": bool, "llm_int8_has_fp16_weight": bool,
+}
+TORCH_DTYPES = ("float32", "float16", "bfloat16", "uint8", "int8", "float64")
+
+
+def bitsandbytes_settings(cfg) -> Problems:
+    """`bnb_config_kwargs`, checked before anything loads: a key BitsAndBytesConfig does not take would be ignored
+    silently, a bad value would crash the load."""
+    for key, value in (cfg.bnb_config_kwargs or {}).items():
+        kind = BNB_KEYS.get(key)
+        if key in ("load_in_4bit", "load_in_8bit"):
+            yield f"`bnb_config_kwargs.{key}`: say it as the top-level `{key}` key (or `adapter: qlora`)"
+        elif kind is None:
+            yield (f"`bnb_config_kwargs.{key}` is not a bitsandbytes setting; the settings are "
+                   f"{', '.join(sorted(BNB_KEYS))}")
+        elif kind == "dtype" and str(value).removeprefix("torch.") not in TORCH_DTYPES:
+            yield f"`bnb_config_kwargs.{key}: {value}` is not a dtype; use one of {', '.join(TORCH_DTYPES)}"
+        elif isinstance(kind, tuple) and value not in kind:
+            yield f"`bnb_config_kwargs.{key}: {value}`: use {' or '.join(kind)}"
+        elif kind is bool and not isinstance(value, bool):
+            yield f"`bnb_config_kwargs.{key}: {value!r}` must be true or false"
+        elif kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            yield f"`bnb_config_kwargs.{key}: {value!r}` must be a number"
+        elif kind is list and not (isinstance(value, list) and all(isinstance(item, str) for item in value)):
+            yield f"`bnb_config_kwargs.{key}` must be a list of module names"
+
+
 def adapters(cfg) -> Problems:
     """What is trained: an adapter (on quantized weights or not), or some of the model's own weights."""
     if cfg.load_in_4bit and cfg.load_in_8bit:
@@ -246,7 +277,8 @@ def sharding(cfg) -> Problems:
 
 
 RULES: tuple[Callable[..., Problems], ...] = (schedule, precision_and_attention, chat_template, adapters,
-                                              eval_set_and_shards, model_source, streaming, preference, sharding)
+                                              bitsandbytes_settings, eval_set_and_shards, model_source, streaming,
+                                              preference, sharding)
 
 
 def problems_of(cfg, unjudged: set[str] = frozenset()) -> list[str]:

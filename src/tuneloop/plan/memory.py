@@ -73,7 +73,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     # 8-bit when quantized; an fp32 master copy where the engine's optimizer steps one (DeepSpeed)
     parameter_bytes, master_bytes = engine.held_widths(2 if cfg.bfloat16 or cfg.float16 else 4, precision)
     trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights
-    held_weights = quantized_weights_bytes(cfg, facts, parameter_bytes) or params * parameter_bytes
+    held_weights = quantized_weights_bytes(cfg, facts) or params * parameter_bytes
     if cfg.adapter:
         held_weights += trainable * trained_bytes  # the adapter's own weights, beside the base
     weight_bytes = held_weights / max(params, 1)  # as held on average (the reference copy, the engines' shares)
@@ -102,11 +102,11 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer)})
 
 
-def quantized_weights_bytes(cfg, facts: ModelFacts, parameter_bytes: float) -> float | None:
+def quantized_weights_bytes(cfg, facts: ModelFacts) -> float | None:
     """The base's bytes when bitsandbytes loads it quantized (None otherwise), as its tensors hold them: NF4/FP4
     packs two weights a byte with one absmax per 64-weight block (a byte, and an fp32 per 256 blocks, with double
     quantization; an fp32 without); int8 a byte a weight and an fp32 scale per row. The layers it does not
-    quantize (the output head, embeddings, norms) stay in the weights' dtype. Each 4-bit layer also keeps its
+    quantize (the output head, embeddings, norms) are fp32: peft's preparation upcasts them. Each 4-bit layer keeps its
     16-value code book (and the 256-value one of its absmax, quantized twice)."""
     kind = quantized_loading(cfg)
     if not kind:
@@ -115,9 +115,10 @@ def quantized_weights_bytes(cfg, facts: ModelFacts, parameter_bytes: float) -> f
     if kind == "8bit":
         packed = weights * 1 + rows * 4
     else:
-        double = (cfg.bnb_config_kwargs or {}).get("bnb_4bit_use_double_quant", True)
+        double = bool((cfg.bnb_config_kwargs or {}).get("bnb_4bit_use_double_quant", True))
         packed = weights * (0.5 + (1 / 64 + 4 / (64 * 256) if double else 4 / 64)) + layers * 4 * (16 + 256 * double)
-    return packed + (facts.parameters - weights) * parameter_bytes
+    # peft's preparation for k-bit training casts every unquantized fp16/bf16 parameter to fp32
+    return packed + (facts.parameters - weights) * 4
 
 
 def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str) -> float:

@@ -153,7 +153,15 @@ def load_for_inference(args):
     folder, cfg = _source_folder(args, "infer", "--model")
     trust_remote_code = _trusts_remote_code(cfg)
     tokenizer = load_tokenizer_of(folder)
-    model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
+    quantized = _quantized_base_of_run(cfg, folder) if folder.is_adapter else None
+    if quantized is not None:  # a QLoRA / 8-bit run's adapter on its base quantized as it was trained (as eval does)
+        from tuneloop.adapters import keep_4bit_layout
+
+        model = load_model_from(folder, quantized[1], trust_remote_code=trust_remote_code, vocabulary=len(tokenizer),
+                                quantization=quantized[0])
+        keep_4bit_layout(model)
+    else:
+        model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
     return prepare_for_generation(model), tokenizer
 
 
@@ -188,29 +196,32 @@ def command_merge(args) -> int:
     quiet_deepspeed_on_cpu()
     folder, cfg = _source_folder(args, "merge-lora", "--adapter", find=adapter_folder)
     output = Path(args.output).expanduser() if args.output else folder.path / MERGED
-    quantization = _quantization_of_run(cfg, folder)
-    merged = merge_lora(folder, output, _trusts_remote_code(cfg), quantization, dtype=args.dtype)
+    quantized = _quantized_base_of_run(cfg, folder)
+    merged = merge_lora(folder, output, _trusts_remote_code(cfg), quantized, dtype=args.dtype)
     print(f"merged model saved to {merged}" + (" (the adapter merged into its base dequantized, as it was trained)"
-                                                if quantization is not None else ""), flush=True)
+                                                if quantized is not None else ""), flush=True)
     return 0
 
 
-def _quantization_of_run(cfg, folder):
-    """The bitsandbytes config the adapter's run loaded its base with: from CONFIG, or the run_config.yml a tuneloop
-    run leaves beside its adapter; None for a LoRA on full-precision weights."""
+def _quantized_base_of_run(cfg, folder):
+    """(the bitsandbytes config, the weights' dtype) the adapter's run loaded its base with: from CONFIG, or the
+    run_config.yml a tuneloop run leaves in its output_dir (beside the adapter, or above a checkpoint's); None for
+    a LoRA on full-precision weights."""
     from tuneloop.adapters import quantization_config
     from tuneloop.hardware import quantized_loading
+    from tuneloop.model import weights_dtype
 
     if cfg is None:
         from tuneloop.config import load_config as load_yaml
         from tuneloop.run_files import RUN_CONFIG
 
-        run_config = folder.path / RUN_CONFIG
-        if not run_config.is_file():
+        found = [folder.path / RUN_CONFIG, folder.path.parent / RUN_CONFIG]
+        run_config = next((path for path in found if path.is_file()), None)
+        if run_config is None:
             return None
         cfg = load_yaml(str(run_config))
     kind = quantized_loading(cfg)
-    return quantization_config(cfg, kind) if kind else None
+    return (quantization_config(cfg, kind), weights_dtype(cfg)) if kind else None
 
 
 # ---- export --------------------------------------------------------------------------------------
@@ -229,7 +240,7 @@ def command_export(args) -> int:
     else:
         output = folder.path / f"model-{args.quant}.gguf"
     done = export_gguf(folder, output, args.quant, overwrite=args.overwrite, trust_remote_code=trust_remote_code,
-                       base_quantization=_quantization_of_run(cfg, folder) if folder.is_adapter else None)
+                       base_quantization=_quantized_base_of_run(cfg, folder) if folder.is_adapter else None)
     print(f"exported {done.gguf} ({done.bytes / 1e6:.1f} MB) and {done.modelfile}; run it with:", flush=True)
     print(f"  llama-cli -m {done.gguf} -cnv        # llama.cpp", flush=True)
     print(f"  cd {done.gguf.parent} && ollama create NAME -f {done.modelfile.name} && ollama run NAME", flush=True)
