@@ -376,11 +376,11 @@ def test_check_reports_problems_of_different_features_at_once_field_errors_and_r
     sharding, schedule and preference problems are reported in the same pass."""
     config = write_config(tmp_path / "bad.yml", base_model="m", chat_template="jamba", rl="dpo", simpo_gamma=0.5,
                           datasets=[{"path": "x", "type": "chat_template"}], warmup_steps=10, warmup_ratio=0.1,
-                          adapter="qlora", load_in_4bit=True, lora_target_linear=True, fsdp=["full_shard"],
+                          adapter="lora", load_in_8bit=True, lora_target_linear=True, fsdp=["full_shard"],
                           fsdp_version=2)
     result = run_in_process("check", str(config))
     assert_user_error(result, "`chat_template` got 'jamba'",
-                      "(`adapter: qlora`) under fsdp2 asks for sharded 4/8-bit weights",
+                      "`load_in_8bit` with `fsdp` asks for 8-bit weights under FSDP2",
                       "`warmup_steps` and `warmup_ratio` cannot both be set",
                       "`simpo_gamma` shapes SimPO's loss, and this run is `rl: dpo`")
     assert result.stderr.count("\n  ") == 3  # four problems, one line each

@@ -23,8 +23,9 @@ FEATURES = {
     "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO, KTO and SimPO "
                    "(rl: grpo, ebft; options such as rpo_alpha; reward and process-reward models)"),
     "fsdp_deepspeed": ("DeepSpeed's deepcompile", "DeepSpeed's deepcompile"),
-    "sharded_4bit": ("sharded 4/8-bit weights", "QLoRA and 8-bit LoRA under FSDP2 or DeepSpeed (quantized weights "
-                     "sharded over ranks; QLoRA with DDP ranks, and LoRA under FSDP2/DeepSpeed, work)"),
+    "fsdp2_8bit": ("8-bit weights under FSDP2", "8-bit weights (`load_in_8bit`) sharded by FSDP2 (bitsandbytes keeps "
+                   "an 8-bit weight's scales on the parameter FSDP2 replaces; QLoRA under FSDP2 or ZeRO-3, and 8-bit "
+                   "under DeepSpeed or DDP, work)"),
     "parallelism": ("tensor/context/expert parallelism", "tensor, context, sequence, expert and N-D parallelism, "
                     "and Ray"),
     "multimodal": ("multimodal models", "multimodal models, processors and image/audio data"),

@@ -267,13 +267,52 @@ def sharding(cfg) -> Problems:
         warnings.warn(f"`torch_compile` with {engine.name}: tuneloop compiles only unsharded models so far, so this "
                       "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
         cfg.torch_compile = False
-    if (cfg.adapter == "qlora" or cfg.load_in_4bit or cfg.load_in_8bit) and engine.name != "ddp":
-        yield (f"quantized weights (`adapter: {cfg.adapter}`{', load_in_8bit' if cfg.load_in_8bit else ''}) under "
-               f"{engine.name} asks for {axolotl.FEATURES['sharded_4bit'][0]}, which tuneloop does not do yet (it "
-               "needs a GPU to be built and tested); use `adapter: lora` under FSDP2/DeepSpeed, or QLoRA with plain "
-               "DDP ranks")
+    yield from sharded_quantized_weights(cfg, engine)
     if engine.activation_checkpointing and not cfg.gradient_checkpointing:
         cfg.gradient_checkpointing = True  # fsdp_config.activation_checkpointing is the same recomputation
+
+
+def sharded_quantized_weights(cfg, engine) -> Problems:
+    """4/8-bit weights under FSDP2 or DeepSpeed, as bitsandbytes and the engine can run them (measured on gloo ranks).
+    FSDP2 and ZeRO-3 divide a 4-bit weight's packed values like any parameter, and the weight gets its quantization
+    state back when it is gathered (FSDP2: bitsandbytes restores it from the layer; ZeRO-3 keeps the parameter
+    object). But an engine that casts the model's floating-point weights to 16 bits (FSDP2 gathering under bf16,
+    DeepSpeed's own bf16/fp16) would cast 4-bit values packed into another float dtype, destroying them. An 8-bit
+    weight's scales live on the parameter object, which FSDP2 replaces: it comes back without them."""
+    from tuneloop.hardware import quantized_loading
+
+    quantized = quantized_loading(cfg)
+    if not quantized or engine.name == "ddp":
+        return
+    if quantized == "8bit" and engine.name == "fsdp2":
+        yield (f"`load_in_8bit` with `fsdp` asks for {axolotl.FEATURES['fsdp2_8bit'][0]}, which tuneloop cannot do: "
+               "bitsandbytes keeps an 8-bit weight's scales on the parameter FSDP2 replaces, so a gathered weight "
+               "comes back without them; use `adapter: qlora` (4-bit weights shard), or 8-bit under DeepSpeed or "
+               "DDP ranks")
+        return
+    storage = str((cfg.bnb_config_kwargs or {}).get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
+    mixed = mixed_precision_of(cfg)
+    if engine.name == "fsdp2":
+        cast = "bfloat16" if mixed == "bf16" else None
+        who = "FSDP2 gathers every floating-point weight in bfloat16 (`bf16`)"
+    else:
+        cast = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed) if engine.sixteen_bit_weights(mixed) else None
+        who = f"DeepSpeed casts the model's floating-point weights to {cast} (its {mixed} block)"
+    if quantized == "4bit" and cast and storage in ("float32", "float16", "bfloat16") and storage != cast:
+        yield (f"`bnb_config_kwargs.bnb_4bit_quant_storage: {storage}` under {engine.name}: {who}, which would "
+               f"cast the 4-bit values packed in {storage} and destroy them; set bnb_4bit_quant_storage to {cast} "
+               "(the seed's recipe: the compute dtype) or uint8")
+
+
+def mixed_precision_of(cfg) -> str:
+    """"bf16", "fp16" or "no", as the run will resolve it on this machine (resolved.py)."""
+    from tuneloop.errors import UserError
+    from tuneloop.resolved import precision
+
+    try:
+        return precision(cfg).mixed
+    except UserError:  # fp16 on a machine without CUDA: refused where the run resolves it
+        return "fp16"
 
 
 RULES: tuple[Callable[..., Problems], ...] = (schedule, precision_and_attention, chat_template, adapters,

@@ -30,6 +30,9 @@ class WholeBytes:
     weight_bytes: float  # each weight as held (0.5 for 4-bit, 2 for bf16 weights, 4 for fp32)
     layer_parameters: int  # one decoder layer's, and how many layers there are
     layers: int
+    # of `weights`, what every rank keeps whole even when the weights are sharded: the scales and code books of
+    # 4/8-bit weights, which bitsandbytes keeps on the layer beside the packed values the engine divides
+    unsharded_weights: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,7 +117,8 @@ def sharded_share(spec: EngineSpec, whole: WholeBytes, world_size: int, precisio
     while they compute (the root group with the embeddings and head, and the running and the prefetched layer;
     the whole model when it stays gathered from forward to backward)."""
     ranks = max(world_size, 1)
-    weights = whole.weights / (ranks if spec.shards_weights else 1)
+    divided = whole.weights - whole.unsharded_weights
+    weights = (divided / ranks if spec.shards_weights else divided) + whole.unsharded_weights
     gradients = whole.gradients / (ranks if spec.shards_gradients else 1)
     optimizer = whole.optimizer / (ranks if spec.shards_optimizer else 1)
     gathered = 0.0
@@ -199,11 +203,12 @@ class Engine:
 
 def local_bytes(tensor) -> int:
     """What this rank holds of a tensor: an FSDP2 DTensor's local shard, a ZeRO-3 parameter's partition."""
+    scales = quantization_state_bytes(tensor)  # kept whole on the parameter by every rank (ZeRO-3's)
     if hasattr(tensor, "to_local"):
         tensor = tensor.to_local()
     elif hasattr(tensor, "ds_tensor"):
         tensor = tensor.ds_tensor
-    return tensor.numel() * tensor.element_size() + quantization_state_bytes(tensor)
+    return tensor.numel() * tensor.element_size() + scales
 
 
 def quantization_state_bytes(tensor) -> int:
@@ -231,6 +236,10 @@ def held_bytes(model, optimizer) -> dict:
     # an 8-bit layer's row scales move from its weight to the layer's state at its first forward
     weights += sum(quantization_state_bytes(module.state) for module in model.modules()
                    if type(getattr(module, "state", None)).__name__ == "MatmulLtState")
+    # a 4-bit weight sharded by FSDP2 is a new (DTensor) parameter: its scales stay with the layer, whole
+    weights += sum(quantization_state_bytes(module) for module in model.modules()
+                   if getattr(module, "quant_state", None) is not None
+                   and getattr(getattr(module, "weight", None), "quant_state", None) is None)
     model_params = {id(p) for p in model.parameters()}
     state = sum(local_bytes(value) for per_param in optimizer.state.values() for value in per_param.values()
                 if torch.is_tensor(value))

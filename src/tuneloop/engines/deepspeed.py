@@ -276,8 +276,9 @@ class DeepSpeedEngine(Engine):
         """Collective: DeepSpeed's checkpoint (model states and each rank's optimizer partition) in `folder`. A rank
         whose write fails still meets the others at the barrier DeepSpeed ends with, then reports the failure (the
         checkpoint then fails on every rank together instead of hanging)."""
-        try:
-            self.engine.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False)
+        try:  # frozen weights (an adapter's base) never change: the resume loads them from the base, as the start did
+            self.engine.save_checkpoint(str(folder.parent), tag=folder.name, save_latest=False,
+                                        exclude_frozen_parameters=self._has_frozen_weights())
         except Exception:
             import torch.distributed as dist
 
@@ -285,9 +286,13 @@ class DeepSpeedEngine(Engine):
             raise
 
     def load_shards(self, folder: Path) -> None:
-        path, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_lr_scheduler_states=False)
+        path, _ = self.engine.load_checkpoint(str(folder.parent), tag=folder.name, load_lr_scheduler_states=False,
+                                              load_module_strict=not self._has_frozen_weights())
         if path is None:
             raise UserError(f"checkpoint: DeepSpeed could not load the shards in {folder}")
+
+    def _has_frozen_weights(self) -> bool:
+        return any(not parameter.requires_grad for parameter in self.engine.module.parameters())
 
     def full_state_dict(self) -> dict | None:
         """The weights to save, gathered onto the main process in host memory (collective). Where DeepSpeed holds

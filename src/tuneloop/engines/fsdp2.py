@@ -238,22 +238,32 @@ class FSDP2Engine(DDPEngine):
         pass
 
     def save_shards(self, folder: Path) -> None:
-        """Collective: each rank writes its pieces of the weights and the optimizer state."""
+        """Collective: each rank writes its pieces of the trained weights and of the optimizer state. Frozen weights
+        (an adapter's base, 4-bit or not) never change, so they are not written again with every checkpoint: the
+        resume loads them from the base as the first start did."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.module.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.module.model, self.optimizer, options=self._state_options())
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(folder))
 
     def load_shards(self, folder: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_state, optimizer_state = get_state_dict(self.module.model, self.optimizer)
+        options = self._state_options()
+        model_state, optimizer_state = get_state_dict(self.module.model, self.optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=str(folder))  # resharded to this run's ranks if their number changed
         set_state_dict(self.module.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+                       optim_state_dict=state["optimizer"], options=options)
+
+    def _state_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = any(not parameter.requires_grad for parameter in self.module.model.parameters())
+        # strict=False: the frozen weights are left out on purpose, and loading must not ask for them
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if frozen else StateDictOptions()
 
     def full_state_dict(self) -> dict | None:
         """Collective: the whole model's (or adapter's) weights gathered onto the main process, in host memory."""

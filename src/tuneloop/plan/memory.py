@@ -73,7 +73,8 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     # 8-bit when quantized; an fp32 master copy where the engine's optimizer steps one (DeepSpeed)
     parameter_bytes, master_bytes = engine.held_widths(2 if cfg.bfloat16 or cfg.float16 else 4, precision)
     trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights
-    held_weights = quantized_weights_bytes(cfg, facts) or params * parameter_bytes
+    quantized = quantized_weights_bytes(cfg, facts)
+    held_weights = sum(quantized) if quantized else params * parameter_bytes
     if cfg.adapter:
         held_weights += trainable * trained_bytes  # the adapter's own weights, beside the base
     weight_bytes = held_weights / max(params, 1)  # as held on average (the reference copy, the engines' shares)
@@ -82,7 +83,8 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     layers = getattr(config, "num_hidden_layers", 0)
     whole = WholeBytes(weights=held_weights, gradients=trainable * trained_bytes,
                        optimizer=trainable * (state_bytes + master_bytes), parameters=params, trainable=trainable,
-                       weight_bytes=weight_bytes, layer_parameters=_layer_parameters(config), layers=layers)
+                       weight_bytes=weight_bytes, layer_parameters=_layer_parameters(config), layers=layers,
+                       unsharded_weights=quantized[1] if quantized else 0.0)
     share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
     activations = _activations(cfg, facts, tokens_per_micro_batch, precision)
     gb = 1e9
@@ -102,8 +104,10 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer)})
 
 
-def quantized_weights_bytes(cfg, facts: ModelFacts) -> float | None:
-    """The base's bytes when bitsandbytes loads it quantized (None otherwise), as its tensors hold them: NF4/FP4
+def quantized_weights_bytes(cfg, facts: ModelFacts) -> tuple[float, float] | None:
+    """The base's bytes when bitsandbytes loads it quantized (None otherwise), as its tensors hold them, in two parts:
+    (the packed weights and the unquantized layers, which a sharding engine divides; the scales and code books,
+    which every rank keeps whole with its layers). NF4/FP4
     packs two weights a byte with one absmax per 64-weight block (a byte, and an fp32 per 256 blocks, with double
     quantization; an fp32 without); int8 a byte a weight and an fp32 scale per row. The layers it does not
     quantize (the output head, embeddings, norms) are fp32: peft's preparation upcasts them. Each 4-bit layer keeps its
@@ -113,12 +117,13 @@ def quantized_weights_bytes(cfg, facts: ModelFacts) -> float | None:
         return None
     weights, rows, layers = facts.quantizable
     if kind == "8bit":
-        packed = weights * 1 + rows * 4
+        packed, scales = weights * 1, rows * 4
     else:
         double = bool((cfg.bnb_config_kwargs or {}).get("bnb_4bit_use_double_quant", True))
-        packed = weights * (0.5 + (1 / 64 + 4 / (64 * 256) if double else 4 / 64)) + layers * 4 * (16 + 256 * double)
+        packed = weights * 0.5
+        scales = weights * (1 / 64 + 4 / (64 * 256) if double else 4 / 64) + layers * 4 * (16 + 256 * double)
     # peft's preparation for k-bit training casts every unquantized fp16/bf16 parameter to fp32
-    return packed + (facts.parameters - weights) * 4
+    return packed + (facts.parameters - weights) * 4, scales
 
 
 def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str) -> float:
