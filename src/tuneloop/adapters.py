@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import Any, NamedTuple
 
 from tuneloop.errors import UserError
 
@@ -29,24 +30,43 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
     """The model with its LoRA adapter (the checkpoint's when resuming)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
+    from tuneloop.quantized_experts import remove_lora_proxies_after_each_forward
+
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=lora_targets(cfg, model), target_parameters=cfg.lora_target_parameters,
+                      target_modules=lora_targets(cfg, model), target_parameters=target_parameters(cfg, model),
                       modules_to_save=cfg.lora_modules_to_save, task_type=peft_task_type)
     if cfg.gradient_checkpointing and not getattr(model, "is_quantized", False):
         model.enable_input_require_grads()
     with warnings.catch_warnings():
         # peft asks is_gradient_checkpointing, which transformers 5 deprecates: not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        if checkpoint is not None:
-            return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
         try:
-            return get_peft_model(model, lora)
+            if checkpoint is not None:
+                adapted = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
+            else:
+                adapted = get_peft_model(model, lora)
         except ValueError as error:  # peft's "Target modules {...} not found in the base model"
             if "not found in the base model" not in str(error) and "NoMatchingPeftModule" not in type(error).__name__:
                 raise
             raise UserError(f"config: `lora_target_modules: {cfg.lora_target_modules}` matches no module of this "
                             f"model; its linear layers are named {', '.join(linear_layer_names(model))} "
                             "(or set `lora_target_linear: true`)") from None
+    remove_lora_proxies_after_each_forward(adapted)  # (where experts are quantized: quantized_experts.py)
+    return adapted
+
+
+def target_parameters(cfg, model) -> list[str] | None:
+    """`lora_target_parameters` as peft can match them: a quantized expert weight (quantize_moe_experts) is a
+    parametrized parameter, which peft finds by its full name only, so the names given (`experts.gate_up_proj`, a
+    suffix as peft matches plain parameters) are widened to the full names they end."""
+    from tuneloop.quantized_experts import expert_targets, quantized_expert_names
+
+    given = cfg.lora_target_parameters
+    quantized = quantized_expert_names(model) if given else []
+    if not quantized:
+        return given
+    others = [name for name in given if not any(full == name or full.endswith(f".{name}") for full in quantized)]
+    return others + expert_targets(given, quantized)
 
 
 def linear_layer_names(model) -> list[str]:
@@ -74,6 +94,32 @@ def quantization_config(cfg, kind: str):
     except (ValueError, TypeError, AttributeError) as error:  # (the config's rules catch the usual mistakes first)
         raise UserError(f"config: `bnb_config_kwargs` {cfg.bnb_config_kwargs}: bitsandbytes' config refuses it: "
                         f"{error}") from None
+
+
+class QuantizedBase(NamedTuple):
+    """How a QLoRA / 8-bit run loaded its base, so that eval, infer, merge-lora and export load it the same way."""
+
+    bnb_config: Any  # transformers' BitsAndBytesConfig
+    dtype: Any  # the dtype the weights were loaded in (and quantized from)
+    experts: bool = False  # `quantize_moe_experts`: the expert weights quantized after loading (quantized_experts.py)
+
+    def quantize_experts(self, model) -> None:
+        """The expert weights of a loaded base (its adapter attached or not) quantized as the run quantized them."""
+        if self.experts:
+            from tuneloop.quantized_experts import quantize_experts, remove_lora_proxies_after_each_forward
+
+            quantize_experts(model, self.bnb_config)
+            remove_lora_proxies_after_each_forward(model)
+
+
+def quantized_base(cfg) -> QuantizedBase | None:
+    from tuneloop.hardware import quantized_loading
+    from tuneloop.model import weights_dtype
+
+    kind = quantized_loading(cfg)
+    if not kind:
+        return None
+    return QuantizedBase(quantization_config(cfg, kind), weights_dtype(cfg), bool(cfg.quantize_moe_experts))
 
 
 def prepare_quantized(cfg, model):

@@ -265,6 +265,7 @@ class ModelFacts:
     module_classes: frozenset = frozenset()  # the class names of the model's modules (an engine checks its own)
     layer_classes: tuple = ()  # the model's decoder-layer classes (transformers' _no_split_modules)
     quantizable: tuple[int, int, int] = (0, 0, 0)  # (weights, rows, layers) of the linears 4/8-bit loading quantizes
+    experts: tuple[int, int] = (0, 0)  # (weights, tensors) of the 3-D expert weights (quantize_moe_experts)
 
 
 def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFacts:
@@ -274,6 +275,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
 
     from tuneloop.adapters import add_adapter, freeze_all_but
     from tuneloop.output_head import loss_meets_head_in_chunks
+    from tuneloop.quantized_experts import count_expert_weights, expert_parameter_names, expert_targets
 
     config = model_config(cfg, tokenizer)
     try:
@@ -289,6 +291,12 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
             model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     embedding_name = next(name for name, module in model.named_modules() if module is model.get_input_embeddings())
     quantizable = quantizable_linears(cfg, model)
+    experts = count_expert_weights(model)
+    if cfg.quantize_moe_experts and not experts[1]:
+        raise UserError(f"config: `quantize_moe_experts: true`, but {cfg.base_model} ({type(model).__name__}) has no "
+                        "expert weights to quantize (3-D parameters named like `experts.gate_up_proj`): remove the key")
+    if cfg.quantize_moe_experts and cfg.lora_target_parameters:  # what `train` would refuse, refused by the plan
+        expert_targets(cfg.lora_target_parameters, expert_parameter_names(model))
     classes = frozenset(type(module).__name__ for module in model.modules())
     layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
     parameters = sum(p.numel() for p in model.parameters())
@@ -308,7 +316,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                       count_matmul_weights(model), grown_rows=max(grown, 0),
                       embedding_rows=len(tokenizer) - grown if tokenizer is not None else 0,
                       embeddings_trained=embeddings_trained,
-                      module_classes=classes, layer_classes=layer_classes, quantizable=quantizable)
+                      module_classes=classes, layer_classes=layer_classes, quantizable=quantizable, experts=experts)
 
 
 def quantizable_linears(cfg: TuneloopConfig, model) -> tuple[int, int, int]:
@@ -428,6 +436,10 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None):
                                       attn_implementation=attention, **options)
     except (OSError, ValueError, SafetensorError) as error:  # missing, unreadable or damaged weights
         raise UserError(f"model: cannot load {source!r}: {type(error).__name__}: {error}") from None
+    if cfg.quantize_moe_experts:  # before peft's preparation, which would upcast 16-bit experts to fp32 first
+        from tuneloop.quantized_experts import quantize_experts_as_asked
+
+        quantize_experts_as_asked(model, options["quantization_config"], source)
     return _prepared_for_training(cfg, resolved.model_kind, model, tokenizer, quantized, checkpoint)
 
 

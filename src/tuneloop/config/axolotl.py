@@ -31,8 +31,8 @@ FEATURES = {
     "multimodal": ("multimodal models", "multimodal models, processors and image/audio data"),
     "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading "
                      "(GPTQ, torchao, fp8, NVFP4, QAT)"),
-    "moe": ("MoE-specific options", "MoE options that change the result (expert quantization, linearized "
-            "experts, DenseMixer)"),
+    "moe": ("MoE-specific options", "MoE options that change the result (8-bit experts, linearized experts, "
+            "DenseMixer, expert kernels)"),
     "peft_variants": ("a LoRA variant", "LoRA variants and PEFT options (DoRA, rsLoRA, LoRA+, rank/alpha patterns, "
                       "layer selection, MoRA, starting from an adapter)"),
     "training_methods": ("another training method", "other training methods (ReLoRA, LISA, jagged restarts, NEFTune, "
@@ -132,7 +132,7 @@ _REFUSED_BY_FEATURE = {
         fp8_enable_fsdp_float8_all_gather gemma4_fp8_nonexpert gemma4_nf4_nonexpert nvfp4_merge_aware
         nvfp4_merge_aware_start_step llmcompressor""",
     "moe": """
-        quantize_moe_experts llama4_linearized_experts dense_mixer expert_backend nonexpert_quantization
+        llama4_linearized_experts dense_mixer expert_backend nonexpert_quantization
         moe_grouped_backend moe_dequant_chunk_size moe_bnb_fast dsv4_fp8_nonexpert_mode dsv4_fp8_lora_kernel
         dsv4_shared_mlp_lora_kernel dsv4_bf16_all dsv4_fp4_grouped_mode""",
     "peft_variants": """

@@ -116,6 +116,12 @@ def adapters(cfg) -> Problems:
     if cfg.adapter and not (cfg.lora_target_linear or cfg.lora_target_modules or cfg.lora_target_parameters):
         yield (f"`adapter: {cfg.adapter}` needs `lora_target_modules`, `lora_target_parameters` or "
                "`lora_target_linear: true`")
+    if cfg.quantize_moe_experts and cfg.load_in_8bit:
+        yield (f"`quantize_moe_experts` with `load_in_8bit` asks for {axolotl.FEATURES['moe'][0]} (8-bit experts), "
+               "which tuneloop does not do yet: its experts quantize to 4-bit, with `adapter: qlora`")
+    elif cfg.quantize_moe_experts and not (cfg.load_in_4bit or cfg.adapter == "qlora"):
+        yield ("`quantize_moe_experts` quantizes a MoE model's expert weights to 4-bit beside the rest of a QLoRA base: "
+               "set `adapter: qlora` (or `load_in_4bit: true` with `adapter: lora`), or remove it")
     if cfg.unfrozen_parameters and cfg.adapter:
         yield (f"`unfrozen_parameters` with `adapter: {cfg.adapter}` (base-model weights trained next to the adapter) "
                f"asks for {axolotl.FEATURES['peft_variants'][0]}; keep one of them")

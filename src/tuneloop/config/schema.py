@@ -136,6 +136,7 @@ class TuneloopConfig(Strict):
     load_in_4bit: bool = False
     load_in_8bit: bool = False
     bnb_config_kwargs: Optional[dict[str, Any]] = None
+    quantize_moe_experts: bool = False  # a MoE model's 3-D expert weights in 4-bit too (quantized_experts.py)
     unfrozen_parameters: Optional[list[str]] = None  # full fine-tuning of only the parameters these regexes match
     # data
     datasets: list[DatasetConfig] = Field(default_factory=list)

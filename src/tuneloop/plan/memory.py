@@ -107,15 +107,17 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
 def quantized_weights_bytes(cfg, facts: ModelFacts) -> tuple[float, float] | None:
     """The base's bytes when bitsandbytes loads it quantized (None otherwise), as its tensors hold them, in two parts:
     (the packed weights and the unquantized layers, which a sharding engine divides; the scales and code books,
-    which every rank keeps whole with its layers). NF4/FP4
-    packs two weights a byte with one absmax per 64-weight block (a byte, and an fp32 per 256 blocks, with double
-    quantization; an fp32 without); int8 a byte a weight and an fp32 scale per row. The layers it does not
-    quantize (the output head, embeddings, norms) are fp32: peft's preparation upcasts them. Each 4-bit layer keeps its
-    16-value code book (and the 256-value one of its absmax, quantized twice)."""
+    which every rank keeps whole with its layers). NF4/FP4 packs two weights a byte with one absmax per 64-weight
+    block (a byte, and an fp32 per 256 blocks, with double quantization; an fp32 without); int8 a byte a weight and
+    an fp32 scale per row. The layers it does not quantize (the output head, embeddings, norms, and a MoE model's
+    3-D experts unless `quantize_moe_experts`) are fp32: peft's preparation upcasts them. Each 4-bit tensor keeps
+    its 16-value code book (and the 256-value one of its absmax, quantized twice)."""
     kind = quantized_loading(cfg)
     if not kind:
         return None
     weights, rows, layers = facts.quantizable
+    if cfg.quantize_moe_experts and kind == "4bit":  # the expert weights too, each tensor with its own code book
+        weights, layers = weights + facts.experts[0], layers + facts.experts[1]
     if kind == "8bit":
         packed, scales = weights * 1, rows * 4
     else:

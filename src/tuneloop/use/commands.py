@@ -157,8 +157,9 @@ def load_for_inference(args):
     if quantized is not None:  # a QLoRA / 8-bit run's adapter on its base quantized as it was trained (as eval does)
         from tuneloop.adapters import keep_4bit_layout
 
-        model = load_model_from(folder, quantized[1], trust_remote_code=trust_remote_code, vocabulary=len(tokenizer),
-                                quantization=quantized[0])
+        model = load_model_from(folder, quantized.dtype, trust_remote_code=trust_remote_code,
+                                vocabulary=len(tokenizer), quantization=quantized.bnb_config)
+        quantized.quantize_experts(model)
         keep_4bit_layout(model)
     else:
         model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
@@ -207,9 +208,7 @@ def _quantized_base_of_run(cfg, folder):
     """(the bitsandbytes config, the weights' dtype) the adapter's run loaded its base with: from CONFIG, or the
     run_config.yml a tuneloop run leaves in its output_dir (beside the adapter, or above a checkpoint's); None for
     a LoRA on full-precision weights."""
-    from tuneloop.adapters import quantization_config
-    from tuneloop.hardware import quantized_loading
-    from tuneloop.model import weights_dtype
+    from tuneloop.adapters import quantized_base
 
     if cfg is None:
         from tuneloop.config import load_config as load_yaml
@@ -220,8 +219,7 @@ def _quantized_base_of_run(cfg, folder):
         if run_config is None:
             return None
         cfg = load_yaml(str(run_config))
-    kind = quantized_loading(cfg)
-    return (quantization_config(cfg, kind), weights_dtype(cfg)) if kind else None
+    return quantized_base(cfg)
 
 
 # ---- export --------------------------------------------------------------------------------------

@@ -86,19 +86,19 @@ def load_for_eval(cfg, resolved, folder: ModelFolder, vocabulary: int):
     """In the config's weights dtype and attention, as the run loaded it; the cache off, as in training (packed
     rows need it off). A QLoRA / 8-bit run's adapter sits on its base quantized as the run quantized it, so the
     eval is the run's own."""
-    from tuneloop.adapters import prepare_quantized, quantization_config
-    from tuneloop.hardware import quantized_loading
+    from tuneloop.adapters import prepare_quantized, quantized_base
     from tuneloop.model import grow_embeddings, model_class, model_config, weights_dtype
 
     # the run's base gets the run's config (overrides_of_model_config applied), as load_model gives it
     runs_base = folder.is_adapter and folder.base == cfg.base_model
     base_config = model_config(cfg) if runs_base else None
-    quantized = quantized_loading(cfg) if runs_base else None
+    quantized = quantized_base(cfg) if runs_base else None
     model = load_model_from(folder, weights_dtype(cfg), attn_implementation=resolved.attention.used,
                             model_class=model_class(cfg, resolved.model_kind) if cfg.model_type else None,
                             base_config=base_config, trust_remote_code=cfg.trust_remote_code, vocabulary=vocabulary,
-                            quantization=quantization_config(cfg, quantized) if quantized else None)
+                            quantization=quantized.bnb_config if quantized else None)
     if quantized:
+        quantized.quantize_experts(model)
         prepare_quantized(cfg, model)  # the norms in fp32 and the 4-bit layout, as the run's model had them
     model.config.use_cache = False
     if not folder.is_adapter and vocabulary > model.get_input_embeddings().weight.shape[0]:

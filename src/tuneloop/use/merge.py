@@ -42,8 +42,8 @@ MERGE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: the base's ow
 def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = False, quantization=None,
                dtype: str = "auto") -> Path:
     """The merged model and the adapter's tokenizer (the run's, with its chat template) in `output`, its weights in
-    `dtype` ("auto": the base's own). `quantization`: (the bitsandbytes config, the weights' dtype) a QLoRA / 8-bit
-    run loaded its base with; the adapter is then merged into that base dequantized (the weights it trained on)."""
+    `dtype` ("auto": the base's own). `quantization`: how a QLoRA / 8-bit run loaded its base
+    (adapters.QuantizedBase); the adapter is then merged into that base dequantized (the weights it trained on)."""
     import torch
 
     check_output_free(output)
@@ -75,7 +75,7 @@ def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = Fals
     return output
 
 
-def adapter_on_dequantized_base(folder: ModelFolder, quantization: tuple, trust_remote_code: bool, vocabulary: int,
+def adapter_on_dequantized_base(folder: ModelFolder, quantization, trust_remote_code: bool, vocabulary: int,
                                 dtype="auto"):
     """The adapter on its base loaded quantized as the run loaded it, then dequantized (transformers' own
     `dequantize`) to `dtype` ("auto": the base's own): merging into the full-precision weights would add the
@@ -83,18 +83,22 @@ def adapter_on_dequantized_base(folder: ModelFolder, quantization: tuple, trust_
     import torch
     from transformers import AutoConfig
 
+    from tuneloop.quantized_experts import dequantize_experts
     from tuneloop.use.folders import attach_adapter, check_base_reachable, loader_of
 
     check_base_reachable(folder)
     try:
         own_dtype = getattr(AutoConfig.from_pretrained(folder.base, trust_remote_code=trust_remote_code), "dtype", None)
-        bnb_config, loaded_dtype = quantization  # quantized from the weights in the dtype the run loaded them in
+        # quantized from the weights in the dtype the run loaded them in
         base = loader_of(folder, trust_remote_code=trust_remote_code).from_pretrained(
-            folder.base, quantization_config=bnb_config, dtype=loaded_dtype, trust_remote_code=trust_remote_code)
+            folder.base, quantization_config=quantization.bnb_config, dtype=quantization.dtype,
+            trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         raise UserError(f"merge-lora: cannot load {folder.base}, the quantized base of the adapter in {folder.path} "
                         f"({type(error).__name__}: {error})") from None
+    quantization.quantize_experts(base)  # (quantize_moe_experts: the experts as the run trained on them)
     base = base.dequantize()
+    dequantize_experts(base)
     target = own_dtype if dtype == "auto" else dtype
     if isinstance(target, str):  # a config may spell it
         target = getattr(torch, target, None)
