@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, NamedTuple
 
 from tuneloop.errors import UserError
 
@@ -94,32 +93,6 @@ def quantization_config(cfg, kind: str):
     except (ValueError, TypeError, AttributeError) as error:  # (the config's rules catch the usual mistakes first)
         raise UserError(f"config: `bnb_config_kwargs` {cfg.bnb_config_kwargs}: bitsandbytes' config refuses it: "
                         f"{error}") from None
-
-
-class QuantizedBase(NamedTuple):
-    """How a QLoRA / 8-bit run loaded its base, so that eval, infer, merge-lora and export load it the same way."""
-
-    bnb_config: Any  # transformers' BitsAndBytesConfig
-    dtype: Any  # the dtype the weights were loaded in (and quantized from)
-    experts: bool = False  # `quantize_moe_experts`: the expert weights quantized after loading (quantized_experts.py)
-
-    def quantize_experts(self, model) -> None:
-        """The expert weights of a loaded base (its adapter attached or not) quantized as the run quantized them."""
-        if self.experts:
-            from tuneloop.quantized_experts import quantize_experts, remove_lora_proxies_after_each_forward
-
-            quantize_experts(model, self.bnb_config)
-            remove_lora_proxies_after_each_forward(model)
-
-
-def quantized_base(cfg) -> QuantizedBase | None:
-    from tuneloop.hardware import quantized_loading
-    from tuneloop.model import weights_dtype
-
-    kind = quantized_loading(cfg)
-    if not kind:
-        return None
-    return QuantizedBase(quantization_config(cfg, kind), weights_dtype(cfg), bool(cfg.quantize_moe_experts))
 
 
 def prepare_quantized(cfg, model):

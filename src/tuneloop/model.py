@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from tuneloop.config import TuneloopConfig
 from tuneloop.data.chat_templates import TOKENIZER_DEFAULT, resolve_template
@@ -408,6 +409,32 @@ def weights_dtype(cfg: TuneloopConfig):
     import torch
 
     return torch.bfloat16 if cfg.bfloat16 else torch.float16 if cfg.float16 else torch.float32
+
+
+class QuantizedBase(NamedTuple):
+    """How a QLoRA / 8-bit run loaded its base, so that eval, infer, merge-lora and export load it the same way."""
+
+    bnb_config: Any  # transformers' BitsAndBytesConfig
+    dtype: Any  # the dtype the weights were loaded in (and quantized from)
+    experts: bool = False  # `quantize_moe_experts`: the expert weights quantized after loading (quantized_experts.py)
+
+    def quantize_experts(self, model) -> None:
+        """The expert weights of a loaded base (its adapter attached or not) quantized as the run quantized them."""
+        if self.experts:
+            from tuneloop.quantized_experts import quantize_experts, remove_lora_proxies_after_each_forward
+
+            quantize_experts(model, self.bnb_config)
+            remove_lora_proxies_after_each_forward(model)
+
+
+def quantized_base(cfg) -> QuantizedBase | None:
+    from tuneloop.adapters import quantization_config
+    from tuneloop.hardware import quantized_loading
+
+    kind = quantized_loading(cfg)
+    if not kind:
+        return None
+    return QuantizedBase(quantization_config(cfg, kind), weights_dtype(cfg), bool(cfg.quantize_moe_experts))
 
 
 def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None):

@@ -120,8 +120,8 @@ def adapters(cfg) -> Problems:
         yield (f"`quantize_moe_experts` with `load_in_8bit` asks for {axolotl.FEATURES['moe'][0]} (8-bit experts), "
                "which tuneloop does not do yet: its experts quantize to 4-bit, with `adapter: qlora`")
     elif cfg.quantize_moe_experts and not (cfg.load_in_4bit or cfg.adapter == "qlora"):
-        yield ("`quantize_moe_experts` quantizes a MoE model's expert weights to 4-bit beside the rest of a QLoRA base: "
-               "set `adapter: qlora` (or `load_in_4bit: true` with `adapter: lora`), or remove it")
+        yield ("`quantize_moe_experts` quantizes a MoE model's expert weights to 4-bit beside the rest of a QLoRA "
+               "base: set `adapter: qlora` (or `load_in_4bit: true` with `adapter: lora`), or remove it")
     if cfg.unfrozen_parameters and cfg.adapter:
         yield (f"`unfrozen_parameters` with `adapter: {cfg.adapter}` (base-model weights trained next to the adapter) "
                f"asks for {axolotl.FEATURES['peft_variants'][0]}; keep one of them")
@@ -311,14 +311,14 @@ def sharded_quantized_weights(cfg, engine) -> Problems:
 
 
 def mixed_precision_of(cfg) -> str:
-    """"bf16", "fp16" or "no", as the run will resolve it on this machine (resolved.py)."""
-    from tuneloop.errors import UserError
-    from tuneloop.resolved import precision
+    """"bf16", "fp16" or "no": resolved.precision's answer (fp16 needing CUDA is refused there, not here)."""
+    from tuneloop.hardware import native_bf16
 
-    try:
-        return precision(cfg).mixed
-    except UserError:  # fp16 on a machine without CUDA: refused where the run resolves it
+    if cfg.fp16:
         return "fp16"
+    if cfg.bf16 == "auto":
+        return "bf16" if native_bf16() else "no"
+    return "bf16" if cfg.bf16 else "no"
 
 
 RULES: tuple[Callable[..., Problems], ...] = (schedule, precision_and_attention, chat_template, adapters,

@@ -208,7 +208,7 @@ def _quantized_base_of_run(cfg, folder):
     """(the bitsandbytes config, the weights' dtype) the adapter's run loaded its base with: from CONFIG, or the
     run_config.yml a tuneloop run leaves in its output_dir (beside the adapter, or above a checkpoint's); None for
     a LoRA on full-precision weights."""
-    from tuneloop.adapters import quantized_base
+    from tuneloop.model import quantized_base
 
     if cfg is None:
         from tuneloop.config import load_config as load_yaml

@@ -86,8 +86,8 @@ def load_for_eval(cfg, resolved, folder: ModelFolder, vocabulary: int):
     """In the config's weights dtype and attention, as the run loaded it; the cache off, as in training (packed
     rows need it off). A QLoRA / 8-bit run's adapter sits on its base quantized as the run quantized it, so the
     eval is the run's own."""
-    from tuneloop.adapters import prepare_quantized, quantized_base
-    from tuneloop.model import grow_embeddings, model_class, model_config, weights_dtype
+    from tuneloop.adapters import prepare_quantized
+    from tuneloop.model import grow_embeddings, model_class, model_config, quantized_base, weights_dtype
 
     # the run's base gets the run's config (overrides_of_model_config applied), as load_model gives it
     runs_base = folder.is_adapter and folder.base == cfg.base_model
