@@ -91,14 +91,13 @@ class ProgressLines:
 
 def peak_memory_gb() -> float:
     """The device's peak allocation on a GPU, else this process's peak resident memory (a cheap syscall)."""
-    import resource
-
     import torch
+
+    from tuneloop.hardware import peak_host_rss_bytes
 
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 1e9
-    scale = 1 if sys.platform == "darwin" else 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
+    return peak_host_rss_bytes() / 1e9
 
 
 class ProgressBar:

@@ -127,3 +127,12 @@ def native_bf16() -> str | None:
     if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)():
         return "the CPU has AVX512-BF16"
     return None
+
+
+def peak_host_rss_bytes() -> int:
+    """This process's peak resident memory so far, in bytes (ru_maxrss: kilobytes on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)

@@ -400,7 +400,8 @@ def grow_embeddings(model, vocabulary: int) -> None:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(GROWN_ROWS_SEED)
-        model.resize_token_embeddings(vocabulary)
+        # (on the meta device there are no values to average: the rows come from rank 0 with the rest)
+        model.resize_token_embeddings(vocabulary, mean_resizing=model.device.type != "meta")
 
 
 def weights_dtype(cfg: TuneloopConfig):
@@ -437,9 +438,10 @@ def quantized_base(cfg) -> QuantizedBase | None:
     return QuantizedBase(quantization_config(cfg, kind), weights_dtype(cfg), bool(cfg.quantize_moe_experts))
 
 
-def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None):
+def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_meta: bool = False):
     """The model to train (of the run's kind, with its attention kernel: resolved.py); from a checkpoint's weights
-    when resuming (the adapter's, for LoRA)."""
+    when resuming (the adapter's, for LoRA). `on_meta`: built without weights on the meta device, adapter and all,
+    for an engine that sends this rank its weights when it starts (engines/fsdp2.py)."""
     from safetensors import SafetensorError
 
     from tuneloop.adapters import quantization_config
@@ -448,6 +450,12 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None):
     config = model_config(cfg, tokenizer)
     built = model_class(cfg, resolved.model_kind)
     attention = resolved.attention.used
+    if on_meta:
+        import torch
+
+        with torch.device("meta"):
+            return _prepared_for_training(cfg, resolved.model_kind, built_from_config(cfg, built, config, attention),
+                                          tokenizer, False, None)
     if cfg.from_scratch and checkpoint is None:
         return _prepared_for_training(cfg, resolved.model_kind, built_from_config(cfg, built, config, attention),
                                       tokenizer, False, checkpoint)

@@ -182,7 +182,9 @@ class TrainingSession:
         resume = self._decided_on_main(lambda: self._start_output_dir(plan, identity, overwrite, force_resume))
         clock = time.perf_counter()
         # a sharded engine's checkpoint may hold its weights only in shards: the loop loads them into the model
-        model = load_model(cfg, resolved, tokenizer, checkpoint=None if resolved.engine.sharded else resume)
+        on_meta = resolved.engine.builds_on_meta(accelerator.process_index, accelerator.num_processes)
+        model = load_model(cfg, resolved, tokenizer, checkpoint=None if resolved.engine.sharded else resume,
+                           on_meta=on_meta)
         reference_model, reference = self._reference(model, tokenizer, rows, resume)
         self.seconds["model_load"] = time.perf_counter() - clock
         hooks = self.hooks if self.trackers is None else TogetherHooks(self.hooks, self.trackers)

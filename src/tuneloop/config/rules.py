@@ -9,6 +9,7 @@ out says what the run does.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator
@@ -290,6 +291,11 @@ def sharded_quantized_weights(cfg, engine) -> Problems:
     quantized = quantized_loading(cfg)
     if not quantized or engine.name == "ddp":
         return
+    if engine.name == "fsdp2" and engine.loads_on_rank_zero:
+        warnings.warn("`fsdp_config.cpu_ram_efficient_loading` with 4/8-bit weights: every rank loads and quantizes "
+                      "the base itself (bitsandbytes' quantization state is not something rank 0 can send yet), so "
+                      "it only changes host memory here and is left off.", UserWarning, stacklevel=2)
+        cfg._engine = dataclasses.replace(engine, loads_on_rank_zero=False)
     if quantized == "8bit" and engine.name == "fsdp2":
         yield (f"`load_in_8bit` with `fsdp` asks for {axolotl.FEATURES['fsdp2_8bit'][0]}, which tuneloop cannot do: "
                "bitsandbytes keeps an 8-bit weight's scales on the parameter FSDP2 replaces, so a gathered weight "

@@ -103,6 +103,11 @@ class EngineSpec:
                    hidden_size: int | None) -> None:
         """A ValueError where the engine's own settings disagree with the plan (a DeepSpeed file's numbers)."""
 
+    def builds_on_meta(self, rank: int, world_size: int) -> bool:
+        """Whether this rank builds the model on the meta device and gets its weights from rank 0 when the engine
+        starts (FSDP2's cpu_ram_efficient_loading), instead of loading them itself."""
+        return False
+
     def check_model(self, facts) -> None:
         """A UserError where the engine cannot run this model (model.ModelFacts), said by the plan before `train`
         meets it."""

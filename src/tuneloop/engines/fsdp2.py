@@ -31,12 +31,11 @@ FSDP_SPEED_ONLY = {
     "limit_all_gathers": "an FSDP1 rate limiter; FSDP2 has none",
     "backward_prefetch": "FSDP2 prefetches the next layer itself",
     "forward_prefetch": "FSDP2 prefetches the next layer itself",
-    "cpu_ram_efficient_loading": "every rank reads the weights into host memory before sharding them",
     "cpu_offload_pin_memory": "pinning only speeds up host-device copies",
 }
 FSDP_KEYS = {"version", "activation_checkpointing", "offload_params", "reshard_after_forward", "state_dict_type",
              "final_state_dict_type", "auto_wrap_policy", "transformer_layer_cls_to_wrap", "sharding_strategy",
-             "min_num_params", "mixed_precision_policy"} | set(FSDP_SPEED_ONLY)
+             "min_num_params", "mixed_precision_policy", "cpu_ram_efficient_loading"} | set(FSDP_SPEED_ONLY)
 FSDP_LIST_WORDS = {"full_shard", "shard_grad_op", "offload", "auto_wrap", "no_shard", "hybrid_shard",
                    "hybrid_shard_zero2"}
 STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT")
@@ -51,6 +50,9 @@ class FSDP2Spec(EngineSpec):
     reshard_after_forward: bool = True  # False: weights kept gathered from forward to backward (shard_grad_op)
     layer_classes: tuple[str, ...] = ()  # the modules sharded one by one (default: the model's decoder layers)
     full_weights_in_checkpoints: bool = False  # state_dict_type FULL_STATE_DICT: each checkpoint also has safetensors
+    # cpu_ram_efficient_loading: rank 0 alone reads the weights; the others build the model on the meta device and
+    # receive their shards from it, so no rank but the first ever holds a whole copy in host memory
+    loads_on_rank_zero: bool = False
 
     @property
     def reduces_on_host(self) -> bool:
@@ -64,6 +66,8 @@ class FSDP2Spec(EngineSpec):
             parts.append("weights kept gathered from forward to backward (shard_grad_op)")
         if self.offload_weights:
             parts.append("offloaded to host memory")
+        if self.loads_on_rank_zero:
+            parts.append("the weights read by rank 0 alone and sent out as shards")
         return f"FSDP2{over}: " + "; ".join(parts)
 
     def per_rank(self, whole: WholeBytes, world_size: int, accumulation: int, precision: str) -> RankBytes:
@@ -80,6 +84,11 @@ class FSDP2Spec(EngineSpec):
             host, optimizer = host + optimizer, 0.0
         return RankBytes(weights=weights, gradients=gradients, optimizer=optimizer, gathered=share.gathered,
                          host=host)
+
+    def builds_on_meta(self, rank: int, world_size: int) -> bool:
+        """cpu_ram_efficient_loading: every rank but the first builds the model without weights. (With 4/8-bit
+        weights the key is left off when the config is read: their quantization state is not in a state dict.)"""
+        return self.loads_on_rank_zero and world_size > 1 and rank != 0
 
     def check_model(self, facts) -> None:
         """The layers it shards one by one are classes the model has."""
@@ -149,7 +158,8 @@ def read_fsdp_keys(fsdp: Any, fsdp_version: Any, fsdp_config: dict) -> FSDP2Spec
     return FSDP2Spec(shards_weights=True, shards_gradients=True, shards_optimizer=True, offload_weights=offload,
                      offload_optimizer=offload, reshard_after_forward=bool(reshard), layer_classes=layer_classes,
                      activation_checkpointing=bool(options.get("activation_checkpointing")),
-                     full_weights_in_checkpoints=options.get("state_dict_type") == "FULL_STATE_DICT")
+                     full_weights_in_checkpoints=options.get("state_dict_type") == "FULL_STATE_DICT",
+                     loads_on_rank_zero=bool(options.get("cpu_ram_efficient_loading")))
 
 
 def _fsdp_words(fsdp: Any) -> set[str]:
@@ -198,9 +208,12 @@ class FSDP2Engine(DDPEngine):
         options = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
         if precision == "bf16":  # gathered and computed in bf16, gradients reduced in fp32
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        on_meta = any(parameter.is_meta for parameter in module.parameters())  # (loads_on_rank_zero, not rank 0)
+        sends = spec.loads_on_rank_zero and accelerator.num_processes > 1
+        whole = module.model.state_dict() if sends and not on_meta else None
         if spec.offload_weights and device.type == "cuda":
             options["offload_policy"] = CPUOffloadPolicy()  # shards, gradients and the optimizer step on the host
-        elif device.type != "cpu" or not spec.offload_weights:
+        elif not on_meta and (device.type != "cpu" or not spec.offload_weights):
             module.to(device)
         layers = shard_groups(module.model, spec.layer_classes)
         for layer in layers:
@@ -209,6 +222,8 @@ class FSDP2Engine(DDPEngine):
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                         cast_forward_inputs=False)
         fully_shard(module, **options)  # the root: embeddings, head and the loss computed with it
+        if whole is not None or on_meta:
+            receive_weights_from_rank_zero(module, whole, device)
         self.layer_count = len(layers)
         self.module = self.runner = module
         self.optimizer = build_optimizer(self.cfg, module.model)  # over the sharded (DTensor) parameters
@@ -271,6 +286,23 @@ class FSDP2Engine(DDPEngine):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.module.model, options=options)
+
+
+def receive_weights_from_rank_zero(module, whole: dict | None, device) -> None:
+    """Collective, after sharding: rank 0 (`whole`: its full state dict, read before sharding) sends each rank its
+    shards; the others, built on the meta device, get storage first. The buffers a state dict leaves out (a rotary
+    embedding's inv_freq, computed at construction) are sent whole: on the meta device they were never computed."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if whole is None:
+        module.to_empty(device=device)
+    set_model_state_dict(module.model, whole or {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    saved = set(module.model.state_dict())
+    for name, buffer in module.model.named_buffers():
+        if name not in saved:
+            dist.broadcast(buffer, src=0)
 
 
 def shard_groups(model, class_names: tuple[str, ...]) -> list:

@@ -31,6 +31,7 @@ from tuneloop import run_files
 from tuneloop.data.batching import epoch_micro_batches
 from tuneloop.data.collate import collator_for
 from tuneloop.engines.base import join_process_group
+from tuneloop.hardware import peak_host_rss_bytes
 from tuneloop.optim import build_scheduler
 from tuneloop.plan.build import TrainingPlan
 from tuneloop.plan.flops import mfu
@@ -106,6 +107,7 @@ class TrainingLoop:
         if resume_from is not None:  # refused before the engine is built, not from inside it
             checkpoint.check_engine_can_resume(resume_from, self.engine)
         self.model, self.optimizer = self.engine.prepare(ObjectiveModule(model, objective))
+        self.peak_rss_at_start = peak_host_rss_bytes()  # the model loaded and sharded: its loading's peak, per rank
         self.language_model = model
         # stepped by us, once per optimizer step
         self.scheduler = build_scheduler(cfg, plan, self.engine.scheduler_optimizer)
@@ -176,14 +178,15 @@ class TrainingLoop:
         real_total, first_real = (int(v) for v in self.accelerator.reduce(
             torch.tensor([self.real_tokens, first_step[1] if first_step else 0], device=device), reduction="sum"))
         held = self.engine.held_bytes()
-        held = self.gather_counts([held["weights"], held["optimizer"]])
+        held = self.gather_counts([held["weights"], held["optimizer"], self.peak_rss_at_start])
         return RunOutcome(
             steps=state.step, tokens=state.tokens_seen, train_seconds=train_seconds, real_tokens=real_total,
             targets_collated=sum(self.gather_counts(state.targets_collated)), evals=state.evals,
             stopped_by=stopped_by, first_step_seconds=first_step[0] if first_step else None,
             first_step_real_tokens=first_real, eval_seconds=self.seconds["eval"], save_seconds=self.seconds["save"],
             training_seconds=training_seconds,
-            held_per_rank=[{"weights": held[i], "optimizer": held[i + 1]} for i in range(0, len(held), 2)],
+            held_per_rank=[{"weights": held[i], "optimizer": held[i + 1], "peak_host_rss_at_start": held[i + 2]}
+                           for i in range(0, len(held), 3)],
             stream=self.steps.read_counts(self.gather_counts))
 
     @contextlib.contextmanager
