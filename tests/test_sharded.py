@@ -266,6 +266,24 @@ def test_cpu_ram_efficient_loading_reads_the_weights_on_rank_0_alone_and_trains_
     assert rank_0[1] < every_rank[1] - whole_copy / 2 and rank_0[1] < rank_0[0]
 
 
+def test_cpu_ram_efficient_loading_is_left_off_where_every_rank_needs_the_weights_before_sharding(tmp_path,
+                                                                                                  tiny_model_dir):
+    """4/8-bit weights (bitsandbytes' quantization state is not in a state dict) and a preference run (its reference
+    is made from the policy before the engine starts): warned about, and the plan's engine loads on every rank."""
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"messages": [{"role": "user", "content": "hi"}],
+                                                    "chosen": "hello", "rejected": "go away"}] * 8)
+    efficient = {"fsdp": ["full_shard"], "fsdp_config": {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": True}}
+    rows = write_jsonl(tmp_path / "rows.jsonl", tiny_rows(8, seed=1))
+    for keys, said in (({"adapter": "qlora", "lora_target_linear": True}, "with 4/8-bit weights"),
+                       ({"rl": "dpo", "datasets": [{"path": str(pairs), "type": "chat_template"}]}, "with `rl: dpo`")):
+        config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, rows, **efficient,
+                                                                  **keys))
+        planned = run_in_process("plan", str(config), "--json")
+        assert planned.returncode == 0, planned.stderr[-2000:]
+        assert f"`fsdp_config.cpu_ram_efficient_loading` {said}" in planned.stderr
+        assert "left off" in planned.stderr and "rank 0 alone" not in json.loads(planned.stdout)["engine"]
+
+
 def test_a_layer_class_the_model_does_not_have_stops_the_run_naming_the_classes_it_has(tmp_path, tiny_model_dir,
                                                                                         data):
     from conftest import assert_user_error

@@ -8,7 +8,9 @@ quantization, blocks of 64) and held packed in a frozen uint8 parameter; a `torc
 parametrization gives the model back the weights dequantized, in the dtype they were loaded in, whenever the layer
 reads them (peft's LoRA on these parameters, `lora_target_parameters`, adds its delta on top the same way: see
 remove_lora_proxies_after_each_forward for what peft leaves behind). uint8 storage is never cast by an engine, so
-FSDP2 and ZeRO-3 shard the packed bytes as they are.
+FSDP2 and ZeRO-3 shard the packed bytes as they are. The dequantized weights are in the load dtype even where an
+engine computes in bf16 (the quantization state is no parameter an engine casts): a layer's whole expert stack is
+materialised in, say, fp32 while it runs, a transient the plan does not count.
 
 Quantized after loading: the load itself still holds the experts in the load dtype for a moment (the plan's peak
 does not count that transient). Quantizing the same loaded weights again gives the same values (the function is

@@ -275,6 +275,13 @@ def sharding(cfg) -> Problems:
                       "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
         cfg.torch_compile = False
     yield from sharded_quantized_weights(cfg, engine)
+    if engine.name == "fsdp2" and cfg._engine.loads_on_rank_zero and cfg.rl:
+        # the reference model (or its precomputed log-probs) is made from the policy before the engine sends the
+        # other ranks their weights: on those ranks there would be none yet
+        warnings.warn(f"`fsdp_config.cpu_ram_efficient_loading` with `rl: {cfg.rl}`: every rank loads the weights "
+                      "itself (the reference model is made from them before rank 0 could send them), so it only "
+                      "changes host memory here and is left off.", UserWarning, stacklevel=2)
+        cfg._engine = dataclasses.replace(cfg._engine, loads_on_rank_zero=False)
     if engine.activation_checkpointing and not cfg.gradient_checkpointing:
         cfg.gradient_checkpointing = True  # fsdp_config.activation_checkpointing is the same recomputation
 
