@@ -65,20 +65,24 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     return target
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+def save_llama(target: Path, tokenizer_dir: Path, **sizes) -> Path:
+    """A LLaMA of the given sizes with random weights (seed 0) and the tiny tokenizer, saved in `target`."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    target = tmp_path_factory.mktemp("tiny_llama")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **sizes)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    return save_llama(tmp_path_factory.mktemp("tiny_llama"), tiny_tokenizer_dir, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def free_port() -> int:

@@ -234,16 +234,10 @@ def test_cpu_ram_efficient_loading_reads_the_weights_on_rank_0_alone_and_trains_
     fp32, so that a whole copy shows in a process's resident memory): the weights after an AdamW step are the
     ones of the run where every rank loads, bit for bit; rank 1's peak host memory once the model is sharded is
     lower by more than half a whole copy, and below rank 0's. (Measured: 799 → 505 MB on rank 1; rank 0 827 MB.)"""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from conftest import save_llama
 
-    model_dir = tmp_path / "llama-52m"
-    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    model_dir = save_llama(tmp_path / "llama-52m", tiny_tokenizer_dir, hidden_size=1024, intermediate_size=2816,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8)
     whole_copy = sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
 
     runs = {}
