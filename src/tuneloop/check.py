@@ -9,7 +9,7 @@ from __future__ import annotations
 from tuneloop.config import TuneloopConfig
 from tuneloop.hardware import hardware_needs
 from tuneloop.resolved import Resolved, resolve_config
-from tuneloop.rl_methods import RL_METHODS, reference_source
+from tuneloop.rl_methods import RL_METHODS, is_online, reference_source
 
 
 def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
@@ -34,7 +34,14 @@ def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
     length = f"max_steps {cfg.max_steps}" if cfg.max_steps else f"{cfg.num_epochs} epoch(s)"
     units = "rows"
     objective = []
-    if cfg.rl:
+    if is_online(cfg):
+        settings = cfg.trl_settings
+        units = "completions"
+        objective = [f"  objective            rl: {cfg.rl}, {settings.num_generations} generations per prompt of "
+                     f"at most {settings.max_completion_length} tokens, loss_type {settings.loss_type}; rewards "
+                     f"{', '.join(settings.reward_funcs or [])}"
+                     + (f"; reference: {reference_source(cfg)}" if settings.beta else "")]
+    elif cfg.rl:
         method = RL_METHODS[cfg.rl]
         units = method.unit
         objective = [f"  objective            rl: {cfg.rl}, loss averaged over {units}"

@@ -52,11 +52,28 @@ RL_METHODS.add("simpo", RLMethod((), uses_reference=False,  # length-normalised 
                                  keys=("rl_beta", "dpo_beta", "simpo_gamma", "cpo_alpha"),
                                  defaults={"simpo_gamma": 0.5, "cpo_alpha": 1.0}))
 
+# online RL (online_rl/): the policy generates its own completions each step, scored by reward functions; the `trl:`
+# block holds every setting (online_rl/settings.py). GDPO is GRPO with each reward normalised in its group first.
+ONLINE_METHODS = ("grpo", "gdpo")
+
 # names axolotl knows that tuneloop does not train, and what to say
 NOT_OFFERED = {
     "kto_pair": "`rl: kto_pair` is gone from axolotl (and TRL); its successor is `rl: kto` (unpaired rows with a "
                 "label), or `rl: dpo` for paired data",
+    "ebft": "`rl: ebft` (both its structured and strided modes) rewards completions by how well a frozen copy's "
+            "hidden features of them match the reference answer's; tuneloop has GRPO's machinery (`rl: grpo`) but "
+            "not these feature-matching rewards yet",
 }
+
+
+def is_online(cfg) -> bool:
+    """An online RL run (`rl: grpo` or `gdpo`): completions generated and scored as it trains."""
+    return cfg is not None and cfg.rl in ONLINE_METHODS
+
+
+def preference_method(cfg) -> RLMethod | None:
+    """The run's offline preference method (DPO family), or None (supervised, or online RL)."""
+    return RL_METHODS[cfg.rl] if cfg is not None and cfg.rl in RL_METHODS else None
 
 
 def setting(cfg, key: str):
@@ -67,13 +84,19 @@ def setting(cfg, key: str):
 
 def keeps_reference_copy(cfg) -> bool:
     """A preference run holds a second, frozen copy of the weights: full fine-tuning against a reference whose
-    log-probs are computed as it trains (a LoRA run's reference is its base, the adapter switched off)."""
+    log-probs are computed as it trains (a LoRA run's reference is its base, the adapter switched off); online RL
+    only where its KL term is on (`trl.beta` ≠ 0)."""
+    if is_online(cfg):
+        return cfg.trl_settings.beta != 0.0 and not cfg.adapter
     return bool(cfg.rl) and RL_METHODS[cfg.rl].uses_reference and not cfg.adapter and not cfg.precompute_ref_log_probs
 
 
 def reference_source(cfg) -> str | None:
     """Where a preference run's reference log-probs come from, in words (None: the method has no reference)."""
-    if not cfg.rl or not RL_METHODS[cfg.rl].uses_reference:
+    if is_online(cfg):
+        if cfg.trl_settings.beta == 0.0:
+            return None
+    elif not cfg.rl or not RL_METHODS[cfg.rl].uses_reference:
         return None
     if cfg.precompute_ref_log_probs:
         return "log-probs computed once before training and cached with the data"

@@ -192,7 +192,7 @@ class TrainingSession:
             with StopRequests() as stop:
                 loop = TrainingLoop(cfg, plan, rows, tokenizer, model, accelerator,
                                     objective_of(cfg, reference_model), identity, stop, hooks, resume_from=resume,
-                                    reference=reference)
+                                    reference=reference, reference_model=reference_model)
                 outcome = loop.run()
         except (TrainingDiverged, CheckpointFailed) as error:  # raised on every rank at the same collective
             return RunResult(output_dir, plan, resumed_from=resume, error=error)

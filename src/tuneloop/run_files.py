@@ -24,6 +24,7 @@ RUN_CONFIG = "run_config.yml"  # the config the run used, every key with its val
 METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 RESUMES = "resumes.jsonl"  # one line per resume: the checkpoint, and the settings --force-resume overrode
+COMPLETIONS = "completions.jsonl"  # online RL with trl.log_completions: every generated completion and its rewards
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
 
@@ -89,7 +90,7 @@ OUTPUT_FILES = (
     OutputEntry(PLAN, "the plan"), OutputEntry(RUN_CONFIG, "the config the run used"),
     OutputEntry(METRICS, "train and eval metrics"),
     OutputEntry(SUMMARY, "the finished run's summary"), OutputEntry(REPORT_MD, "the report"),
-    OutputEntry(RESUMES, "the resumes of the run"),
+    OutputEntry(RESUMES, "the resumes of the run"), OutputEntry(COMPLETIONS, "online RL's completions"),
     OutputEntry(REPORT_PNG, "the report's plot"),
     *MODEL_FILES,
     OutputEntry(f"{CHECKPOINT_PREFIX}*", "checkpoints"), OutputEntry(f"{TEMP_PREFIX}*", "saves in progress"),

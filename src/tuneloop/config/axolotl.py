@@ -20,8 +20,8 @@ from tuneloop.data.chat_templates import CHAT_TEMPLATES
 
 # feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
 FEATURES = {
-    "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO, KTO and SimPO "
-                   "(rl: grpo, ebft; options such as rpo_alpha; reward and process-reward models)"),
+    "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO, KTO, SimPO, "
+                   "GRPO and GDPO (rl: ebft; options such as rpo_alpha; reward and process-reward models)"),
     "fsdp_deepspeed": ("DeepSpeed's deepcompile", "DeepSpeed's deepcompile"),
     "fsdp2_8bit": ("8-bit weights under FSDP2", "8-bit weights (`load_in_8bit`) sharded by FSDP2 (bitsandbytes keeps "
                    "an 8-bit weight's scales on the parameter FSDP2 replaces; QLoRA under FSDP2 or ZeRO-3, and 8-bit "
@@ -108,13 +108,14 @@ SPEED_OR_LOGGING = _keys("""
     swanlab_lark_secret swanlab_log_completions swanlab_completion_log_interval swanlab_completion_max_buffer
     unsloth_cross_entropy_loss unsloth_lora_mlp unsloth_lora_qkv unsloth_lora_o unsloth_rms_norm unsloth_rope
     sample_packing_sequentially_mp pretrain_multipack_buffer_size debug log_level
+    vllm
 """)
 
 LAUNCHER = _keys("local_rank world_size ddp device axolotl_config_path is_preprocess capabilities env_capabilities")
 
 _REFUSED_BY_FEATURE = {
     "preference": """
-        trl vllm ebft reward_model process_reward_model center_rewards_coefficient num_labels dpo_use_weighting
+        ebft reward_model process_reward_model center_rewards_coefficient num_labels dpo_use_weighting
         dpo_use_liger_kernel dpo_padding_free dpo_generate_during_eval dpo_norm_loss dpo_use_logits_to_keep rpo_alpha
         max_prompt_len
         nemo_gym_enabled nemo_gym_dir nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port

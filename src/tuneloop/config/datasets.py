@@ -14,6 +14,7 @@ from tuneloop.config import axolotl
 from tuneloop.data.chat_templates import check_template_name
 from tuneloop.data.formats import FORMATS, TURN_END_OPTIONS
 from tuneloop.data.load import parse_split
+from tuneloop.online_rl.prompts import is_transform_type
 from tuneloop.data.preference import PREFERENCE_CHAT_TYPES, PREFERENCE_FORMATS, UNPAIRED_FORMATS
 
 
@@ -137,6 +138,8 @@ class DatasetConfig(Strict):
     def _known_type(cls, value):
         if isinstance(value, str) and not any(value in known for known in (FORMATS, PREFERENCE_FORMATS,
                                                                             UNPAIRED_FORMATS)):
+            if is_transform_type(value) and axolotl.dataset_type_feature(value) != "preference":
+                return value  # axolotl's `type: module.function` transform (online RL's prompts: rules.py)
             feature = axolotl.FEATURES[axolotl.dataset_type_feature(value)][0]
             raise ValueError(f"unknown dataset type {value!r} ({feature}); tuneloop supports {FORMATS.choices()}, "
                              "or a mapping with field_instruction/field_input/field_output/format")

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from tuneloop.config import axolotl
 from tuneloop.config.datasets import DATASET_FORM, PRETRAINING_FORM, CustomFormat, DatasetConfig, PreferenceFormat
 from tuneloop.config.rules import problems_of
+from tuneloop.rl_methods import ONLINE_METHODS
 from tuneloop.config.schema import TuneloopConfig
 from tuneloop.errors import UserError
 
@@ -243,4 +244,10 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopC
         given, beside = Path(raw["deepspeed"]).expanduser(), path.parent / raw["deepspeed"]
         if not given.is_file() and not given.is_absolute() and beside.is_file():
             raw = dict(raw, deepspeed=str(beside.resolve()))
-    return config_from_dict(raw, overrides)
+    cfg = config_from_dict(raw, overrides)
+    cfg._config_dir = path.parent.resolve()
+    if cfg.rl in ONLINE_METHODS:  # a reward function that does not import is said now, not at the first step
+        from tuneloop.online_rl.rewards import check_reward_functions
+
+        check_reward_functions(cfg)
+    return cfg

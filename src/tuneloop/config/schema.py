@@ -22,7 +22,8 @@ from tuneloop.config.datasets import (DATASET_FORM, PRETRAINING_FORM, DatasetCon
 from tuneloop.data.chat_templates import check_template_name
 from tuneloop.errors import UserError
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS
-from tuneloop.rl_methods import NOT_OFFERED, RL_METHODS
+from tuneloop.online_rl.settings import TRLBlock
+from tuneloop.rl_methods import NOT_OFFERED, ONLINE_METHODS, RL_METHODS
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class TrainTokenizer(Strict):
 
 class TuneloopConfig(Strict):
     _engine: Any = PrivateAttr(default=None)  # the sharding keys read (config/rules.py: sharding)
+    _config_dir: Any = PrivateAttr(default=None)  # the YAML's folder (reward functions and transforms live there)
     # model: pretrained weights (base_model), or a model built from a config with random weights (from scratch:
     # base_model_config, a folder or a model type name such as `t5`, or reinit_weights)
     base_model: Optional[str] = None
@@ -208,6 +210,7 @@ class TuneloopConfig(Strict):
     kto_desirable_weight: float = 1.0  # KTO's weights of desirable and undesirable rows' losses
     kto_undesirable_weight: float = 1.0
     precompute_ref_log_probs: bool = False  # reference log-probs computed once, before training, and cached
+    trl: Optional[TRLBlock] = None  # online RL (rl: grpo, gdpo): generation, rewards and GRPO's loss
     # speed: torch.compile of the model's body (train/compiling.py), and the peak MFU is measured against
     # "auto": true, as in axolotl (torch ≥ 2.5.1 here)
     torch_compile: Annotated[Union[bool, Literal["auto"]], SPEED] = False
@@ -263,9 +266,12 @@ class TuneloopConfig(Strict):
     @field_validator("rl")
     @classmethod
     def _known_rl(cls, value):
-        if value is None or value in RL_METHODS:
-            return value if value is None else RL_METHODS.canonical(value)
-        why = NOT_OFFERED.get(value, f"`rl: {value}` is not a method tuneloop trains ({RL_METHODS.choices()})")
+        if value is None or value in ONLINE_METHODS:
+            return value
+        if value in RL_METHODS:
+            return RL_METHODS.canonical(value)
+        why = NOT_OFFERED.get(value, f"`rl: {value}` is not a method tuneloop trains ({RL_METHODS.choices()}, "
+                                     f"{', '.join(ONLINE_METHODS)})")
         raise ValueError(f"asks for {axolotl.FEATURES['preference'][0]}, which tuneloop does not do yet: {why}")
 
     @field_validator("dpo_loss_type")
@@ -518,6 +524,11 @@ class TuneloopConfig(Strict):
     @property
     def resolved_eval_sample_packing(self) -> bool:
         return self.sample_packing if self.eval_sample_packing is None else self.eval_sample_packing
+
+    @property
+    def trl_settings(self) -> TRLBlock:
+        """The `trl:` block, TRL's defaults where it is unset."""
+        return self.trl if self.trl is not None else TRLBlock()
 
     def check_batch_size(self, world_size: int) -> None:
         """`batch_size` is axolotl's global batch; it must agree with the other three knobs."""

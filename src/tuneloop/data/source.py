@@ -55,6 +55,7 @@ class StepCounts:
     decoder_tokens: int | None = None
     encoder_padding_fraction: float | None = None
     decoder_padding_fraction: float | None = None
+    rollout: dict | None = None  # online RL: the generations of the run (online_rl/rows.py)
 
 
 # ---- prepared rows -----------------------------------------------------------------------------------------
@@ -144,7 +145,7 @@ class PreparedRows:
 
     def steps(self, plan, tokenizer, accelerator, hooks, *, start_step: int, resume_from=None,
               reference: dict | None = None, decoder_start_token_id: int | None = None,
-              unit: str = "tokens") -> TrainingSteps:
+              unit: str = "tokens", **online) -> TrainingSteps:
         return PreparedSteps(self, plan, tokenizer, accelerator.process_index, hooks, start_step, reference or {},
                              decoder_start_token_id, unit)
 
@@ -276,7 +277,7 @@ class StreamedRows:
 
     def steps(self, plan, tokenizer, accelerator, hooks, *, start_step: int, resume_from=None,
               reference: dict | None = None, decoder_start_token_id: int | None = None,
-              unit: str = "tokens") -> TrainingSteps:
+              unit: str = "tokens", **online) -> TrainingSteps:
         from tuneloop.data.stream_steps import StreamedSteps, read_stream_position
 
         position = (read_stream_position(resume_from, accelerator.process_index, plan.world_size)
@@ -289,9 +290,15 @@ def prepare_rows(cfg, resolved, tokenizer, force: bool = False, hooks=None):
     """The run's training rows (and its eval set), prepared and cached once, or a stream to read as the run goes
     (its eval set is prepared whole); `hooks` hear of a cache being built."""
     from tuneloop.data.prepare import prepare, prepare_streamed_eval
+    from tuneloop.rl_methods import is_online
 
     report = hooks.preparing if hooks is not None else None
     notice = hooks.notice if hooks is not None else None
+    if is_online(cfg):  # prompts, whose completions the run generates (online_rl/)
+        from tuneloop.online_rl.prompts import read_prompts
+        from tuneloop.online_rl.rows import PromptRows
+
+        return PromptRows(cfg, read_prompts(cfg, tokenizer))
     if resolved.streamed:
         prepared = prepare_streamed_eval(cfg, tokenizer, force=force, report=report, notice=notice,
                                          encoder_decoder=resolved.encoder_decoder)

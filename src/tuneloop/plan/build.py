@@ -26,7 +26,7 @@ from tuneloop.data.batching import BatchingSpec
 from tuneloop.data.collate import Padding, padding_for
 from tuneloop.errors import UserError
 from tuneloop.plan.schedule import run_schedule
-from tuneloop.rl_methods import RL_METHODS, reference_source
+from tuneloop.rl_methods import RL_METHODS, is_online, reference_source
 
 FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
 
@@ -90,6 +90,9 @@ class TrainingPlan:
     # a streamed run (pretraining_dataset, streaming: true): rows are read as the run goes, so steps and rows per
     # step are exact and what the data holds (rows, passes, target tokens) is not known beforehand
     streamed: bool = False
+    # online RL (rl: grpo, gdpo): prompts and completions per step, generations, the generated tokens at most
+    # (online_rl/rows.py), and the generation's KV cache per rank
+    rollout: dict | None = None
     warnings: list[str] = field(default_factory=list)
     resolved: object = None  # the run's decided settings (resolved.py), structured; plan.json shows them
     # what the loop's sampler and collator are given; not in plan.json, whose numbers above say it all
@@ -166,11 +169,17 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
         decoder_tokens=counts.decoder_tokens, encoder_padding_fraction=counts.encoder_padding_fraction,
         decoder_padding_fraction=counts.decoder_padding_fraction,
         learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler, optimizer=cfg.optimizer,
-        objective=cfg.rl or "language_model", unit=RL_METHODS[cfg.rl].unit if cfg.rl else "tokens",
+        objective=cfg.rl or "language_model", unit=_unit(cfg), rollout=counts.rollout,
         reference=reference_source(cfg), streamed=resolved.streamed, resolved=resolved,
         train_batching=train_spec(cfg, resolved, world_size), eval_batching=eval_spec(cfg, resolved, world_size),
         padding=padding, first_epoch_batches=counts.first_epoch_batches, **model_part)
     return replace(plan, warnings=plan_warnings(cfg, plan, counts) + notes)
+
+
+def _unit(cfg) -> str:
+    if is_online(cfg):
+        return cfg.trl_settings.unit
+    return RL_METHODS[cfg.rl].unit if cfg.rl else "tokens"
 
 
 def _batch(cfg, rows, world_size: int) -> dict:
@@ -207,8 +216,11 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
                                    cfg.max_grad_norm, precision, getattr(facts.config, "hidden_size", None))
     except ValueError as error:
         raise UserError(f"config: {error}") from None
+    generated = 0
+    if counts.rollout:  # one generation batch per rank: its completions, each as long as the longest can be
+        generated = counts.rollout["completions_per_rank"] * int(counts.sequence_lengths.max())
     estimate = estimate_memory(cfg, facts, counts.max_micro_batch_tokens, precision, resolved.engine, world_size,
-                               device_memory_gb)
+                               device_memory_gb, generated_positions=generated)
     part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),
             "saved_dtype": "fp32" if cfg.adapter else {"bf16": "bf16", "fp16": "fp16"}.get(
                 "bf16" if cfg.bfloat16 else "fp16" if cfg.float16 else "", "fp32"),
@@ -321,7 +333,7 @@ def plan_warnings(cfg, plan: TrainingPlan, counts) -> list[str]:
     if plan.warmup_steps >= plan.total_steps:
         found.append(f"warm-up ({plan.warmup_steps} steps) is as long as the run ({plan.total_steps} steps) "
                      "or longer: the learning rate never reaches its peak.")
-    if plan.rows_cut_per_epoch:
+    if plan.rows_cut_per_epoch and plan.rollout is None:  # (online RL: the plan names its waiting prompts)
         found.append(f"{plan.rows_cut_per_epoch} rows per epoch do not fill a micro-batch on every one of the "
                      f"{plan.world_size} ranks and are left out of that epoch (a different set each epoch).")
     return found

@@ -42,6 +42,7 @@ class MemoryEstimate:
     world_size: int = 1
     gathered_gb: float = 0.0  # a sharded model's weights gathered whole while they compute (root + 2 layers)
     host_gb: float = 0.0  # offloaded to host memory, per rank
+    generation_gb: float = 0.0  # online RL: the KV cache of a step's generation (it and the activations never meet)
     per_rank_bytes: dict | None = None  # unrounded weights/optimizer bytes per rank (compared with the engine's own)
 
 
@@ -62,11 +63,14 @@ def device_memory_gb() -> tuple[str, float | None]:
 
 
 def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str, engine,
-                    world_size: int = 1, device_gb: float | None = None) -> MemoryEstimate:
+                    world_size: int = 1, device_gb: float | None = None,
+                    generated_positions: int = 0) -> MemoryEstimate:
     """Memory per rank. Weights, gradients and optimizer state are divided by the world size where the engine
     shards them (FSDP2 all three, ZeRO-1 the optimizer, ZeRO-2 also gradients, ZeRO-3 all three) and moved to
     host memory where it offloads them: each engine says its share (engines/: `per_rank`). `device_gb` overrides
-    this machine's device (planning a launch elsewhere: `tuneloop plan --device-memory 80`)."""
+    this machine's device (planning a launch elsewhere: `tuneloop plan --device-memory 80`). `generated_positions`:
+    online RL's positions in one generation batch (its completions × their longest prompt + completion), whose KV
+    cache is held while it generates, when the training activations are not."""
     config = facts.config
     params, trainable = facts.parameters, facts.trainable_parameters
     # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them; 4-bit NF4 or
@@ -92,7 +96,9 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     if device_gb is not None:
         device = "each device (--device-memory)"
     reference = params * weight_bytes / gb if keeps_reference_copy(cfg) else 0.0
-    total = (share.weights + share.gradients + share.optimizer + activations + share.gathered) / gb + reference
+    generation = kv_cache_bytes(facts.config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 else 4)
+    total = (share.weights + share.gradients + share.optimizer + max(activations, generation) + share.gathered) / gb \
+        + reference
     device_total = device_gb if device_gb is not None else here_gb
     return MemoryEstimate(
         parameters=params, trainable_parameters=trainable, weights_gb=round(share.weights / gb, 3),
@@ -100,8 +106,19 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         activations_gb=round(activations / gb, 3), total_gb=round(total, 3), device=device,
         device_gb=round(device_total, 2) if device_total else None, reference_gb=round(reference, 3),
         engine=engine.describe(world_size), world_size=world_size, gathered_gb=round(share.gathered / gb, 3),
-        host_gb=round(share.host / gb, 3),
+        host_gb=round(share.host / gb, 3), generation_gb=round(generation / gb, 3),
         per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer)})
+
+
+def kv_cache_bytes(config, positions: int, value_bytes: int) -> float:
+    """Keys and values of every layer at `positions` positions (grouped-query heads counted as they are stored)."""
+    if not positions:
+        return 0.0
+    layers = getattr(config, "num_hidden_layers", 0)
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // max(heads, 1)
+    return float(positions * layers * 2 * kv_heads * head_dim * value_bytes)
 
 
 def quantized_weights_bytes(cfg, facts: ModelFacts) -> tuple[float, float] | None:

@@ -6,6 +6,8 @@ def describe(plan) -> str:
     """The human-readable plan: a short report, numbers first."""
     if plan.streamed:
         return _describe_streamed(plan)
+    if plan.rollout is not None:
+        return _describe_online(plan)
     rows = "pairs" if plan.unit == "pairs" else "rows"
     batch_rows, per_step = rows, ""
     if plan.batching == "packed" and plan.unit != "tokens":  # a packed row holds several pairs (KTO: rows)
@@ -57,6 +59,39 @@ def _describe_streamed(plan) -> str:
     return "\n".join(lines + _machine_lines(plan))
 
 
+UNIT_WORDS = {"completion_tokens": "the completion tokens of the step (every rank)",
+              "completions": "the completions of the step, each weighed alike",
+              "micro_batches": "each micro-batch's own completion tokens, then the step's micro-batches (TRL's bnpo)"}
+
+
+def _describe_online(plan) -> str:
+    """Online RL: micro_batch_size counts completions (as in TRL); the generated tokens are an upper bound."""
+    r = plan.rollout
+    reference = plan.reference or "none (trl.beta is 0: no KL term)"
+    lines = [
+        "tuneloop plan",
+        *([f"  model                {plan.model}"] if plan.model else []),
+        f"  world size           {plan.world_size}",
+        f"  batch                {plan.micro_batch_size} completions/micro-batch × {plan.gradient_accumulation_steps} "
+        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} completions per optimizer step "
+        f"= {r['prompts_per_step']} prompts × {r['num_generations']} generations",
+        f"  prompts              {plan.train_rows} ({plan.train_tokens} tokens), in a seeded shuffle per epoch; "
+        f"{plan.rows_cut_per_epoch} per epoch fill no whole step and wait for the next",
+        f"  steps                {plan.steps_per_epoch} per epoch ({r['num_iterations']} per generation), "
+        f"{plan.total_steps} in total = {plural(plan.epochs_covered, 'epoch')}; {r['generations']} generations",
+        f"  generation           transformers generate (KV cache, left-padded), {r['completions_per_rank']} "
+        f"completions per rank per generation, at most {r['max_completion_length']} tokens each: at most "
+        f"{r['generated_tokens_at_most']} generated tokens over the run",
+        f"  rewards              {', '.join(r['reward_funcs'])}; {r['aggregation'].replace('_', ' ')}, scaled "
+        f"by {r['scale_rewards']} std",
+        f"  objective            {plan.objective}, loss_type {r['loss_type']}: averaged over "
+        f"{UNIT_WORDS[r['unit']]}; reference {reference}",
+        f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
+        f"warm-up {plural(plan.warmup_steps, 'step')}",
+    ]
+    return "\n".join(lines + _machine_lines(plan))
+
+
 def _machine_lines(plan) -> list[str]:
     """The plan's lines after the data's: precision, compute, engine, memory, evals, saves, drops, warnings."""
     lines = []
@@ -64,7 +99,7 @@ def _machine_lines(plan) -> list[str]:
         lines.append(f"  encoder-decoder      encoder {plan.encoder_tokens} tokens (padding "
                      f"{plan.encoder_padding_fraction:.1%}), decoder {plan.decoder_tokens} tokens (padding "
                      f"{plan.decoder_padding_fraction:.1%}) over the run")
-    if plan.objective != "language_model":
+    if plan.objective != "language_model" and plan.rollout is None:
         together = ("chosen and rejected" if plan.unit == "pairs"
                     else "each row's reply and its mismatched reply for the KL estimate")
         lines.append(f"  objective            {plan.objective}: loss averaged over the {plan.unit} of each step "
@@ -115,6 +150,8 @@ def _memory_line(plan) -> str:
             f"{m['gradients_gb']:.2f}, optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}"
             + (f", gathered layers {m['gathered_gb']:.2f}" if m.get("gathered_gb") else "")
             + (f", reference copy {m['reference_gb']:.2f}" if m.get("reference_gb") else "")
+            + (f"; generation's KV cache {m['generation_gb']:.2f}, held while the activations are not"
+               if m.get("generation_gb") else "")
             + (f"; {m['host_gb']:.2f} GB offloaded to host memory" if m.get("host_gb") else "") + "; "
             f"{m['trainable_parameters']:,} of "
             f"{m['parameters']:,} parameters trained)")

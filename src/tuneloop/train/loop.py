@@ -69,7 +69,7 @@ class TrainingLoop:
 
     def __init__(self, cfg, plan: TrainingPlan, rows, tokenizer, model, accelerator, objective: Objective,
                  identity: dict, stop: StopRequests, hooks: RunHooks, resume_from: Path | None = None,
-                 reference: dict | None = None):
+                 reference: dict | None = None, reference_model=None):
         self.cfg, self.plan, self.tokenizer, self.accelerator = cfg, plan, tokenizer, accelerator
         self.objective, self.identity, self.stop, self.hooks = objective, identity, stop, hooks
         self.output_dir = Path(cfg.output_dir)
@@ -80,10 +80,12 @@ class TrainingLoop:
         self.state = RunState()
         if resume_from is not None:
             self.state = RunState.from_json(checkpoint.read_state(resume_from), self.rank, self.world_size)
-        # the training data, prepared or streamed (data/source.py), from the run state's step on
+        # the training data, prepared or streamed (data/source.py), from the run state's step on; online RL
+        # generates each step's from the policy as the previous step left it (online_rl/rows.py)
         self.steps = rows.steps(plan, tokenizer, accelerator, hooks, start_step=self.state.step,
                                 resume_from=resume_from, reference=reference, decoder_start_token_id=decoder_start,
-                                unit=objective.unit)
+                                unit=objective.unit, policy=model, reference_model=reference_model,
+                                output_dir=self.output_dir)
         prepared = rows.prepared
         self.eval_batches, self.eval_collate = [], None
         self.eval_rounds, self.eval_filler = 0, None  # the most eval batches a rank holds; one any rank can run

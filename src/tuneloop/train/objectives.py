@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.registry import Registry
-from tuneloop.rl_methods import RL_METHODS
+from tuneloop.rl_methods import ONLINE_METHODS, RL_METHODS
 from tuneloop.output_head import output_head
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
 
@@ -113,11 +113,29 @@ def _preference(cfg, reference_model=None) -> Objective:
                      name=cfg.rl)
 
 
+def _online_rl(cfg, reference_model=None) -> Objective:
+    """GRPO's clipped objective over generated completions (online_rl/loss.py): its unit is the loss type's; the
+    reference model's log-probs come with the batch, computed when the completions were made."""
+    from tuneloop.online_rl.loss import GRPOLoss
+    from tuneloop.online_rl.rewards import reward_name
+
+    settings = cfg.trl_settings
+    loss = GRPOLoss(settings, [reward_name(name) for name in settings.reward_funcs or []])
+
+    def no_eval(*_):  # (the config refuses an eval set under online RL)
+        raise RuntimeError("online RL has no eval set")
+
+    return Objective(loss, no_eval, no_eval, unit=settings.unit, eval_width=0, stat_width=loss.stat_width,
+                     summarise=loss.summarise, name=cfg.rl)
+
+
 # `rl:` name -> (cfg, reference model or None) -> Objective; supervised fine-tuning is "language_model"
 OBJECTIVES: Registry[Callable] = Registry("training objective", "rl")
 OBJECTIVES.add("language_model", lambda cfg, reference_model=None: _language_model(cfg))
 for _method in RL_METHODS.names():  # every preference method the config accepts (rl_methods.py) is one loss here
     OBJECTIVES.add(_method, _preference)
+for _method in ONLINE_METHODS:
+    OBJECTIVES.add(_method, _online_rl)
 
 
 def objective_of(cfg, reference_model=None) -> Objective:

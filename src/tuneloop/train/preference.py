@@ -34,22 +34,27 @@ from tuneloop.rl_methods import RL_METHODS, setting
 
 
 
-def _target_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _target_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                      temperature: float = 1.0) -> torch.Tensor:
     logits = F.linear(hidden, weight).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     return torch.log_softmax(logits, dim=-1).gather(1, targets.unsqueeze(1)).squeeze(1)
 
 
-def token_log_probs(model, inputs: dict, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_log_probs(model, inputs: dict, targets: torch.Tensor,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of each target token, the flat positions they sit at). Where the logits are decoder
     states @ weight, only target positions meet the projection, a chunk at a time under checkpointing (a
-    chunk's logits are made again in the backward instead of kept)."""
+    chunk's logits are made again in the backward instead of kept). `temperature`: of the distribution the
+    tokens were sampled from (online RL scores its completions under it, as TRL does)."""
     flat_targets = targets.reshape(-1)
     positions = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)
     wanted = flat_targets[positions]
     head = output_head(model)
     if head is None:
         logits = model(**inputs).logits
-        log_probs = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[positions].float(), dim=-1)
+        log_probs = torch.log_softmax(logits.reshape(-1, logits.shape[-1])[positions].float() / temperature, dim=-1)
         return log_probs.gather(1, wanted.unsqueeze(1)).squeeze(1), positions
     decoder, weight = head
     hidden = decoder(**inputs).last_hidden_state
@@ -59,9 +64,10 @@ def token_log_probs(model, inputs: dict, targets: torch.Tensor) -> tuple[torch.T
     for start in range(0, hidden.shape[0], rows):
         chunk, chunk_targets = hidden[start:start + rows], wanted[start:start + rows]
         if torch.is_grad_enabled():
-            parts.append(checkpoint(_target_log_probs, chunk, weight, chunk_targets, use_reentrant=False))
+            parts.append(checkpoint(_target_log_probs, chunk, weight, chunk_targets, temperature,
+                                    use_reentrant=False))
         else:
-            parts.append(_target_log_probs(chunk, weight, chunk_targets))
+            parts.append(_target_log_probs(chunk, weight, chunk_targets, temperature))
     return (torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)), positions
 
 

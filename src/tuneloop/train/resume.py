@@ -9,6 +9,7 @@ belong to a run is run_files.py's to say.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -134,6 +135,11 @@ def continue_from(output_dir: Path, resume: Path) -> None:
     else:
         (output_dir / run_files.METRICS).unlink(missing_ok=True)
     (output_dir / run_files.SUMMARY).unlink(missing_ok=True)
+    completions = output_dir / run_files.COMPLETIONS  # online RL's log: the completions of steps not undone
+    if completions.is_file():
+        kept = [line for line in completions.read_text().splitlines(keepends=True)
+                if json.loads(line).get("step", 0) <= step_of(resume)]
+        run_files.write_text(completions, "".join(kept))
     if resume.parent.resolve() == output_dir.resolve():
         for later in complete_checkpoints(output_dir):
             if step_of(later) > step_of(resume):

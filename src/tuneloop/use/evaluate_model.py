@@ -14,6 +14,10 @@ from tuneloop.use.folders import ModelFolder, find_model_folder, load_model_from
 
 
 def check_has_eval_set(cfg) -> None:
+    if cfg.rl in ("grpo", "gdpo"):
+        raise UserError(f"eval: `rl: {cfg.rl}` measures a model by its rewards (the train lines in metrics.jsonl); "
+                        "to measure the loss on held-out text, run `tuneloop eval` with a supervised config of that "
+                        "data and `--model` this run's output")
     if not cfg.val_set_size and not cfg.test_datasets:
         raise UserError("eval: the config has no eval set; set `val_set_size` (a fraction of the data held out, "
                         "e.g. 0.05) or `test_datasets` (files of their own)")

@@ -1,0 +1,132 @@
+"""The prompts of an online RL run: read from the datasets, transformed, templated and tokenized once.
+
+A row gives its prompt in a `prompt` column, as TRL reads it: a text (tokenized as it is, no template), or a list
+of messages (rendered through the run's chat template with the assistant's turn opened, `chat_template_kwargs`
+passed on). A dataset `type: module.function` is axolotl's transform: `function(cfg)` returns a function of
+(row, tokenizer=None) -> the row's new columns (or that function and `{"remove_columns": [...]}`), found as reward
+functions are (rewards.py). Every other column goes to the reward functions by name.
+
+A prompt longer than `sequence_len - max_completion_length` is left out (counted in the plan, as rows too long for
+SFT are), so a prompt and its longest completion always fit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tuneloop.errors import UserError
+
+
+@dataclass
+class PromptSet:
+    ids: list[np.ndarray] = field(default_factory=list)  # each prompt's tokens (template and generation prompt)
+    prompts: list = field(default_factory=list)  # as the reward functions see them: a text, or the messages
+    columns: list[dict] = field(default_factory=list)  # each row's other columns
+    where: list[str] = field(default_factory=list)  # file:row of each
+    dropped_too_long: int = 0
+
+    @property
+    def key(self) -> str:
+        """What a checkpoint records of the prompts: their tokens and columns."""
+        digest = hashlib.sha256()
+        for ids, columns in zip(self.ids, self.columns):
+            digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+            digest.update(json.dumps(columns, sort_keys=True, default=str).encode())
+        return "prompts-" + digest.hexdigest()[:16]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.asarray([len(ids) for ids in self.ids], dtype=np.int64)
+
+
+def is_transform_type(name) -> bool:
+    """`type: module.function` (a Python name with a dot), as opposed to one of the dataset formats."""
+    if not isinstance(name, str) or "." not in name or ":" in name:
+        return False
+    return all(part.isidentifier() for part in name.split("."))
+
+
+def dataset_transform(cfg, entry, index: int):
+    """(row -> new columns, columns to remove) of a `type: module.function` entry, or None for a plain entry."""
+    from tuneloop.online_rl.rewards import import_dotted
+
+    if not is_transform_type(entry.type):
+        return None
+    made = import_dotted(entry.type, f"datasets[{index}].type", cfg._config_dir)(cfg)
+    transform, options = (made if isinstance(made, tuple) else (made, {}))
+    if not callable(transform):
+        raise UserError(f"config: `datasets[{index}].type: {entry.type}` returned {type(transform).__name__}: a "
+                        "transform returns a function of (row, tokenizer=None) -> the row's new columns")
+    return transform, list((options or {}).get("remove_columns") or [])
+
+
+def transformed(row: dict, where: str, transform, removed: list[str], tokenizer, name: str) -> dict:
+    try:
+        made = transform(row, tokenizer=tokenizer)
+    except TypeError:  # a transform written as f(row)
+        made = transform(row)
+    except Exception as error:  # the user's code: what it raised, where, in one line
+        first = (str(error).splitlines() or [""])[0]
+        raise UserError(f"data: {where}: the transform `{name}` raised {type(error).__name__}: {first}") from None
+    if not isinstance(made, dict):
+        raise UserError(f"data: {where}: the transform `{name}` returned {type(made).__name__}; it must return the "
+                        "row's columns as a dict")
+    values = {key: value for key, value in row.items() if key not in removed}
+    values.update(made)
+    return values
+
+
+def prompt_text(prompt, where: str, tokenizer, template: str | None, template_kwargs: dict) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                               for m in prompt):
+        raise UserError(f"data: {where}: `prompt` must be a text or a list of {{role, content}} messages, got "
+                        f"{type(prompt).__name__}")
+    if template is None:
+        raise UserError(f"data: {where}: the prompt is a list of messages and the tokenizer has no chat template: set "
+                        "`chat_template` (chatml, llama3, ...) or give the prompt as text")
+    return tokenizer.apply_chat_template(prompt, chat_template=template, tokenize=False, add_generation_prompt=True,
+                                         **template_kwargs)
+
+
+def read_prompts(cfg, tokenizer) -> PromptSet:
+    from tuneloop.data.chat_templates import resolve_template
+    from tuneloop.data.load import read_rows
+
+    settings = cfg.trl_settings
+    template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
+    longest = cfg.sequence_len - settings.max_completion_length
+    found = PromptSet()
+    for index, entry in enumerate(cfg.datasets):
+        transform = dataset_transform(cfg, entry, index)
+        for row in read_rows(entry):
+            values = row.values
+            if transform is not None:
+                values = transformed(values, row.where, *transform, tokenizer, entry.type)
+            if "prompt" not in values:
+                raise UserError(f"data: {row.where}: an online RL row needs a `prompt` (a text or a list of "
+                                f"messages); this one has {', '.join(sorted(values)) or 'no columns'}: give it one, "
+                                "or a `type: module.function` transform that makes one")
+            prompt = values["prompt"]
+            text = prompt_text(prompt, row.where, tokenizer, template, settings.chat_template_kwargs or {})
+            ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+            if len(ids) == 0:
+                raise UserError(f"data: {row.where}: the prompt is empty")
+            if len(ids) > longest:
+                found.dropped_too_long += 1
+                continue
+            found.ids.append(ids)
+            found.prompts.append(prompt)
+            found.columns.append({key: value for key, value in values.items() if key != "prompt"})
+            found.where.append(row.where)
+    if not found.ids:
+        raise UserError(f"data: no prompt fits sequence_len {cfg.sequence_len} with room for "
+                        f"max_completion_length {settings.max_completion_length} ({found.dropped_too_long} are longer "
+                        f"than {longest} tokens): raise sequence_len or lower trl.max_completion_length")
+    return found
+

@@ -1,0 +1,184 @@
+"""Reward functions, found as axolotl finds them and called as TRL calls them.
+
+`trl.reward_funcs` lists dotted names (`rewards.correct`: the function `correct` of the module `rewards`), looked
+up in the config's folder (users keep the file next to the YAML), the working directory and the Python path, in
+that order; or a local folder holding a sequence-classification model (`num_labels: 1`), whose score of the
+prompt and completion together is the reward. A dataset transform (`type: rewards.prepare`) is found the same way
+(prompts.py).
+
+A function is called once per step on this rank's completions: `f(prompts=..., completions=...,
+completion_ids=..., **the rows' other columns)` -> one float per completion, or None where it does not apply
+(TRL's convention; a completion no function scores trains with advantage 0). What it raises or returns wrongly
+stops the run with exit 2, naming the function, the row and the value, before any weight of that step changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from tuneloop.errors import UserError
+
+
+def search_path(config_dir: Path | None) -> list[str]:
+    """Where a dotted name is looked for, before the Python path: the config's folder, then the working directory."""
+    folders = [str(config_dir.resolve())] if config_dir is not None else []
+    folders.append(str(Path.cwd().resolve()))
+    return list(dict.fromkeys(folders))
+
+
+def import_dotted(name: str, key: str, config_dir: Path | None) -> Callable:
+    """The object `module.attribute` names. A name that does not import is a UserError with the import error's
+    first line and the folders searched."""
+    module_name, _, attribute = name.rpartition(".")
+    if not module_name:
+        raise UserError(f"config: `{key}: {name}` is not a dotted name (module.function); write e.g. "
+                        f"`rewards.{name}` for the function `{name}` in rewards.py beside the config")
+    folders = search_path(config_dir)
+    for folder in reversed(folders):  # (first on the path wins: the config's folder)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # the user's module failed to import: its own first line says why
+        first = (str(error).splitlines() or [""])[0]
+        raise UserError(f"config: `{key}: {name}` does not import: {type(error).__name__}: {first} (searched "
+                        f"{', '.join(folders)} and the Python path)") from None
+    found = getattr(module, attribute, None)
+    if found is None:
+        raise UserError(f"config: `{key}: {name}`: {getattr(module, '__file__', module_name)} has no `{attribute}`")
+    if not callable(found):
+        raise UserError(f"config: `{key}: {name}` is a {type(found).__name__}, not a function")
+    return found
+
+
+def reward_name(name: str) -> str:
+    """A reward's name on the train line (`rewards/<name>`): a function's own name, or a reward model's folder."""
+    folder = Path(name).expanduser()
+    return folder.name if folder.is_dir() else name.rpartition(".")[2]
+
+
+@dataclass
+class RewardFunction:
+    name: str  # as the config writes it (the train line's `rewards/<name>`)
+    call: Callable  # (prompts, completions, completion_ids, columns) -> list of float or None
+
+
+def load_reward_functions(names: list[str], config_dir: Path | None, device=None) -> list[RewardFunction]:
+    functions = []
+    for index, name in enumerate(names):
+        key = f"trl.reward_funcs[{index}]"
+        folder = Path(name).expanduser()
+        if folder.is_dir() and (folder / "config.json").is_file():
+            functions.append(RewardFunction(reward_name(name), RewardModel(folder, device)))
+            continue
+        function = import_dotted(name, key, config_dir)
+        _check_signature(function, name, key)
+        functions.append(RewardFunction(reward_name(name), _called_as_trl(function)))
+    return functions
+
+
+def check_reward_functions(cfg) -> None:
+    """Every dotted reward name imports and takes TRL's arguments (a reward model's folder is loaded at train)."""
+    for index, name in enumerate(cfg.trl_settings.reward_funcs or []):
+        folder = Path(name).expanduser()
+        if not (folder.is_dir() and (folder / "config.json").is_file()):
+            key = f"trl.reward_funcs[{index}]"
+            _check_signature(import_dotted(name, key, cfg._config_dir), name, key)
+
+
+def _check_signature(function: Callable, name: str, key: str) -> None:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return  # a builtin or C function: called and judged by what it returns
+    takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters)
+    if not takes_any and not {"prompts", "completions"} & {p.name for p in parameters}:
+        raise UserError(f"config: `{key}: {name}` takes ({', '.join(p.name for p in parameters)}); a reward function "
+                        "takes `prompts` and `completions` (and the rows' columns by name, or **kwargs), as TRL's")
+
+
+def _called_as_trl(function: Callable) -> Callable:
+    def call(prompts, completions, completion_ids, columns: dict):
+        return function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    return call
+
+
+class RewardModel:
+    """A sequence-classification model's score (its first logit) of prompt + completion, as one text (a chat
+    through the model's own template when the prompt is a list of messages)."""
+
+    def __init__(self, folder: Path, device):
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+        if device is not None:
+            self.model.to(device)
+
+    def __call__(self, prompts, completions, completion_ids, columns: dict):
+        import torch
+
+        if prompts and isinstance(prompts[0], list):
+            texts = [self.tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+                     for prompt, completion in zip(prompts, completions)]
+        else:
+            texts = [prompt + completion for prompt, completion in zip(prompts, completions)]
+        encoded = self.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            logits = self.model(**encoded.to(self.model.device)).logits
+        return logits[:, 0].float().tolist()
+
+
+def checked_rewards(function: RewardFunction, returned, count: int, where: list[str]) -> list[float]:
+    """What a function returned, as floats (NaN for None); a wrong length or a non-number is a UserError."""
+    if isinstance(returned, (str, bytes)) or not hasattr(returned, "__len__"):
+        raise UserError(f"reward `{function.name}` returned {_short(returned)} for {count} completions; it must "
+                        "return a list with one float (or None) per completion")
+    values = list(returned.tolist() if hasattr(returned, "tolist") else returned)
+    if len(values) != count:
+        raise UserError(f"reward `{function.name}` returned {len(values)} values for {count} completions (rows "
+                        f"{where[0]} … {where[-1]}); it must return one per completion")
+    checked = []
+    for index, value in enumerate(values):
+        if value is None:
+            checked.append(math.nan)
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None:
+            raise UserError(f"reward `{function.name}` returned {_short(value)} for the completion of {where[index]}; "
+                            "a reward is a number (or None: not scored)")
+        checked.append(number)
+    return checked
+
+
+def score(functions: list[RewardFunction], prompts: list, completions: list, completion_ids: list,
+          columns: dict, where: list[str]) -> list[list[float]]:
+    """[completion][function] rewards (NaN: None). A function that raises is a UserError naming it and the rows."""
+    table = [[math.nan] * len(functions) for _ in completions]
+    for column, function in enumerate(functions):
+        try:
+            returned = function.call(prompts, completions, completion_ids, columns)
+        except Exception as error:  # the user's code: what it raised, where, in one line
+            first = (str(error).splitlines() or [""])[0]
+            raise UserError(f"reward `{function.name}` raised {type(error).__name__}: {first} (scoring the "
+                            f"completions of rows {where[0]} … {where[-1]})") from None
+        for row, value in enumerate(checked_rewards(function, returned, len(completions), where)):
+            table[row][column] = value
+    return table
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,268 @@
+"""One generation of an online RL step: completions from the weights as they are, their rewards and advantages,
+and the micro-batches the loop trains on.
+
+The step's completions are laid out as TRL lays them out: prompt p's `num_generations` completions side by side,
+the whole list cut into one slice per rank (rank r: completions r·L … r·L + L − 1, L = micro_batch_size ×
+gradient_accumulation_steps), so a prompt's group may span ranks. Each rank generates its own slice: batched,
+left-padded, KV-cached `generate` on the training weights (a LoRA adapter as it is, no merged copy), in eval mode,
+under a random stream of its own seeded by (seed, generation, rank), so a resumed run generates exactly what the
+uninterrupted one did and the training's own random state is left as it was. The rewards of every rank are
+gathered (one collective per step, which also carries the token counts and any reward error), the advantages taken
+over whole groups, and each rank keeps its own.
+
+A trained completion runs up to and including its first stop token (eos or the template's turn end); one that
+reaches max_completion_length without one is truncated (`mask_truncated_completions: true` leaves it out of the
+loss, as TRL does). Its micro-batch rows are prompt + completion, right-padded, the completion tokens the targets.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tuneloop.data.collate import MicroBatch
+from tuneloop.data.labels import IGNORE_INDEX
+from tuneloop.errors import UserError
+from tuneloop.online_rl.rewards import score
+
+
+def nanstd(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """The sample standard deviation (n − 1), NaNs left out; NaN where fewer than two values count."""
+    mean = torch.nanmean(values, dim=dim, keepdim=True)
+    variance = torch.nanmean((values - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(values)).sum(dim=dim, keepdim=True)
+    variance = variance * torch.where(count > 1, count / (count - 1), torch.full_like(variance, math.nan))
+    std = variance.sqrt()
+    if keepdim:
+        return std
+    return std.squeeze(dim) if dim is not None else std.reshape(())
+
+
+def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, scaling: str,
+                     aggregation: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(advantages, zero-spread flags, the weighted total reward) of every completion of the step, from its
+    [completions, functions] rewards (NaN where a function gave None). As TRL 1.16 computes them:
+    - sum_then_normalize (GRPO): the weighted sum, minus its group's mean, over its group's (or the batch's) std;
+    - normalize_then_sum (GDPO): each function normalised in its group, weighted and summed, then normalised over
+      the batch.
+    A completion no function scored gets advantage 0."""
+    unscorable = torch.isnan(rewards).all(dim=1)
+    total = (rewards * weights).nansum(dim=1)
+    total[unscorable] = math.nan
+    if aggregation == "normalize_then_sum":
+        grouped = rewards.view(-1, group, rewards.shape[1])
+        normalised = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)) / (
+            nanstd(grouped, dim=1, keepdim=True) + 1e-4)
+        summed = (normalised.reshape(-1, rewards.shape[1]) * weights).nansum(dim=1)
+        summed[unscorable] = math.nan
+        spread = nanstd(summed).expand_as(summed) if summed.numel() > 1 else torch.zeros_like(summed)
+        advantages = (summed - torch.nanmean(summed)) / (spread + 1e-4)
+    else:
+        by_group = total.view(-1, group)
+        centred = (by_group - torch.nanmean(by_group, dim=1, keepdim=True)).reshape(-1)
+        if scaling == "batch":
+            spread = nanstd(total).expand_as(total) if total.numel() > 1 else torch.zeros_like(total)
+        else:
+            spread = nanstd(by_group, dim=1).repeat_interleave(group)
+        advantages = centred / (spread + 1e-4) if scaling != "none" else centred
+    zero_spread = torch.isclose(spread, torch.zeros_like(spread))
+    return torch.nan_to_num(advantages, nan=0.0), zero_spread, total
+
+
+@dataclass
+class Completions:
+    """This rank's generated completions: tokens, trained lengths, whether each was cut at the length limit."""
+
+    prompt_ids: list  # each completion's prompt tokens
+    tokens: list  # each completion's tokens up to and including its stop token (or max_completion_length)
+    trained: list  # how many of them are trained (0 for a masked truncated completion)
+    truncated: list
+
+    @property
+    def trained_tokens(self) -> int:
+        return int(sum(self.trained))
+
+
+@torch.no_grad()
+def generate(policy, prompt_ids: list, settings, tokenizer, stop_ids: set[int], seed: int, device) -> Completions:
+    """Sampled completions of these prompts (one per entry), in one left-padded batch with a KV cache, under a
+    random stream seeded by `seed` (the training's random state is restored after)."""
+    from transformers import GenerationConfig
+
+    pad = tokenizer.pad_token_id
+    width = max(len(ids) for ids in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for row, ids in enumerate(prompt_ids):
+        input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
+        attention[row, width - len(ids):] = 1
+    sampling = settings.generation_settings()
+    extra_stops = sampling.pop("stop_token_ids", None) or []  # vLLM's name for more stop tokens
+    stops = sorted(stop_ids | set(extra_stops))
+    config = GenerationConfig(max_new_tokens=settings.max_completion_length, eos_token_id=stops, pad_token_id=pad,
+                              use_cache=True, **sampling)
+    was_training = policy.training
+    policy.eval()
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            output = policy.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
+                                     generation_config=config)
+    finally:
+        policy.train(was_training)
+    generated = output[:, width:].cpu()
+    tokens, trained, truncated = [], [], []
+    stop_set = set(stops)
+    for row in generated.tolist():
+        end = next((index + 1 for index, token in enumerate(row) if token in stop_set), None)
+        cut = end is None
+        row = row[:end] if end is not None else row[:settings.max_completion_length]
+        tokens.append(row)
+        truncated.append(cut)
+        trained.append(0 if cut and settings.mask_truncated_completions else len(row))
+    return Completions([list(ids) for ids in prompt_ids], tokens, trained, truncated)
+
+
+def completion_rows(completions: Completions, start: int, stop: int, pad: int) -> tuple[dict, torch.Tensor, dict]:
+    """(inputs, targets, extra) of completions start … stop − 1: prompt + completion right-padded, the trained
+    completion tokens as targets (the position before each token predicts it), `sequence_index` naming the row."""
+    rows = range(start, stop)
+    lengths = [len(completions.prompt_ids[i]) + len(completions.tokens[i]) for i in rows]
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(lengths), width), dtype=torch.long)
+    targets = torch.full((len(lengths), width), IGNORE_INDEX, dtype=torch.long)
+    owner = torch.full((len(lengths), width), -1, dtype=torch.long)
+    for row, index in enumerate(rows):
+        prompt, tokens = completions.prompt_ids[index], completions.tokens[index]
+        sequence = list(prompt) + list(tokens)
+        input_ids[row, :len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
+        attention[row, :len(sequence)] = 1
+        trained = completions.trained[index]
+        if trained:
+            first = len(prompt) - 1  # the last prompt position predicts the first completion token
+            targets[row, first:first + trained] = torch.as_tensor(tokens[:trained], dtype=torch.long)
+            owner[row, first:first + trained] = row
+    return {"input_ids": input_ids, "attention_mask": attention}, targets, {"sequence_index": owner,
+                                                                             "n_sequences": len(lengths)}
+
+
+@dataclass
+class StepRollout:
+    """A generation's micro-batches on this rank, and the step's numbers over every rank."""
+
+    window: list  # MicroBatch, on the host
+    targets: int  # trained completion tokens of the step, every rank
+    units: int  # what the step's loss is a mean over, every rank
+    records: list  # every rank's completions with their rewards (main process, when they are logged)
+
+
+class Rollouts:
+    """Makes each step's rollout on this rank (see the module's text)."""
+
+    def __init__(self, cfg, prompts, tokenizer, functions, accelerator, stop_ids: set[int], micro_batch_size: int,
+                 accumulation: int):
+        self.cfg, self.settings, self.prompts, self.tokenizer = cfg, cfg.trl_settings, prompts, tokenizer
+        self.functions, self.accelerator, self.stop_ids = functions, accelerator, stop_ids
+        self.micro_batch_size, self.accumulation = micro_batch_size, accumulation
+        weights = self.settings.reward_weights or [1.0] * len(functions)
+        self.weights = torch.tensor(weights, dtype=torch.float64)
+        self.aggregation = self.settings.aggregation(cfg.rl)
+
+    def seed_of(self, generation: int, rank: int) -> int:
+        return (self.cfg.seed * 1_000_003 + generation * 7_919 + rank) % (2 ** 63)
+
+    def make(self, policy, reference, generation: int, step_prompts: list[int], rank: int, world_size: int,
+             keep_records: bool) -> StepRollout:
+        """This rank's share of one generation over `step_prompts` (the step's prompt indices, every rank's)."""
+        settings, group = self.settings, self.settings.num_generations
+        local = self.micro_batch_size * self.accumulation
+        owned = [step_prompts[c // group] for c in range(rank * local, (rank + 1) * local)]
+        device = self.accelerator.device
+        completions = generate(policy, [self.prompts.ids[p] for p in owned], settings, self.tokenizer, self.stop_ids,
+                               self.seed_of(generation, rank), device)
+        texts = self.tokenizer.batch_decode(completions.tokens, skip_special_tokens=True)
+        prompts = [self.prompts.prompts[p] for p in owned]
+        shown = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                 for prompt, text in zip(prompts, texts)]
+        where = [self.prompts.where[p] for p in owned]
+        names = list(dict.fromkeys(key for p in owned for key in self.prompts.columns[p]))
+        columns = {key: [self.prompts.columns[p].get(key) for p in owned] for key in names}
+        try:
+            table, error = score(self.functions, prompts, shown, completions.tokens, columns, where), None
+        except UserError as raised:
+            table, error = None, str(raised)
+        records = ([{"prompt": prompt, "completion": text, "where": place}
+                    for prompt, text, place in zip(prompts, texts, where)] if keep_records else None)
+        shared = self._gathered((table, error, completions.trained_tokens, records), world_size)
+        failed = next((item[1] for item in shared if item[1]), None)
+        if failed:
+            raise UserError(f"train: {failed}; no weight of this step changed, and the last checkpoint is as it was")
+        rewards = torch.tensor([row for item in shared for row in item[0]], dtype=torch.float64)
+        advantages, zero_spread, total = group_advantages(rewards, self.weights, group, settings.reward_scaling,
+                                                          self.aggregation)
+        mine = slice(rank * local, (rank + 1) * local)
+        window = self._micro_batches(policy, reference, completions, advantages[mine], rewards[mine], total[mine],
+                                     zero_spread[mine])
+        step_tokens = sum(item[2] for item in shared)
+        units = {"completion_tokens": step_tokens, "completions": local * world_size,
+                 "micro_batches": self.accumulation * world_size}[settings.unit]
+        logged = []
+        if keep_records:
+            for index, record in enumerate(record for item in shared for record in item[3]):
+                logged.append({**record, "reward": _number(total[index]), "advantage": _number(advantages[index]),
+                               "rewards": {f.name: _number(rewards[index, k]) for k, f in enumerate(self.functions)}})
+        return StepRollout(window, step_tokens, units, logged)
+
+    def _gathered(self, item, world_size: int) -> list:
+        if world_size == 1:
+            return [item]
+        from accelerate.utils import gather_object
+
+        return gather_object([item])
+
+    def _micro_batches(self, policy, reference, completions: Completions, advantages, rewards, total,
+                       zero_spread) -> list:
+        from tuneloop.train.preference import reference_mode, token_log_probs
+
+        settings, device = self.settings, self.accelerator.device
+        pad, window = self.tokenizer.pad_token_id, []
+        for start in range(0, len(completions.tokens), self.micro_batch_size):
+            stop = start + self.micro_batch_size
+            inputs, targets, extra = completion_rows(completions, start, stop, pad)
+            extra.update(advantages=advantages[start:stop].float(), rewards=rewards[start:stop].float(),
+                         total_reward=total[start:stop].float(), zero_std=zero_spread[start:stop],
+                         truncated=torch.tensor(completions.truncated[start:stop]))
+            batch = MicroBatch(inputs, targets, int((targets != IGNORE_INDEX).sum()),
+                               int(inputs["attention_mask"].sum()), extra)
+            on_device = None
+            if settings.num_iterations > 1 or settings.beta != 0.0:
+                on_device = batch.to(device)
+            with torch.no_grad():
+                if settings.num_iterations > 1:  # the generating policy's log-probs: the ratio's denominator
+                    extra["old_log_probs"] = token_log_probs(policy, on_device.inputs, on_device.targets,
+                                                             settings.temperature)[0].cpu()
+                if settings.beta != 0.0:
+                    if reference is not None:
+                        values = token_log_probs(reference, on_device.inputs, on_device.targets, settings.temperature)
+                    else:
+                        with reference_mode(policy):
+                            values = token_log_probs(policy, on_device.inputs, on_device.targets,
+                                                     settings.temperature)
+                    extra["reference_log_probs"] = values[0].cpu()
+            window.append(batch)
+        return window
+
+
+def _number(value) -> float | None:
+    value = float(value)
+    return None if math.isnan(value) else round(value, 6)
+
+
+def prompt_order(prompts: int, epoch: int, seed: int) -> np.ndarray:
+    """The prompts of an epoch in a seeded shuffle (TRL shuffles its dataset too)."""
+    return np.random.default_rng([seed, epoch]).permutation(prompts)

@@ -1,0 +1,199 @@
+"""An online RL run's rows behind data/source.py's interface: the plan counts its steps, the loop reads them.
+
+A step takes `prompts_per_step` = global batch ÷ num_generations prompts (the global batch counts completions, as
+TRL's does), in a seeded shuffle per epoch; a last set of prompts too small for a whole step is left out of that
+epoch (TRL's sampler drops it too). Each generation trains `num_iterations` optimizer steps. The step's
+completion tokens are known only once they are generated, so the Step the loop reads is made at that moment, from
+the weights the previous step left (rollout.py).
+
+With num_iterations > 1 a checkpoint may fall inside a generation: each rank then keeps its rollout beside its RNG
+state, and a resume trains on exactly those completions (the weights that generated them are gone).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from tuneloop import run_files
+from tuneloop.data.source import StepCounts, steps_for_epochs
+from tuneloop.data.steps import Step, TrainingSteps
+from tuneloop.errors import UserError
+from tuneloop.online_rl.rollout import Rollouts, prompt_order
+
+@dataclass
+class _Stats:
+    eval_rows: int = 0
+    dropped_too_long: int = 0
+
+
+@dataclass
+class _Prepared:
+    """What the session and plan read of `rows.prepared`: no eval set (online RL evaluates by its rewards)."""
+
+    stats: _Stats
+    eval = None
+
+
+def prompts_per_step(cfg, world_size: int) -> int:
+    completions = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world_size
+    group = cfg.trl_settings.num_generations
+    if completions % group:
+        raise UserError(f"config: the global batch is {completions} completions (micro_batch_size "
+                        f"{cfg.micro_batch_size} × gradient_accumulation_steps {cfg.gradient_accumulation_steps} × "
+                        f"{world_size} ranks), which is not a whole number of groups of trl.num_generations {group}: "
+                        "make the global batch a multiple of num_generations")
+    return completions // group
+
+
+class PromptRows:
+    def __init__(self, cfg, prompts):
+        self.cfg, self.prompts = cfg, prompts
+        self.prepared = _Prepared(_Stats(dropped_too_long=prompts.dropped_too_long))
+
+    @property
+    def key(self) -> str:
+        return self.prompts.key
+
+    @property
+    def units(self) -> int:
+        return len(self.prompts.ids)
+
+    def rows_training_none_of(self, token_ids: set[int]) -> None:
+        return None  # the trained tokens are generated as the run goes
+
+    def count_steps(self, spec, accumulation: int, padding, max_steps: int | None, num_epochs: float) -> StepCounts:
+        cfg, settings = self.cfg, self.cfg.trl_settings
+        per_step = prompts_per_step(cfg, spec.world_size)
+        generations_per_epoch = len(self.prompts.ids) // per_step
+        if generations_per_epoch == 0:
+            raise UserError(f"plan: {len(self.prompts.ids)} prompts make no whole step of {per_step} prompts; use more "
+                            "prompts or a smaller global batch")
+        steps_per_epoch = generations_per_epoch * settings.num_iterations
+        total_steps = max_steps or steps_for_epochs(steps_per_epoch, num_epochs)
+        lengths = self.prompts.lengths
+        longest = int(lengths.max()) + settings.max_completion_length
+        return StepCounts(
+            train_rows=len(lengths), train_tokens=int(lengths.sum()), trainable_tokens=0,
+            dropped_too_long=self.prompts.dropped_too_long, dropped_no_trained_tokens=0, dropped_identical_pairs=0,
+            micro_batches_per_epoch=steps_per_epoch * accumulation,
+            rows_cut_per_epoch=len(lengths) - generations_per_epoch * per_step, steps_per_epoch=steps_per_epoch,
+            total_steps=total_steps, epochs_to_run=math.ceil(total_steps / steps_per_epoch),
+            total_trainable_tokens=None, total_real_tokens=None, packing_efficiency=None, padding_fraction=None,
+            max_micro_batch_tokens=spec.micro_batch_size * longest,
+            # the attention each token does, at its longest: every prompt with a full-length completion
+            sequence_lengths=lengths + settings.max_completion_length,
+            rollout=self.rollout_numbers(spec, per_step, total_steps))
+
+    def rollout_numbers(self, spec, per_step: int, total_steps: int) -> dict:
+        """What the plan says of the generations: their count and size, and the generated tokens at most."""
+        settings = self.cfg.trl_settings
+        completions = per_step * settings.num_generations
+        generations = math.ceil(total_steps / settings.num_iterations)
+        return {"prompts_per_step": per_step, "num_generations": settings.num_generations,
+                "completions_per_step": completions, "completions_per_rank": completions // spec.world_size,
+                "generations": generations, "num_iterations": settings.num_iterations,
+                "max_completion_length": settings.max_completion_length,
+                "generated_tokens_at_most": generations * completions * settings.max_completion_length,
+                "loss_type": settings.loss_type, "unit": settings.unit, "beta": settings.beta,
+                "reward_funcs": list(settings.reward_funcs or []),
+                "aggregation": settings.aggregation(self.cfg.rl), "scale_rewards": settings.reward_scaling}
+
+    def steps(self, plan, tokenizer, accelerator, hooks, *, start_step: int, resume_from=None,
+              reference: dict | None = None, decoder_start_token_id: int | None = None, unit: str = "tokens",
+              policy=None, reference_model=None, output_dir: Path | None = None) -> TrainingSteps:
+        return RolloutSteps(self, plan, tokenizer, accelerator, hooks, start_step, resume_from, policy,
+                            reference_model, output_dir)
+
+
+class RolloutSteps(TrainingSteps):
+    """The plan's steps, each generated when the loop asks for it (see the module's text)."""
+
+    def __init__(self, rows: PromptRows, plan, tokenizer, accelerator, hooks, start_step: int, resume_from,
+                 policy, reference_model, output_dir: Path | None):
+        from tuneloop.data.chat_templates import end_of_turn_ids, resolve_template
+        from tuneloop.online_rl.rewards import load_reward_functions
+
+        cfg = rows.cfg
+        self.cfg, self.plan, self.prompts, self.hooks = cfg, plan, rows.prompts, hooks
+        self.policy, self.reference_model, self.accelerator = policy, reference_model, accelerator
+        self.rank, self.world_size, self.start_step = accelerator.process_index, plan.world_size, start_step
+        self.settings = cfg.trl_settings
+        self.per_step = prompts_per_step(cfg, plan.world_size)
+        self.generations_per_epoch = plan.steps_per_epoch // self.settings.num_iterations
+        template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
+        functions = load_reward_functions(self.settings.reward_funcs, cfg._config_dir, accelerator.device)
+        self.rollouts = Rollouts(cfg, rows.prompts, tokenizer, functions, accelerator,
+                                 end_of_turn_ids(tokenizer, template, cfg.eot_tokens), plan.micro_batch_size,
+                                 plan.gradient_accumulation_steps)
+        self.completions_log = (output_dir / run_files.COMPLETIONS if output_dir is not None and
+                                self.settings.log_completions and accelerator.is_main_process else None)
+        self.current = None  # (generation, StepRollout) being trained
+        if resume_from is not None and start_step % self.settings.num_iterations:
+            self.current = self._saved_rollout(resume_from)
+
+    def step_prompts(self, generation: int) -> list[int]:
+        epoch, within = divmod(generation, self.generations_per_epoch)
+        order = prompt_order(len(self.prompts.ids), epoch, self.cfg.seed)
+        return [int(p) for p in order[within * self.per_step:(within + 1) * self.per_step]]
+
+    def __iter__(self) -> Iterator[Step]:
+        iterations = self.settings.num_iterations
+        for step in range(self.start_step, self.plan.total_steps):
+            generation = step // iterations
+            if self.current is None or self.current[0] != generation:
+                with self.hooks.phase("generation"):
+                    rollout = self.rollouts.make(self.policy, self.reference_model, generation,
+                                                 self.step_prompts(generation), self.rank, self.world_size,
+                                                 keep_records=self.completions_log is not None
+                                                 or bool(self.settings.num_completions_to_print))
+                self.current = (generation, rollout)
+                self._show(step + 1, rollout.records)
+            rollout = self.current[1]
+            yield Step(rollout.window, rollout.targets, rollout.units)
+
+    def collate(self, micro):
+        return micro  # made whole by the rollout
+
+    def epoch_at(self, step: int) -> float:
+        return round(step / self.plan.steps_per_epoch, 4)
+
+    @property
+    def position(self):
+        """Inside a generation's iterations, its rollout (saved beside this rank's RNG state)."""
+        if self.settings.num_iterations == 1 or self.current is None:
+            return None
+        return _SavedRollout(self.current)
+
+    def _saved_rollout(self, checkpoint: Path):
+        saved = checkpoint / run_files.RANK_RNG.format(rank=self.rank)
+        found = torch.load(saved, weights_only=False).get(ROLLOUT_KEY) if saved.is_file() else None
+        if found is None:
+            raise UserError(f"resume: {checkpoint} was written inside a generation's trl.num_iterations and holds no "
+                            f"rollout for rank {self.rank}; resume it with the ranks it was written with")
+        return found["generation"], found["rollout"]
+
+    def _show(self, step: int, records: list | None) -> None:
+        if not records or not self.accelerator.is_main_process:
+            return
+        if self.completions_log is not None:
+            for record in records:
+                run_files.append_json_line(self.completions_log, {"step": step, **record})
+        for record in records[:self.settings.num_completions_to_print or 0]:
+            self.hooks.told(f"step {step} completion (reward {record['reward']}): {record['completion'][:200]!r}")
+
+
+ROLLOUT_KEY = "stream_position"  # (the slot train/checkpoint.py writes a rank's data position in)
+
+
+class _SavedRollout:
+    def __init__(self, current):
+        self.current = current
+
+    def to_json(self) -> dict:
+        return {"generation": self.current[0], "rollout": self.current[1]}
+
