@@ -40,9 +40,11 @@ def import_dotted(name: str, key: str, config_dir: Path | None) -> Callable:
         raise UserError(f"config: `{key}: {name}` is not a dotted name (module.function); write e.g. "
                         f"`rewards.{name}` for the function `{name}` in rewards.py beside the config")
     folders = search_path(config_dir)
-    for folder in reversed(folders):  # (first on the path wins: the config's folder)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
+    for folder in reversed(folders):  # first on the path wins: the config's folder
+        if folder in sys.path:
+            sys.path.remove(folder)
+        sys.path.insert(0, folder)
+    _forget_a_module_shadowed_by(module_name.split(".")[0], folders)
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # the user's module failed to import: its own first line says why
@@ -61,6 +63,18 @@ def reward_name(name: str) -> str:
     """A reward's name on the train line (`rewards/<name>`): a function's own name, or a reward model's folder."""
     folder = Path(name).expanduser()
     return folder.name if folder.is_dir() else name.rpartition(".")[2]
+
+
+def _forget_a_module_shadowed_by(top: str, folders: list[str]) -> None:
+    """A module of that name imported earlier in this process (a notebook's previous run, from another folder)
+    gives way to the one the search finds first."""
+    for folder in folders:
+        if (Path(folder) / f"{top}.py").is_file() or (Path(folder) / top / "__init__.py").is_file():
+            cached = sys.modules.get(top)
+            if cached is not None and not str(getattr(cached, "__file__", "") or "").startswith(folder + "/"):
+                for name in [name for name in sys.modules if name == top or name.startswith(top + ".")]:
+                    del sys.modules[name]
+            return
 
 
 @dataclass

@@ -17,8 +17,11 @@ loss, as TRL does). Its micro-batch rows are prompt + completion, right-padded, 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +30,10 @@ from tuneloop.data.collate import MicroBatch
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.errors import UserError
 from tuneloop.online_rl.rewards import score
+
+# Test hook: a JSON file {prompt index: [the tokens of its completion j, ...]} trained instead of generated ones, so
+# that runs of different layouts (2 ranks, 1 process) can be given the very same completions
+FIXED_COMPLETIONS_ENV = "TUNELOOP_TEST_COMPLETIONS"
 
 
 def nanstd(values: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
@@ -114,10 +121,14 @@ def generate(policy, prompt_ids: list, settings, tokenizer, stop_ids: set[int], 
                                      generation_config=config)
     finally:
         policy.train(was_training)
-    generated = output[:, width:].cpu()
+    return cut_completions(prompt_ids, output[:, width:].cpu().tolist(), stops, settings)
+
+
+def cut_completions(prompt_ids: list, generated: list, stops, settings) -> Completions:
+    """Each completion up to and including its first stop token; one with none is truncated at the limit."""
     tokens, trained, truncated = [], [], []
     stop_set = set(stops)
-    for row in generated.tolist():
+    for row in generated:
         end = next((index + 1 for index, token in enumerate(row) if token in stop_set), None)
         cut = end is None
         row = row[:end] if end is not None else row[:settings.max_completion_length]
@@ -183,8 +194,13 @@ class Rollouts:
         local = self.micro_batch_size * self.accumulation
         owned = [step_prompts[c // group] for c in range(rank * local, (rank + 1) * local)]
         device = self.accelerator.device
-        completions = generate(policy, [self.prompts.ids[p] for p in owned], settings, self.tokenizer, self.stop_ids,
-                               self.seed_of(generation, rank), device)
+        if os.environ.get(FIXED_COMPLETIONS_ENV):
+            fixed = json.loads(Path(os.environ[FIXED_COMPLETIONS_ENV]).read_text())
+            chosen = [fixed[str(p)][c % group] for p, c in zip(owned, range(rank * local, (rank + 1) * local))]
+            completions = cut_completions([self.prompts.ids[p] for p in owned], chosen, self.stop_ids, settings)
+        else:
+            completions = generate(policy, [self.prompts.ids[p] for p in owned], settings, self.tokenizer,
+                                   self.stop_ids, self.seed_of(generation, rank), device)
         texts = self.tokenizer.batch_decode(completions.tokens, skip_special_tokens=True)
         prompts = [self.prompts.prompts[p] for p in owned]
         shown = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text

@@ -1,0 +1,248 @@
+"""Online RL end to end on a tiny LLaMA, in fp32: the plan equals the run (steps, completions, generated tokens),
+accumulation equals one batch where TRL's normalisation spans the step, 2 gloo ranks equal one process on the same
+completions (group advantages over the whole group wherever its completions live), a SIGKILL mid-save resumes bit
+for bit (inside a generation's num_iterations too), and bad input is one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import (assert_user_error, read_metrics, run_cli, run_in_process, run_two_ranks, write_config,
+                      write_jsonl)
+from safetensors.torch import load_file
+
+WORDS = ["cat", "dog", "sun", "tree", "red", "blue", "one", "two", "fish", "bird", "moon", "star"]
+REWARDS = textwrap.dedent('''
+    def short(prompts, completions, **kwargs):
+        return [-len(c[0]["content"]) / 10 for c in completions]
+
+    def has_word(prompts, completions, word, **kwargs):
+        return [1.0 if w in c[0]["content"] else None if w == "one" else 0.0 for c, w in zip(completions, word)]
+
+    def broken(prompts, completions, **kwargs):
+        raise KeyError("answer")
+
+    def too_few(prompts, completions, **kwargs):
+        return [0.0]
+
+    def wordy(prompts, completions, **kwargs):
+        return ["good"] * len(completions)
+
+    def as_prompt(cfg):
+        def transform(row, tokenizer=None):
+            return {"prompt": [{"role": "user", "content": "say " + row["text"]}], "word": row["text"]}
+        return transform, {"remove_columns": ["text"]}
+''')
+
+
+@pytest.fixture
+def grpo_dir(tmp_path):
+    """A run's folder: rewards.py beside the config (found there, as axolotl users keep it), and prompts."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    write_jsonl(tmp_path / "prompts.jsonl",
+                [{"prompt": [{"role": "user", "content": f"say {w}"}], "word": w} for w in WORDS[:8]])
+    write_jsonl(tmp_path / "words.jsonl", [{"text": w} for w in WORDS])
+    return tmp_path
+
+
+def grpo_config(run_dir, model_dir, name="run.yml", trl=None, **keys):
+    """A GRPO config in `run_dir`, its rewards.py beside it; the prompts are run_dir's unless `datasets` says."""
+    if not (run_dir / "rewards.py").is_file():
+        (run_dir / "rewards.py").write_text(REWARDS)
+    settings = {"num_generations": 4, "max_completion_length": 8, "reward_funcs": ["rewards.short", "rewards.has_word"],
+                **(trl or {})}
+    values = {"base_model": str(model_dir), "rl": "grpo", "trl": settings,
+              "datasets": [{"path": str(run_dir / "prompts.jsonl")}],
+              "output_dir": str(run_dir / "out"), "sequence_len": 64, "micro_batch_size": 4,
+              "gradient_accumulation_steps": 2, "max_steps": 2, "learning_rate": 1e-2, "optimizer": "adamw_torch",
+              "lr_scheduler": "constant", "logging_steps": 1, "save_strategy": "no", "seed": 7, "bf16": False, **keys}
+    return write_config(run_dir / name, **values)
+
+
+def weights(out) -> dict:
+    return load_file(out / "model.safetensors")
+
+
+def test_plan_equals_run_and_rewards_reach_the_step_lines(grpo_dir, tiny_model_dir):
+    """Completions of exactly max_completion_length (min_new_tokens keeps eos away): the run generates the plan's
+    upper bound of tokens, in the plan's steps, and its lines carry each reward function's mean."""
+    config = grpo_config(grpo_dir, tiny_model_dir, max_steps=3,
+                         trl={"generation_kwargs": {"min_new_tokens": 8}, "log_completions": True})
+    planned = run_in_process("plan", str(config))
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "8 completions per optimizer step = 2 prompts × 4 generations" in planned.stdout
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = grpo_dir / "out"
+    plan = json.loads((out / "plan.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == plan["total_steps"] == 3
+    assert plan["rollout"]["completions_per_step"] == 8 and plan["rollout"]["prompts_per_step"] == 2
+    assert summary["tokens"] == plan["rollout"]["generated_tokens_at_most"] == 3 * 8 * 8
+    lines = read_metrics(out)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert all(line["completion_length"] == 8 and line["truncated_ratio"] == 1 for line in lines)
+    assert all(isinstance(line["rewards/short"], float) and "rewards/has_word" in line for line in lines)
+    logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    assert len(logged) == 3 * 8 and {record["step"] for record in logged} == {1, 2, 3}
+    assert all(set(record["rewards"]) == {"short", "has_word"} for record in logged)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_accumulation_equals_one_batch(grpo_dir, tiny_model_dir, loss_type):
+    """8 completions as one micro-batch or as 4 × 2 accumulated: each rank generates its 8 in one batch under
+    the same seed either way, so the completions are the same, and the normalisation spans the step. SGD: Adam
+    would turn the float-rounding difference of a near-zero gradient into a full-size step of either sign."""
+    results = {}
+    for name, micro, accumulation in (("one", 8, 1), ("accumulated", 4, 2)):
+        run_dir = grpo_dir / name
+        run_dir.mkdir()
+        config = grpo_config(run_dir, tiny_model_dir, trl={"loss_type": loss_type, "beta": 0.05},
+                             micro_batch_size=micro, gradient_accumulation_steps=accumulation, optimizer="sgd",
+                             learning_rate=0.1, datasets=[{"path": str(grpo_dir / "prompts.jsonl")}])
+        result = run_in_process("train", str(config))
+        assert result.returncode == 0, result.stderr[-3000:]
+        results[name] = (weights(run_dir / "out"), read_metrics(run_dir / "out"))
+    (one, one_lines), (accumulated, accumulated_lines) = results["one"], results["accumulated"]
+    assert [line["reward"] for line in one_lines] == [line["reward"] for line in accumulated_lines]
+    start = weights_of_base(tiny_model_dir)
+    for key in one:
+        torch.testing.assert_close(accumulated[key], one[key], rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(one[key], start[key]) for key in one)  # (it trained)
+
+
+def weights_of_base(model_dir) -> dict:
+    return load_file(model_dir / "model.safetensors")
+
+
+def fixed_completions(path, tokenizer_dir, prompts: int) -> str:
+    """Four completions per prompt, of different lengths (two end in eos), the same for every run that reads it."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(tokenizer_dir).eos_token_id
+    generator = torch.Generator().manual_seed(11)
+    table = {}
+    for prompt in range(prompts):
+        table[str(prompt)] = [torch.randint(10, 300, (length,), generator=generator).tolist() + ([eos] if end else [])
+                              for length, end in ((3, True), (8, False), (5, True), (8, False))]
+    path.write_text(json.dumps(table))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_two_ranks_equal_one_process_on_the_same_completions(grpo_dir, tiny_model_dir, monkeypatch):
+    """Two gloo ranks (micro-batch 2 × 2 each: prompt groups of 4 span the ranks) and one process (2 × 4) train on
+    the same fed completions; the advantages are taken over whole groups across ranks, so the weights agree to
+    the fp32 reduction order."""
+    from tuneloop.online_rl.rollout import FIXED_COMPLETIONS_ENV
+
+    fed = fixed_completions(grpo_dir / "fixed.json", tiny_model_dir, 8)
+    results = {}
+    for name, ranks, micro, accumulation in (("one", 1, 2, 4), ("two", 2, 2, 2)):
+        run_dir = grpo_dir / name
+        run_dir.mkdir()
+        config = grpo_config(run_dir, tiny_model_dir, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+                             trl={"loss_type": "grpo", "scale_rewards": "batch"}, optimizer="sgd", learning_rate=0.1,
+                             datasets=[{"path": str(grpo_dir / "prompts.jsonl")}])
+        if ranks == 2:
+            result = run_two_ranks("train", str(config), env={FIXED_COMPLETIONS_ENV: fed})
+        else:
+            with monkeypatch.context() as patched:
+                patched.setenv(FIXED_COMPLETIONS_ENV, fed)
+                result = run_in_process("train", str(config))
+        assert result.returncode == 0, result.stderr[-3000:]
+        results[name] = (weights(run_dir / "out"), read_metrics(run_dir / "out"))
+    (one, one_lines), (two, two_lines) = results["one"], results["two"]
+    assert [line["reward"] for line in one_lines] == pytest.approx([line["reward"] for line in two_lines])
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_killed_mid_save_resumes_bit_identical_inside_a_generation(grpo_dir, tiny_model_dir):
+    """num_iterations 2 with a LoRA adapter and a KL term: checkpoint-3 falls inside generation 2 (steps 3 and 4),
+    so its rollout is kept with it. A SIGKILL while writing checkpoint-6, then a resume from checkpoint-3, ends
+    with the uninterrupted run's adapter, bit for bit, and the same completions log."""
+    from tuneloop.run_files import complete_checkpoints
+    from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
+
+    keys = {"max_steps": 8, "save_steps": 3, "save_strategy": "steps", "auto_resume_from_checkpoints": True,
+            "adapter": "lora", "lora_r": 4,
+            "lora_target_linear": True, "trl": {"num_iterations": 2, "beta": 0.1, "log_completions": True},
+            "datasets": [{"path": str(grpo_dir / "prompts.jsonl")}]}
+    configs = {}
+    for name in ("straight", "crashed"):
+        (grpo_dir / name).mkdir()
+        configs[name] = str(grpo_config(grpo_dir / name, tiny_model_dir, **keys))
+    straight = run_in_process("train", configs["straight"])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    crashed = run_cli("train", configs["crashed"], env={CRASH_DURING_SAVE_ENV: "6"})
+    assert crashed.returncode != 0
+    out = grpo_dir / "crashed" / "out"
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]
+    resumed = run_in_process("train", configs["crashed"])
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    expected = load_file(grpo_dir / "straight" / "out" / "adapter_model.safetensors")
+    got = load_file(out / "adapter_model.safetensors")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    assert (out / "completions.jsonl").read_text() == (grpo_dir / "straight" / "out" / "completions.jsonl").read_text()
+    assert [line.get("kl") is not None for line in read_metrics(out)] == [True] * 8
+
+
+def test_gdpo_with_a_transform_and_reward_functions_beside_the_config(grpo_dir, tiny_model_dir, monkeypatch):
+    """`rl: gdpo` on rows made by a `type: rewards.as_prompt` transform; the reward module is found in the config's
+    folder although the run starts elsewhere."""
+    monkeypatch.chdir(tiny_model_dir)
+    monkeypatch.delitem(sys.modules, "rewards", raising=False)  # (an earlier in-process run's, from another folder)
+    config = grpo_config(grpo_dir, tiny_model_dir, rl="gdpo", datasets=[{"path": str(grpo_dir / "words.jsonl"),
+                                                                        "type": "rewards.as_prompt"}])
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((grpo_dir / "out" / "plan.json").read_text())
+    assert plan["rollout"]["aggregation"] == "normalize_then_sum" and plan["train_rows"] == len(WORDS)
+
+
+@pytest.mark.parametrize("change,fragments", [
+    ({"trl": {"reward_funcs": None}}, ["`rl: grpo` scores its completions with `trl.reward_funcs`"]),
+    ({"trl": {"reward_funcs": ["nowhere.correct"]}}, ["does not import", "No module named 'nowhere'", "searched"]),
+    ({"trl": {"reward_funcs": ["rewards.missing"]}}, ["has no `missing`"]),
+    ({"trl": {"num_generations": 1}}, ["num_generations", "a group of one completion"]),
+    ({"micro_batch_size": 3}, ["global batch is 6 completions", "num_generations 4"]),
+    ({"trl": {"max_completion_length": 64}}, ["leaves no room for a prompt", "sequence_len: 64"]),
+    ({"trl": {"vllm_server_port": 8000}}, ["trl.vllm_server_port", "use_vllm"]),
+    ({"trl": {"loss_type": "ppo"}}, ["TRL's GRPO losses are grpo, bnpo"]),
+    ({"trl": {"sync_ref_model": True}}, ["trl.sync_ref_model", "follows the policy"]),
+    ({"rl": "ebft"}, ["`rl: ebft`", "feature-matching"]),
+    ({"rl_beta": 0.1}, ["`rl_beta`", "trl.beta"]),
+    ({"val_set_size": 0.1}, ["has no eval set"]),
+])
+def test_bad_input_is_one_line_and_exit_2(grpo_dir, tiny_model_dir, change, fragments):
+    trl = change.pop("trl", {})
+    if trl.get("reward_funcs", "") is None:
+        trl = {"reward_funcs": []}
+    config = grpo_config(grpo_dir, tiny_model_dir, trl=trl, **change)
+    assert_user_error(run_in_process("plan", str(config)), *fragments)
+
+
+@pytest.mark.parametrize("reward,fragments", [
+    ("rewards.broken", ["reward `broken` raised KeyError: 'answer'", "prompts.jsonl:"]),
+    ("rewards.too_few", ["reward `too_few` returned 1 values for 8 completions"]),
+    ("rewards.wordy", ["reward `wordy` returned 'good'", "prompts.jsonl:"]),
+])
+def test_a_failing_reward_stops_the_run_with_exit_2_and_no_changed_weights(grpo_dir, tiny_model_dir, reward,
+                                                                          fragments):
+    config = grpo_config(grpo_dir, tiny_model_dir, trl={"reward_funcs": [reward]})
+    result = run_in_process("train", str(config))
+    assert_user_error(result, *fragments, "no weight of this step changed")
+    assert not (grpo_dir / "out" / "model.safetensors").exists()
+
+
+def test_use_vllm_is_a_speed_only_warning(grpo_dir, tiny_model_dir):
+    config = grpo_config(grpo_dir, tiny_model_dir, trl={"use_vllm": True, "vllm_server_port": 8000})
+    result = run_in_process("check", str(config))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "vLLM is not used here" in result.stdout + result.stderr
