@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,7 +153,15 @@ def test_the_registries_name_exactly_the_things_their_tests_reach():
 
     canonical = {FORMATS.canonical(name) for name in FORMATS.names()}
     assert canonical == set(FORMAT_EXAMPLES)
-    assert set(RL_METHODS.names()) == set(LOSSES.names()) == set(OBJECTIVES.names()) - {"language_model"}
+    from tuneloop.online_rl.settings import LOSS_TYPES
+    from tuneloop.rl_methods import ONLINE_METHODS
+
+    assert set(RL_METHODS.names()) == set(LOSSES.names()) == set(OBJECTIVES.names()) - {"language_model",
+                                                                                        *ONLINE_METHODS}
+    assert set(ONLINE_METHODS) <= set(OBJECTIVES.names())
+    # every GRPO loss type is compared with TRL's (test_grpo_equivalence.py names them all)
+    equivalence = (Path(__file__).parent / "test_grpo_equivalence.py").read_text()
+    assert all(f'("{name}", ' in equivalence for name in LOSS_TYPES)
     assert set(ENGINES.names()) == set(ENGINE_KEYS)
     assert set(TRACKERS.names()) == set(TRACKER_KEYS)
     assert set(MODEL_KINDS.names()) == {"causal", "seq2seq"}

@@ -45,8 +45,13 @@ class PromptSet:
 
 def is_transform_type(name) -> bool:
     """`type: module.function` (a Python name with a dot), as opposed to one of the dataset formats."""
+    from tuneloop.data.formats import FORMATS
+    from tuneloop.data.preference import PREFERENCE_FORMATS, UNPAIRED_FORMATS
+
     if not isinstance(name, str) or "." not in name or ":" in name:
         return False
+    if any(name in known for known in (FORMATS, PREFERENCE_FORMATS, UNPAIRED_FORMATS)):
+        return False  # a format whose name has a dot (chat_template.default, chat_template.argilla)
     return all(part.isidentifier() for part in name.split("."))
 
 
