@@ -67,8 +67,8 @@ def run_child(variant: str, job: dict, workdir: Path) -> dict:
     job_file, result_file = workdir / f"{variant}.job.json", workdir / f"{variant}.result.json"
     job_file.write_text(json.dumps({**job, "variant": variant, "result": str(result_file),
                                     "workdir": str(workdir / variant)}))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "examples"), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(REPO / "src"), str(REPO / "examples"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=path)
     done = subprocess.run([sys.executable, __file__, "--child", str(job_file)], capture_output=True, text=True,
                           env=env, cwd=REPO)
     if done.returncode != 0:
@@ -140,7 +140,8 @@ def summarise(rounds: dict, setup: dict) -> list[dict]:
 
 def print_table(rows: list[dict], setup: dict, preset: str) -> None:
     per_step = setup["micro_batch_size"] * setup["gradient_accumulation_steps"]
-    print(f"\nGRPO, preset {preset}: {setup['steps']} steps of {per_step} completions ({per_step // setup['num_generations']}"
+    prompts = per_step // setup["num_generations"]
+    print(f"\nGRPO, preset {preset}: {setup['steps']} steps of {per_step} completions ({prompts}"
           f" prompts × {setup['num_generations']}), at most {setup['max_completion_length']} tokens each, full "
           f"fine-tuning, loss dapo, beta 0, median of {setup['repeats']} rounds")
     print("| run | precision | steps | completions | completion tokens | completions/s | s/step | generation s/step "
@@ -184,7 +185,8 @@ def run_tuneloop(job: dict) -> dict:
             "trl": {"num_generations": job["num_generations"], "max_completion_length": job["max_completion_length"],
                     "loss_type": "dapo", "beta": 0.0, "reward_funcs": [f"grpo_rewards.{name}" for name in REWARDS]},
             "datasets": [{"path": str(PROMPTS)}], "output_dir": str(workdir / "out"), "sequence_len": 128,
-            "micro_batch_size": job["micro_batch_size"], "gradient_accumulation_steps": job["gradient_accumulation_steps"],
+            "micro_batch_size": job["micro_batch_size"],
+            "gradient_accumulation_steps": job["gradient_accumulation_steps"],
             "max_steps": job["steps"], "learning_rate": job["learning_rate"], "lr_scheduler": "constant",
             "optimizer": "adamw_torch", "logging_steps": 1, "save_strategy": "no",
             "bf16": job["precision"] == "bf16", "seed": 7}

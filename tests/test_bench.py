@@ -131,3 +131,24 @@ def test_the_seq2seq_benchmark_reproduces_the_forum_comparison_fairly(tmp_path):
     losses = [row["eval_loss"] for row in rows.values()]
     assert all(math.isfinite(loss) and loss < math.log(400) - 0.3 for loss in losses), losses
     assert max(losses) - min(losses) < 0.12, losses
+
+
+@pytest.mark.slow
+def test_the_grpo_benchmark_against_trl_is_fair(tmp_path):
+    """benchmarks/grpo.py --quick: tuneloop and TRL's GRPOTrainer train the same steps of the same number of
+    completions at the same precision, each with its generation time apart; every row has its ratio to TRL. No
+    timing assertions."""
+    out = tmp_path / "grpo.json"
+    command = [sys.executable, str(REPO / "benchmarks" / "grpo.py"), "--quick", "--workdir", str(tmp_path / "work"),
+               "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["tuneloop", "trl"] and rows["trl"]["ratio_vs_trl"] == 1.0
+    assert {row["steps"] for row in rows.values()} == {3} and {row["completions"] for row in rows.values()} == {24}
+    assert {row["precision"] for row in rows.values()} == {"fp32"}
+    for row in rows.values():
+        assert 0 < row["generation_seconds_per_step"] < row["seconds_per_step"]
+        assert 0 < row["completion_tokens"] <= 24 * 8 and row["ratio_vs_trl"] > 0
+    assert "| trl | fp32 | 3 | 24 |" in result.stdout

@@ -32,6 +32,9 @@ REWARDS = textwrap.dedent('''
     def wordy(prompts, completions, **kwargs):
         return ["good"] * len(completions)
 
+    def endless(prompts, completions, **kwargs):
+        return [float("inf")] * len(completions)
+
     def as_prompt(cfg):
         def transform(row, tokenizer=None):
             return {"prompt": [{"role": "user", "content": "say " + row["text"]}], "word": row["text"]}
@@ -146,7 +149,8 @@ def test_two_ranks_equal_one_process_on_the_same_completions(grpo_dir, tiny_mode
         run_dir = grpo_dir / name
         run_dir.mkdir()
         config = grpo_config(run_dir, tiny_model_dir, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
-                             trl={"loss_type": "grpo", "scale_rewards": "batch"}, optimizer="sgd", learning_rate=0.1,
+                             trl={"loss_type": "grpo", "scale_rewards": "batch", "log_completions": True},
+                             optimizer="sgd", learning_rate=0.1,
                              datasets=[{"path": str(grpo_dir / "prompts.jsonl")}])
         if ranks == 2:
             result = run_two_ranks("train", str(config), env={FIXED_COMPLETIONS_ENV: fed})
@@ -158,6 +162,10 @@ def test_two_ranks_equal_one_process_on_the_same_completions(grpo_dir, tiny_mode
         results[name] = (weights(run_dir / "out"), read_metrics(run_dir / "out"))
     (one, one_lines), (two, two_lines) = results["one"], results["two"]
     assert [line["reward"] for line in one_lines] == pytest.approx([line["reward"] for line in two_lines])
+    logged = {name: [json.loads(line) for line in
+                     (grpo_dir / name / "out" / "completions.jsonl").read_text().splitlines()]
+              for name in ("one", "two")}  # the main process logs every rank's completions, in the global order
+    assert [(r["where"], r["reward"]) for r in logged["two"]] == [(r["where"], r["reward"]) for r in logged["one"]]
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)
 
@@ -219,6 +227,12 @@ def test_gdpo_with_a_transform_and_reward_functions_beside_the_config(grpo_dir, 
     ({"rl": "ebft"}, ["`rl: ebft`", "feature-matching"]),
     ({"rl_beta": 0.1}, ["`rl_beta`", "trl.beta"]),
     ({"val_set_size": 0.1}, ["has no eval set"]),
+    ({"trl": {"generation_kwargs": {"presence_penalty": 0.5}}}, ["trl.generation_kwargs.presence_penalty",
+                                                                 "not a setting of transformers' generate"]),
+    ({"trl": {"generation_kwargs": {"max_tokens": 20}}}, ["trl.generation_kwargs.max_tokens",
+                                                          "trl.max_completion_length"]),
+    ({"trl": {"use_vllm": True, "vllm_structured_outputs_regex": "[0-9]+"}}, ["trl.vllm_structured_outputs_regex",
+                                                                              "regular expression"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(grpo_dir, tiny_model_dir, change, fragments):
     trl = change.pop("trl", {})
@@ -232,6 +246,7 @@ def test_bad_input_is_one_line_and_exit_2(grpo_dir, tiny_model_dir, change, frag
     ("rewards.broken", ["reward `broken` raised KeyError: 'answer'", "prompts.jsonl:"]),
     ("rewards.too_few", ["reward `too_few` returned 1 values for 8 completions"]),
     ("rewards.wordy", ["reward `wordy` returned 'good'", "prompts.jsonl:"]),
+    ("rewards.endless", ["reward `endless` returned inf", "a finite number"]),
 ])
 def test_a_failing_reward_stops_the_run_with_exit_2_and_no_changed_weights(grpo_dir, tiny_model_dir, reward,
                                                                           fragments):
@@ -246,3 +261,28 @@ def test_use_vllm_is_a_speed_only_warning(grpo_dir, tiny_model_dir):
     result = run_in_process("check", str(config))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "vLLM is not used here" in result.stdout + result.stderr
+
+
+def test_a_step_whose_completions_are_all_masked_trains_nothing(grpo_dir, tiny_model_dir):
+    """mask_truncated_completions with every completion cut at the limit: no completion token is trained, the
+    step's loss is 0 over no units (not a division by zero), and the weights stay as they were."""
+    config = grpo_config(grpo_dir, tiny_model_dir, optimizer="sgd",
+                         trl={"mask_truncated_completions": True, "generation_kwargs": {"min_new_tokens": 8}})
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = read_metrics(grpo_dir / "out")
+    assert all(line["loss"] == 0 and line["truncated_ratio"] == 1 for line in lines)
+    start, end = weights_of_base(tiny_model_dir), weights(grpo_dir / "out")
+    assert all(torch.equal(start[key], end[key]) for key in start)
+
+
+def test_check_and_preprocess_describe_an_online_rl_config(grpo_dir, tiny_model_dir):
+    config = grpo_config(grpo_dir, tiny_model_dir)
+    checked = run_in_process("check", str(config))
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert "data                 prompts (" in checked.stdout
+    assert "rl: grpo, 4 generations per prompt of at most 8 tokens, loss_type dapo" in checked.stdout
+    shown = run_in_process("preprocess", str(config), "--show", "1")
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "read 8 prompts" in shown.stdout and "columns for the rewards: word='cat'" in shown.stdout
+    assert "<|im_start|>assistant" in shown.stdout  # the prompt ends with the assistant's turn opened

@@ -27,10 +27,12 @@ def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
             f", with a {spec.type} tokenizer of {spec.vocab_size} tokens trained on the data" if spec else "")
     else:
         trained = "full fine-tuning"
-    datasets = ", ".join(f"{_dataset_kind(entry)} ({entry.path})" for entry in cfg.train_entries)
+    datasets = ", ".join(f"{_dataset_kind(entry, is_online(cfg))} ({entry.path})" for entry in cfg.train_entries)
     if resolved.streamed:
         datasets = f"streamed: {datasets}"
     batching = {"packed": "packed", "group_by_length": "grouped by length", "random": "padded"}[resolved.batching]
+    if is_online(cfg):
+        batching = "padded"  # (each completion in its own row)
     length = f"max_steps {cfg.max_steps}" if cfg.max_steps else f"{cfg.num_epochs} epoch(s)"
     units = "rows"
     objective = []
@@ -60,7 +62,9 @@ def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
     ]
 
 
-def _dataset_kind(entry) -> str:
+def _dataset_kind(entry, online: bool = False) -> str:
+    if online:  # online RL reads prompts
+        return f"prompts made by {entry.type}" if entry.type else "prompts"
     if entry.type is None:
         return "pre-tokenized"
     return entry.type if isinstance(entry.type, str) else "custom format"

@@ -70,6 +70,17 @@ def command_preprocess(args) -> int:
     prepared = rows.prepared
     hooks.prepared()
     stats = prepared.stats
+    if getattr(rows, "prompts", None) is not None:  # online RL: prompts, whose completions the run generates
+        prompts = rows.prompts
+        print(f"read {len(prompts.ids)} prompts ({int(prompts.lengths.sum())} tokens; {stats.dropped_too_long} "
+              f"longer than sequence_len − trl.max_completion_length dropped); they are tokenized again at each run "
+              "(no cache: a prompt set is small)")
+        for index in range(min(args.show, len(prompts.ids))):
+            columns = ", ".join(f"{key}={value!r}" for key, value in prompts.columns[index].items())
+            print(f"\n--- prompt {index} ({prompts.where[index]}; {len(prompts.ids[index])} tokens; columns for the "
+                  f"rewards: {columns or 'none'}) ---")
+            print(tokenizer.decode(prompts.ids[index]))
+        return 0
     if prepared.train is None:  # a streamed run reads its training rows as it goes
         print(f"streamed: the training rows are read and tokenized as the run goes; prepared {stats.eval_rows} "
               f"eval rows{f' into {prepared.cache_dir}' if stats.eval_rows else ''}")

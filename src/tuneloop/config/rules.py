@@ -249,6 +249,8 @@ def online_rl(cfg) -> Problems:
         yield (f"`rl: {cfg.rl}` scores its completions with `trl.reward_funcs`, and none is given: list your reward "
                "functions (e.g. `rewards.correct` for correct() in rewards.py beside the config)")
     for key in settings.refused_keys:
+        if key == "steps_per_generation" and settings.model_extra[key] == cfg.gradient_accumulation_steps:
+            continue  # TRL's default: one generation per optimizer step, which is what runs here
         yield (f"`trl.{key}` asks for {NOT_OFFERED_KEYS[key][0]}, which tuneloop does not do yet "
                f"({axolotl.FEATURES['preference'][0]}): remove it")
     if settings.max_completion_length >= cfg.sequence_len:
@@ -288,9 +290,9 @@ def _preference_data(cfg) -> Problems:
     for index, entry in enumerate(cfg.datasets + cfg.test_datasets):
         mapping = isinstance(entry.type, PreferenceFormat)
         if is_transform_type(entry.type):
-            yield (f"dataset {index} is `type: {entry.type}`, a dataset transform (module.function): tuneloop runs "
-                   f"transforms for online RL's prompts (`rl: grpo`) so far; for this run it is "
-                   f"{axolotl.FEATURES['data_options'][0]} tuneloop does not have yet")
+            yield (f"dataset {index} is `type: {entry.type}`: a dataset type tuneloop does not have, or a "
+                   "module.function transform, which tuneloop runs for online RL's prompts (`rl: grpo`) only so far "
+                   f"({axolotl.FEATURES['data_options'][0]} tuneloop does not have yet for this run)")
             continue
         if method is None:
             if mapping or (isinstance(entry.type, str) and entry.type not in FORMATS):

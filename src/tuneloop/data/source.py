@@ -296,8 +296,10 @@ def prepare_rows(cfg, resolved, tokenizer, force: bool = False, hooks=None):
     notice = hooks.notice if hooks is not None else None
     if is_online(cfg):  # prompts, whose completions the run generates (online_rl/)
         from tuneloop.online_rl.prompts import read_prompts
+        from tuneloop.online_rl.rollout import check_generation_kwargs
         from tuneloop.online_rl.rows import PromptRows
 
+        check_generation_kwargs(cfg.trl_settings)
         return PromptRows(cfg, read_prompts(cfg, tokenizer))
     if resolved.streamed:
         prepared = prepare_streamed_eval(cfg, tokenizer, force=force, report=report, notice=notice,

@@ -61,7 +61,14 @@ def dataset_transform(cfg, entry, index: int):
 
     if not is_transform_type(entry.type):
         return None
-    made = import_dotted(entry.type, f"datasets[{index}].type", cfg._config_dir)(cfg)
+    key = f"datasets[{index}].type"
+    factory = import_dotted(entry.type, key, cfg._config_dir)
+    try:
+        made = factory(cfg)
+    except Exception as error:  # the user's code: what it raised, in one line
+        first = (str(error).splitlines() or [""])[0]
+        raise UserError(f"config: `{key}: {entry.type}` raised {type(error).__name__}: {first} when called with the "
+                        "config (a transform is `function(cfg)` returning the function that maps a row)") from None
     transform, options = (made if isinstance(made, tuple) else (made, {}))
     if not callable(transform):
         raise UserError(f"config: `datasets[{index}].type: {entry.type}` returned {type(transform).__name__}: a "
@@ -70,10 +77,14 @@ def dataset_transform(cfg, entry, index: int):
 
 
 def transformed(row: dict, where: str, transform, removed: list[str], tokenizer, name: str) -> dict:
+    import inspect
+
     try:
-        made = transform(row, tokenizer=tokenizer)
-    except TypeError:  # a transform written as f(row)
-        made = transform(row)
+        takes_tokenizer = "tokenizer" in inspect.signature(transform).parameters
+    except (TypeError, ValueError):
+        takes_tokenizer = True
+    try:  # axolotl's transforms take (row, tokenizer=None); one written as f(row) is called so
+        made = transform(row, tokenizer=tokenizer) if takes_tokenizer else transform(row)
     except Exception as error:  # the user's code: what it raised, where, in one line
         first = (str(error).splitlines() or [""])[0]
         raise UserError(f"data: {where}: the transform `{name}` raised {type(error).__name__}: {first}") from None
@@ -119,7 +130,8 @@ def read_prompts(cfg, tokenizer) -> PromptSet:
                                 "or a `type: module.function` transform that makes one")
             prompt = values["prompt"]
             text = prompt_text(prompt, row.where, tokenizer, template, settings.chat_template_kwargs or {})
-            ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int32)
+            # a chat template writes its own BOS; a text prompt gets the tokenizer's special tokens, as TRL's
+            ids = np.asarray(tokenizer(text, add_special_tokens=isinstance(prompt, str))["input_ids"], dtype=np.int32)
             if len(ids) == 0:
                 raise UserError(f"data: {row.where}: the prompt is empty")
             if len(ids) > longest:

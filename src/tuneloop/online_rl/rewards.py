@@ -170,9 +170,9 @@ def checked_rewards(function: RewardFunction, returned, count: int, where: list[
             number = float(value)
         except (TypeError, ValueError):
             number = None
-        if number is None:
+        if number is None or math.isinf(number):
             raise UserError(f"reward `{function.name}` returned {_short(value)} for the completion of {where[index]}; "
-                            "a reward is a number (or None: not scored)")
+                            "a reward is a finite number (or None: not scored)")
         checked.append(number)
     return checked
 

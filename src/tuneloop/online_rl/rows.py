@@ -127,11 +127,16 @@ class RolloutSteps(TrainingSteps):
         self.generations_per_epoch = plan.steps_per_epoch // self.settings.num_iterations
         template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
         functions = load_reward_functions(self.settings.reward_funcs, cfg._config_dir, accelerator.device)
-        self.rollouts = Rollouts(cfg, rows.prompts, tokenizer, functions, accelerator,
-                                 end_of_turn_ids(tokenizer, template, cfg.eot_tokens), plan.micro_batch_size,
+        stops = end_of_turn_ids(tokenizer, template, cfg.eot_tokens)
+        model_stops = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+        stops |= set(model_stops if isinstance(model_stops, list) else [model_stops] if model_stops is not None
+                     else [])  # the model's own (Llama 3's <|eom_id|>, say), as TRL adds them
+        self.rollouts = Rollouts(cfg, rows.prompts, tokenizer, functions, accelerator, stops, plan.micro_batch_size,
                                  plan.gradient_accumulation_steps)
         self.completions_log = (output_dir / run_files.COMPLETIONS if output_dir is not None and
                                 self.settings.log_completions and accelerator.is_main_process else None)
+        # every rank sends its completions' text along with their rewards when the main process logs or prints them
+        self.keeps_records = self.settings.log_completions or bool(self.settings.num_completions_to_print)
         self.current = None  # (generation, StepRollout) being trained
         if resume_from is not None and start_step % self.settings.num_iterations:
             self.current = self._saved_rollout(resume_from)
@@ -149,8 +154,7 @@ class RolloutSteps(TrainingSteps):
                 with self.hooks.phase("generation"):
                     rollout = self.rollouts.make(self.policy, self.reference_model, generation,
                                                  self.step_prompts(generation), self.rank, self.world_size,
-                                                 keep_records=self.completions_log is not None
-                                                 or bool(self.settings.num_completions_to_print))
+                                                 keep_records=self.keeps_records)
                 self.current = (generation, rollout)
                 self._show(step + 1, rollout.records)
             rollout = self.current[1]

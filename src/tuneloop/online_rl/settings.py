@@ -34,8 +34,8 @@ NOT_OFFERED_KEYS = {  # key -> (what it does, the value that means "off", which 
     "reward_processing_classes": ("a reward model with its own tokenizer", None),
     "steps_per_generation": ("generations that span several optimizer steps", None),
     "generation_batch_size": ("generations that span several optimizer steps", None),
-    "vllm_importance_sampling_correction": ("vLLM's importance-sampling correction (generation runs through "
-                                            "transformers here)", False),
+    "vllm_structured_outputs_regex": ("generation constrained to a regular expression (vLLM's structured outputs)",
+                                      None),
     "rollout_func": ("a custom rollout function", None),
     "use_liger_loss": ("Liger's fused GRPO loss", False),
 }

@@ -138,12 +138,20 @@ def continue_from(output_dir: Path, resume: Path) -> None:
     completions = output_dir / run_files.COMPLETIONS  # online RL's log: the completions of steps not undone
     if completions.is_file():
         kept = [line for line in completions.read_text().splitlines(keepends=True)
-                if json.loads(line).get("step", 0) <= step_of(resume)]
+                if _logged_step(line) <= step_of(resume)]
         run_files.write_text(completions, "".join(kept))
     if resume.parent.resolve() == output_dir.resolve():
         for later in complete_checkpoints(output_dir):
             if step_of(later) > step_of(resume):
                 shutil.rmtree(later)
+
+
+def _logged_step(line: str) -> float:
+    """A log line's step; a line a kill tore in half belongs to no kept step."""
+    try:
+        return json.loads(line).get("step", 0)
+    except (json.JSONDecodeError, AttributeError):
+        return float("inf")
 
 
 FORCE_MAY_NOT = ("the model's shape (its class, parameters and trained parameters: the checkpoint's weights "
