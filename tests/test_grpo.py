@@ -286,3 +286,22 @@ def test_check_and_preprocess_describe_an_online_rl_config(grpo_dir, tiny_model_
     assert shown.returncode == 0, shown.stderr[-2000:]
     assert "read 8 prompts" in shown.stdout and "columns for the rewards: word='cat'" in shown.stdout
     assert "<|im_start|>assistant" in shown.stdout  # the prompt ends with the assistant's turn opened
+
+
+def test_a_reward_model_folder_scores_the_completions(grpo_dir, tiny_model_dir, tiny_tokenizer_dir):
+    """`reward_funcs` may name a folder with a sequence-classification model (num_labels 1): its score of prompt +
+    completion is the reward, on the step lines under the folder's name."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    scorer = grpo_dir / "scorer"
+    torch.manual_seed(1)
+    LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id)).save_pretrained(scorer)
+    tokenizer.save_pretrained(scorer)
+    config = grpo_config(grpo_dir, tiny_model_dir, trl={"reward_funcs": [str(scorer), "rewards.short"]})
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = read_metrics(grpo_dir / "out")
+    assert all(isinstance(line["rewards/scorer"], float) and line["rewards/scorer"] != 0 for line in lines)
