@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from preference import tiny_model  # benchmarks/preference.py (a script's own folder is on its path): the same LLaMA
+
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = ("tuneloop", "trl")
 PRESETS = {
@@ -45,23 +47,6 @@ REWARDS = ("correct", "brief")  # of examples/grpo_rewards.py
 
 
 # ---- the parent ---------------------------------------------------------------------------------------------
-def tiny_model(folder: Path) -> Path:
-    """A 2-layer LLaMA with the embedded model's tokenizer (and chat template), built from a config."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from tuneloop.demo.embedded import ensure_embedded_model
-
-    tokenizer = AutoTokenizer.from_pretrained(ensure_embedded_model())
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def run_child(variant: str, job: dict, workdir: Path) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     job_file, result_file = workdir / f"{variant}.job.json", workdir / f"{variant}.result.json"

@@ -28,6 +28,7 @@ from tuneloop import run_files
 from tuneloop.config import TuneloopConfig, load_config
 from tuneloop.engines.base import leave_group_of_one
 from tuneloop.errors import CheckpointFailed, TrainingDiverged, UserError
+from tuneloop.rl_methods import is_online
 from tuneloop.train.hooks import RunHooks, TogetherHooks
 
 
@@ -44,7 +45,7 @@ def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> Tunel
 
 def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunHooks | None = None):
     """(tokenizer, training rows): the rows tokenized, masked and cached once, or a stream read as the run goes
-    (data/source.py); `hooks` hear of the progress of a cache being built, and of what the user should know."""
+    (data/source.py), or online RL's prompts (online_rl/rows.py); `hooks` hear of the progress of a cache being built, and of what the user should know."""
     from transformers.utils import logging as transformers_logging
 
     from tuneloop.data.source import prepare_rows
@@ -58,6 +59,10 @@ def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunH
     tokenizer = load_tokenizer(cfg, encoder_decoder=resolved.encoder_decoder)
     if os.environ.get(SLOW_PREPARE_ENV) and os.environ.get("RANK", "0") == "0":
         time.sleep(float(os.environ[SLOW_PREPARE_ENV]))
+    if is_online(cfg):  # prompts, whose completions the run generates as it trains (online_rl/)
+        from tuneloop.online_rl.rows import prompt_rows
+
+        return tokenizer, prompt_rows(cfg, tokenizer)
     return tokenizer, prepare_rows(cfg, resolved, tokenizer, force=force, hooks=hooks or RunHooks())
 
 

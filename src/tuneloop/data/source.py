@@ -290,17 +290,9 @@ def prepare_rows(cfg, resolved, tokenizer, force: bool = False, hooks=None):
     """The run's training rows (and its eval set), prepared and cached once, or a stream to read as the run goes
     (its eval set is prepared whole); `hooks` hear of a cache being built."""
     from tuneloop.data.prepare import prepare, prepare_streamed_eval
-    from tuneloop.rl_methods import is_online
 
     report = hooks.preparing if hooks is not None else None
     notice = hooks.notice if hooks is not None else None
-    if is_online(cfg):  # prompts, whose completions the run generates (online_rl/)
-        from tuneloop.online_rl.prompts import read_prompts
-        from tuneloop.online_rl.rollout import check_generation_kwargs
-        from tuneloop.online_rl.rows import PromptRows
-
-        check_generation_kwargs(cfg.trl_settings)
-        return PromptRows(cfg, read_prompts(cfg, tokenizer))
     if resolved.streamed:
         prepared = prepare_streamed_eval(cfg, tokenizer, force=force, report=report, notice=notice,
                                          encoder_decoder=resolved.encoder_decoder)

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from tuneloop.train.preference import token_log_probs
+from tuneloop.log_probs import token_log_probs
 
 # the stats every micro-batch reports (summed over the window, then summarise()d for the train line), followed by
 # a (sum, count) pair per reward function

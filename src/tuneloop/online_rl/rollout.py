@@ -271,7 +271,7 @@ class Rollouts:
 
     def _micro_batches(self, policy, reference, completions: Completions, advantages, rewards, total,
                        zero_spread) -> list:
-        from tuneloop.train.preference import reference_mode, token_log_probs
+        from tuneloop.log_probs import reference_mode, token_log_probs
 
         settings, device = self.settings, self.accelerator.device
         pad, window = self.tokenizer.pad_token_id, []

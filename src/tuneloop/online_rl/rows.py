@@ -50,6 +50,15 @@ def prompts_per_step(cfg, world_size: int) -> int:
     return completions // group
 
 
+def prompt_rows(cfg, tokenizer) -> "PromptRows":
+    """An online RL run's rows: its prompts read and tokenized, its generation settings checked."""
+    from tuneloop.online_rl.prompts import read_prompts
+    from tuneloop.online_rl.rollout import check_generation_kwargs
+
+    check_generation_kwargs(cfg.trl_settings)
+    return PromptRows(cfg, read_prompts(cfg, tokenizer))
+
+
 class PromptRows:
     def __init__(self, cfg, prompts):
         self.cfg, self.prompts = cfg, prompts

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from tuneloop.data.collate import Collator
-from tuneloop.train.preference import reference_mode, sequence_log_probs
+from tuneloop.log_probs import reference_mode, sequence_log_probs
 
 REFERENCE_BATCH_PAIRS = 8  # pairs per forward of the precomputing pass
 
