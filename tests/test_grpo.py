@@ -305,3 +305,35 @@ def test_a_reward_model_folder_scores_the_completions(grpo_dir, tiny_model_dir, 
     assert result.returncode == 0, result.stderr[-3000:]
     lines = read_metrics(grpo_dir / "out")
     assert all(isinstance(line["rewards/scorer"], float) and line["rewards/scorer"] != 0 for line in lines)
+
+
+def test_log_completions_reaches_every_tracker(grpo_dir, tiny_model_dir):
+    """With `trl.log_completions`, each generation's completions are a TensorBoard text table, a wandb Table and an
+    MLflow JSON artifact, at the step that trains on them, besides completions.jsonl."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_trackers import wandb_records
+
+    store = grpo_dir / "mlruns"
+    config = grpo_config(grpo_dir, tiny_model_dir, trl={"log_completions": True}, use_tensorboard=True,
+                         wandb_project="tuneloop-tests", wandb_mode="offline", mlflow_tracking_uri=f"file:{store}",
+                         mlflow_experiment_name="grpo")
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = grpo_dir / "out"
+    logged = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "runs"))
+    events.Reload()
+    texts = events.Tensors("completions/text_summary")
+    assert [event.step for event in texts] == [1, 2]
+    first = texts[0].tensor_proto.string_val[0].decode()
+    assert first.count("\n") == 1 + 8 and logged[0]["completion"].replace("|", "\\|").split("\n")[0] in first
+    (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
+    tables = [{item.nested_key[1]: json.loads(item.value_json) for item in record.history.item
+               if list(item.nested_key[:1]) == ["completions"]}
+              for record in wandb_records(run_file) if record.WhichOneof("record_type") == "history"]
+    assert [(table["_type"], table["nrows"], table["ncols"]) for table in tables] == [("table-file", 8, 4)] * 2
+    client = MlflowClient(f"file:{store}")
+    (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
+    artifacts = sorted(item.path for item in client.list_artifacts(run.info.run_id, "completions"))
+    assert artifacts == ["completions/step_000001.json", "completions/step_000002.json"]

@@ -8,7 +8,8 @@ then, not a crash an hour in. One that fails later is dropped with a warning; tr
 metrics.jsonl still has every line.
 
 What each receives: the plan's numbers and the config as run parameters; every train and eval line
-under `train/...` and `eval/...` at its optimizer step; the summary at the end.
+under `train/...` and `eval/...` at its optimizer step; online RL's completions with `trl.log_completions` (a
+TensorBoard text table, a wandb Table, an MLflow JSON artifact per generation); the summary at the end.
 
 Secrets: a tracking URI's user and password are never printed (`redacted`); config keys that look like
 credentials are never logged as parameters; API keys come from the libraries' own environment
@@ -67,6 +68,16 @@ def flat(values: dict, prefix: str = "") -> dict:
     return out
 
 
+COMPLETION_COLUMNS = ["prompt", "completion", "reward", "advantage"]
+
+
+def _cell(value) -> str:
+    """A prompt (a text, or its messages' contents) or a completion as one table cell."""
+    if isinstance(value, list):
+        value = " / ".join(str(message.get("content", "")) for message in value if isinstance(message, dict))
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
 def run_parameters(cfg, plan) -> dict:
     """The plan's numbers and the config's keys, flat, credentials left out."""
     settings = {key: value for key, value in cfg.model_dump(mode="json").items()
@@ -103,6 +114,13 @@ class TensorBoardTracker:
         for name, value in values.items():
             self.writer.add_scalar(name, value, step)
 
+    def log_completions(self, records: list[dict], step: int) -> None:
+        """A markdown table under the text tag `completions`, one per generation."""
+        rows = ["| prompt | completion | reward | advantage |", "|---|---|---|---|"]
+        rows += [f"| {_cell(r['prompt'])} | {_cell(r['completion'])} | {r['reward']} | {r['advantage']} |"
+                 for r in records]
+        self.writer.add_text("completions", "\n".join(rows), step)
+
     def finish(self, summary: dict | None) -> None:
         for name, value in flat(summary or {}, "summary/").items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -138,6 +156,13 @@ class WandbTracker:
 
     def log(self, values: dict, step: int) -> None:
         self.run.log(values, step=step)
+
+    def log_completions(self, records: list[dict], step: int) -> None:
+        import wandb
+
+        table = wandb.Table(columns=COMPLETION_COLUMNS,
+                            data=[[_cell(r["prompt"]), r["completion"], r["reward"], r["advantage"]] for r in records])
+        self.run.log({"completions": table}, step=step)
 
     def finish(self, summary: dict | None) -> None:
         for name, value in flat(summary or {}).items():
@@ -208,6 +233,10 @@ class MlflowTracker:
     def log(self, values: dict, step: int) -> None:
         # mlflow's metric names allow letters, digits, _ - . / and spaces: ours are train/loss and such
         self.mlflow.log_metrics(values, step=step)
+
+    def log_completions(self, records: list[dict], step: int) -> None:
+        """One JSON artifact per generation: completions/step_000012.json."""
+        self.mlflow.log_dict(records, f"completions/step_{step:06d}.json")
 
     def finish(self, summary: dict | None) -> None:
         numbers = {f"summary/{key}": value for key, value in flat(summary or {}).items()
@@ -305,6 +334,15 @@ class Trackers(RunHooks):
                 del self.started[name]
                 self.notice(f"{name} stopped tracking at step {step} ({type(error).__name__}: "
                             f"{redacted(str(error))}); metrics.jsonl has every line")
+
+    def completions(self, step: int, records: list[dict]) -> None:
+        for name, tracker in list(self.started.items()):
+            try:
+                tracker.log_completions(records, step)
+            except Exception as error:  # a tracker is never worth a failed run
+                del self.started[name]
+                self.notice(f"{name} stopped tracking at step {step} ({type(error).__name__}: "
+                            f"{redacted(str(error))}); metrics.jsonl and completions.jsonl have every line")
 
     def finish(self, summary: dict | None) -> None:
         for name, tracker in list(self.started.items()):

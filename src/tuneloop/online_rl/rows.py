@@ -196,6 +196,7 @@ class RolloutSteps(TrainingSteps):
         if self.completions_log is not None:
             for record in records:
                 run_files.append_json_line(self.completions_log, {"step": step, **record})
+            self.hooks.completions(step, records)  # (the trackers' tables)
         for record in records[:self.settings.num_completions_to_print or 0]:
             self.hooks.told(f"step {step} completion (reward {record['reward']}): {record['completion'][:200]!r}")
 

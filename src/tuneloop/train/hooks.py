@@ -47,6 +47,10 @@ class RunHooks:
     def stepped(self, step: int) -> None:
         """Main process: after every optimizer step (host-side only: nothing here may wait for the device)."""
 
+    def completions(self, step: int, records: list[dict]) -> None:
+        """Main process, online RL with `trl.log_completions`: every completion of the generation that `step`
+        trains on (prompt, completion, rewards, advantage), as completions.jsonl has it."""
+
     def loop_started(self) -> None:
         """Right before the first step of this session."""
 
@@ -90,6 +94,10 @@ class TogetherHooks(RunHooks):
     def stepped(self, step: int) -> None:
         for hooks in self.all:
             hooks.stepped(step)
+
+    def completions(self, step: int, records: list[dict]) -> None:
+        for hooks in self.all:
+            hooks.completions(step, records)
 
     def loop_started(self) -> None:
         for hooks in self.all:
