@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ REWARDS = textwrap.dedent('''
     def short(prompts, completions, **kwargs):
         return [-len(c[0]["content"]) / 10 for c in completions]
 
-    def has_word(prompts, completions, word, **kwargs):
+    def has_word(prompts, completions, word, trainer_state, **kwargs):
+        assert 0 <= trainer_state.global_step < trainer_state.max_steps  # TRL's progress, for a curriculum
         return [1.0 if w in c[0]["content"] else None if w == "one" else 0.0 for c, w in zip(completions, word)]
 
     def broken(prompts, completions, **kwargs):
@@ -329,9 +331,16 @@ def test_log_completions_reaches_every_tracker(grpo_dir, tiny_model_dir):
     first = texts[0].tensor_proto.string_val[0].decode()
     assert first.count("\n") == 1 + 8 and logged[0]["completion"].replace("|", "\\|").split("\n")[0] in first
     (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
-    tables = [{item.nested_key[1]: json.loads(item.value_json) for item in record.history.item
-               if list(item.nested_key[:1]) == ["completions"]}
-              for record in wandb_records(run_file) if record.WhichOneof("record_type") == "history"]
+    for _ in range(60):  # wandb's own service process writes the file; on a busy machine it may finish after us
+        try:
+            tables = [{item.nested_key[1]: json.loads(item.value_json) for item in record.history.item
+                       if list(item.nested_key[:1]) == ["completions"]}
+                      for record in wandb_records(run_file) if record.WhichOneof("record_type") == "history"]
+        except Exception:  # a record it is still writing
+            tables = []
+        if len(tables) == 2:
+            break
+        time.sleep(0.5)
     assert [(table["_type"], table["nrows"], table["ncols"]) for table in tables] == [("table-file", 8, 4)] * 2
     client = MlflowClient(f"file:{store}")
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])

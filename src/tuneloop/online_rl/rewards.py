@@ -7,7 +7,8 @@ prompt and completion together is the reward. A dataset transform (`type: reward
 (prompts.py).
 
 A function is called once per step on this rank's completions: `f(prompts=..., completions=...,
-completion_ids=..., **the rows' other columns)` -> one float per completion, or None where it does not apply
+completion_ids=..., trainer_state=..., **the rows' other columns)` (trainer_state: TrainerProgress, the
+global_step/max_steps/epoch of TRL's) -> one float per completion, or None where it does not apply
 (TRL's convention; a completion no function scores trains with advantage 0). What it raises or returns wrongly
 stops the run with exit 2, naming the function, the row and the value, before any weight of that step changes.
 """
@@ -117,9 +118,20 @@ def _check_signature(function: Callable, name: str, key: str) -> None:
                         "takes `prompts` and `completions` (and the rows' columns by name, or **kwargs), as TRL's")
 
 
+@dataclass(frozen=True)
+class TrainerProgress:
+    """What TRL's `trainer_state` tells a reward function of the run (a curriculum reads global_step): the
+    optimizer steps done before this generation's first, the run's steps, and the epochs done."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
 def _called_as_trl(function: Callable) -> Callable:
-    def call(prompts, completions, completion_ids, columns: dict):
-        return function(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+    def call(prompts, completions, completion_ids, columns: dict, progress: TrainerProgress | None = None):
+        return function(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                        trainer_state=progress, **columns)
     return call
 
 
@@ -138,7 +150,7 @@ class RewardModel:
         if device is not None:
             self.model.to(device)
 
-    def __call__(self, prompts, completions, completion_ids, columns: dict):
+    def __call__(self, prompts, completions, completion_ids, columns: dict, progress=None):
         import torch
 
         if prompts and isinstance(prompts[0], list):
@@ -178,12 +190,12 @@ def checked_rewards(function: RewardFunction, returned, count: int, where: list[
 
 
 def score(functions: list[RewardFunction], prompts: list, completions: list, completion_ids: list,
-          columns: dict, where: list[str]) -> list[list[float]]:
+          columns: dict, where: list[str], progress: TrainerProgress | None = None) -> list[list[float]]:
     """[completion][function] rewards (NaN: None). A function that raises is a UserError naming it and the rows."""
     table = [[math.nan] * len(functions) for _ in completions]
     for column, function in enumerate(functions):
         try:
-            returned = function.call(prompts, completions, completion_ids, columns)
+            returned = function.call(prompts, completions, completion_ids, columns, progress)
         except Exception as error:  # the user's code: what it raised, where, in one line
             first = (str(error).splitlines() or [""])[0]
             raise UserError(f"reward `{function.name}` raised {type(error).__name__}: {first} (scoring the "

@@ -212,7 +212,7 @@ class Rollouts:
         return (self.cfg.seed * 1_000_003 + generation * 7_919 + rank) % (2 ** 63)
 
     def make(self, policy, reference, generation: int, step_prompts: list[int], rank: int, world_size: int,
-             keep_records: bool) -> StepRollout:
+             keep_records: bool, progress=None) -> StepRollout:
         """This rank's share of one generation over `step_prompts` (the step's prompt indices, every rank's)."""
         settings, group = self.settings, self.settings.num_generations
         local = self.micro_batch_size * self.accumulation
@@ -234,7 +234,7 @@ class Rollouts:
                  if key not in ("completion", "completion_ids")]  # (TRL passes its own under those names)
         columns = {key: [self.prompts.columns[p].get(key) for p in owned] for key in names}
         try:
-            table, error = score(self.functions, prompts, shown, completions.tokens, columns, where), None
+            table, error = score(self.functions, prompts, shown, completions.tokens, columns, where, progress), None
         except UserError as raised:
             table, error = None, str(raised)
         records = ([{"prompt": prompt, "completion": text, "where": place}

@@ -23,6 +23,7 @@ from tuneloop import run_files
 from tuneloop.data.source import StepCounts, steps_for_epochs
 from tuneloop.data.steps import Step, TrainingSteps
 from tuneloop.errors import UserError
+from tuneloop.online_rl.rewards import TrainerProgress
 from tuneloop.online_rl.rollout import Rollouts, prompt_order
 
 @dataclass
@@ -163,7 +164,9 @@ class RolloutSteps(TrainingSteps):
                 with self.hooks.phase("generation"):
                     rollout = self.rollouts.make(self.policy, self.reference_model, generation,
                                                  self.step_prompts(generation), self.rank, self.world_size,
-                                                 keep_records=self.keeps_records)
+                                                 keep_records=self.keeps_records,
+                                                 progress=TrainerProgress(step, self.plan.total_steps,
+                                                                          self.epoch_at(step)))
                 self.current = (generation, rollout)
                 self._show(step + 1, rollout.records)
             rollout = self.current[1]
