@@ -279,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tuneloop.allocator import tune_host_allocator
+
+    tune_host_allocator()  # before torch allocates anything (allocator.py: mmap and trimming off)
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

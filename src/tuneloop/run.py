@@ -107,8 +107,10 @@ class TrainingSession:
     def __enter__(self) -> "TrainingSession":
         from datetime import timedelta
 
+        from tuneloop.allocator import tune_host_allocator
         from tuneloop.hardware import quiet_deepspeed_on_cpu
 
+        tune_host_allocator()  # (a session opened from Python, not the CLI: allocator.py)
         quiet_deepspeed_on_cpu()  # (before Accelerate is imported)
         import torch
         from accelerate import Accelerator

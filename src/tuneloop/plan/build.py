@@ -70,6 +70,7 @@ class TrainingPlan:
     dropped_no_trained_tokens: int = 0
     dropped_identical_pairs: int = 0  # preference pairs whose chosen and rejected replies tokenize the same
     precision: str | None = None  # resolved.precision in words: "fp32 (...)", "bf16 mixed precision (...)"
+    host_allocator: str | None = None  # the host allocator of every tuneloop process, in words (allocator.py)
     attention: str | None = None  # the attention implementation the model loads with
     torch_compile: str | None = None  # what torch.compile compiles, when the config asks for it
     flops_per_token: float | None = None  # model FLOPs per real token of a training step (flops.py)
@@ -221,7 +222,10 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
         generated = counts.rollout["completions_per_rank"] * int(counts.sequence_lengths.max())
     estimate = estimate_memory(cfg, facts, counts.max_micro_batch_tokens, precision, resolved.engine, world_size,
                                device_memory_gb, generated_positions=generated)
+    from tuneloop.allocator import tune_host_allocator
+
     part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),
+            "host_allocator": tune_host_allocator(),
             "saved_dtype": "fp32" if cfg.adapter else {"bf16": "bf16", "fp16": "fp16"}.get(
                 "bf16" if cfg.bfloat16 else "fp16" if cfg.float16 else "", "fp32"),
             "attention": resolved.attention.used, "engine": resolved.engine.describe(world_size),
