@@ -27,6 +27,8 @@ VARIANTS = {
     "padded_accum2": dict(micro_batch_size=2, gradient_accumulation_steps=2),
     "packed": dict(sample_packing=True, micro_batch_size=1, gradient_accumulation_steps=1),
     "grouped_accum3": dict(group_by_length=True, micro_batch_size=2, gradient_accumulation_steps=3),
+    # bf16 compute weights with fp32 masters: the checkpoint holds the masters
+    "masters": dict(bf16=True, master_weights=True, micro_batch_size=2, gradient_accumulation_steps=2),
 }
 RESUMABLE = dict(num_epochs=2, save_strategy=None, save_steps=3, save_total_limit=2, learning_rate=2e-3, warmup_steps=2,
                  val_set_size=0.1, evals_per_epoch=2, auto_resume_from_checkpoints=True)

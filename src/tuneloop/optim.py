@@ -79,10 +79,10 @@ OPTIMIZERS.add("adamw_torch_8bit", OptimizerKind(_library_adamw("torchao.optim",
 OPTIMIZERS.add("adamw_torch_4bit", OptimizerKind(_library_adamw("torchao.optim", "AdamW4bit"), 1, True, "torchao"))
 
 
-def parameter_groups(model, weight_decay: float) -> list[dict]:
+def parameter_groups(named_parameters, weight_decay: float) -> list[dict]:
     """Weight decay on weight matrices only, as the Trainer does: not on biases or norms."""
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for name, param in named_parameters:
         if not param.requires_grad:
             continue
         skip = param.ndim < 2 or any(part in name.lower() for part in NO_DECAY_NAMES)
@@ -90,9 +90,12 @@ def parameter_groups(model, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(cfg, model):
-    """(hardware.check_hardware has refused an optimizer this machine cannot run, before training.)"""
-    return OPTIMIZERS[cfg.optimizer].build(parameter_groups(model, cfg.weight_decay), cfg)
+def build_optimizer(cfg, model, named_parameters=None):
+    """Over the model's parameters, or over `named_parameters` where they are not the model's own (fp32 masters:
+    engines/masters.py). (hardware.check_hardware has refused an optimizer this machine cannot run, before
+    training.)"""
+    named = model.named_parameters() if named_parameters is None else named_parameters
+    return OPTIMIZERS[cfg.optimizer].build(parameter_groups(named, cfg.weight_decay), cfg)
 
 
 # ---- learning-rate schedules -------------------------------------------------------------------

@@ -380,6 +380,29 @@ def sharded_quantized_weights(cfg, engine) -> Problems:
                "(the seed's recipe: the compute dtype) or uint8")
 
 
+def master_weights_blocker(cfg, mixed: str) -> str | None:
+    """What rules out bf16 compute weights with fp32 masters (resolved.master_weights), in words; None: nothing."""
+    if mixed != "bf16":
+        return "bf16 mixed precision (`bf16: true`, or `bf16: auto` on a machine with native bf16)"
+    if cfg.adapter:
+        return ("a full fine-tune: an adapter trains fp32 weights beside a frozen base (`bfloat16: true` loads the "
+                "base in bf16)")
+    if cfg.bfloat16 or cfg.float16:
+        return "fp32 weights to keep as masters (`bfloat16`/`float16` load 16-bit weights with no fp32 copy)"
+    if cfg.engine.name != "ddp":
+        return f"the DDP engine ({cfg.engine.name} keeps fp32 masters of its own under `bf16`)"
+    return None
+
+
+def master_weights(cfg) -> Problems:
+    """`master_weights: true` where the config alone rules them out (bf16 off, an adapter, 16-bit weights, a
+    sharding engine); a machine without native bf16 under `bf16: auto` is resolved.py's to say."""
+    if cfg.master_weights is True:
+        blocker = master_weights_blocker(cfg, "no" if cfg.bf16 is False or cfg.fp16 else "bf16")
+        if blocker:
+            yield f"`master_weights: true` needs {blocker}"
+
+
 def mixed_precision_of(cfg) -> str:
     """"bf16", "fp16" or "no": resolved.precision's answer (fp16 needing CUDA is refused there, not here)."""
     from tuneloop.hardware import native_bf16
@@ -393,7 +416,7 @@ def mixed_precision_of(cfg) -> str:
 
 RULES: tuple[Callable[..., Problems], ...] = (schedule, precision_and_attention, chat_template, adapters,
                                               bitsandbytes_settings, eval_set_and_shards, model_source, streaming,
-                                              preference, sharding)
+                                              preference, sharding, master_weights)
 
 
 def problems_of(cfg, unjudged: set[str] = frozenset()) -> list[str]:

@@ -1,8 +1,13 @@
 """DDP (no `fsdp`/`deepspeed` key): every rank holds the whole model, Accelerate averages the gradients in the last
-micro-batch's backward of each step. One process is this engine too, with no gradients to average."""
+micro-batch's backward of each step. One process is this engine too, with no gradients to average.
+
+Under bf16 with fp32 masters (resolved.master_weights) the model computes with bf16 weights and the optimizer steps
+fp32 masters (masters.py): the model is then not wrapped in DDP, and the masters' fp32 gradients are averaged over
+the ranks once per step instead."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from tuneloop.engines.base import Engine, EngineSpec
@@ -20,11 +25,21 @@ class DDPSpec(EngineSpec):
 
 
 class DDPEngine(Engine):
+    masters = None  # the fp32 masters (masters.MasterWeights), under bf16 with masters
+
     def prepare(self, module):
         from tuneloop.optim import build_optimizer
 
-        optimizer = build_optimizer(self.cfg, module.model)
         self.module = module
+        if self.plan.resolved.precision.masters:
+            from tuneloop.engines.masters import MasterWeights
+
+            module.to(self.accelerator.device)
+            self.masters = MasterWeights(module.model, self.plan.world_size)
+            self.optimizer = build_optimizer(self.cfg, module.model, self.masters.named_masters(module.model))
+            self.runner = module
+            return self.runner, self.optimizer
+        optimizer = build_optimizer(self.cfg, module.model)
         self.runner, self.optimizer = self.accelerator.prepare(module, optimizer)
         return self.runner, self.optimizer
 
@@ -32,12 +47,34 @@ class DDPEngine(Engine):
         return self.module  # unwrapped: DDP's forward would broadcast buffers, a collective
 
     def accumulating(self, last: bool):
-        import contextlib
-
+        self.last = last
+        if self.masters is not None:  # the masters' gradients are averaged after the last backward
+            return contextlib.nullcontext()
         return contextlib.nullcontext() if last else self.accelerator.no_sync(self.runner)
 
     def backward(self, loss) -> None:
         self.accelerator.backward(loss)
+        if self.masters is not None and self.last:
+            self.masters.reduce_gradients()
 
     def clip_grad_norm(self, max_norm: float | None):
+        if self.masters is not None:
+            import torch
+
+            return torch.nn.utils.clip_grad_norm_(self.masters.masters, max_norm or float("inf"))
         return self.accelerator.clip_grad_norm_(self.runner.parameters(), max_norm or float("inf"))
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        if self.masters is not None:
+            self.masters.write_compute_weights()
+
+    def zero_grad(self) -> None:
+        if self.masters is not None:  # (their gradients are views of one buffer: zeroed, never set to None)
+            self.masters.zero_grad()
+        else:
+            super().zero_grad()
+
+    def full_state_dict(self) -> dict | None:
+        """With masters: the model's weights as the masters hold them (fp32), for checkpoints and the saved model."""
+        return None if self.masters is None else self.masters.state_dict(self.module.model)

@@ -221,7 +221,8 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     if counts.rollout:  # one generation batch per rank: its completions, each as long as the longest can be
         generated = counts.rollout["completions_per_rank"] * int(counts.sequence_lengths.max())
     estimate = estimate_memory(cfg, facts, counts.max_micro_batch_tokens, precision, resolved.engine, world_size,
-                               device_memory_gb, generated_positions=generated)
+                               device_memory_gb, generated_positions=generated,
+                               masters=resolved.precision.masters)
     from tuneloop.allocator import tune_host_allocator
 
     part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),

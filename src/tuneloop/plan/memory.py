@@ -64,13 +64,14 @@ def device_memory_gb() -> tuple[str, float | None]:
 
 def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str, engine,
                     world_size: int = 1, device_gb: float | None = None,
-                    generated_positions: int = 0) -> MemoryEstimate:
+                    generated_positions: int = 0, masters: bool = False) -> MemoryEstimate:
     """Memory per rank. Weights, gradients and optimizer state are divided by the world size where the engine
     shards them (FSDP2 all three, ZeRO-1 the optimizer, ZeRO-2 also gradients, ZeRO-3 all three) and moved to
     host memory where it offloads them: each engine says its share (engines/: `per_rank`). `device_gb` overrides
     this machine's device (planning a launch elsewhere: `tuneloop plan --device-memory 80`). `generated_positions`:
     online RL's positions in one generation batch (its completions × their longest prompt + completion), whose KV
-    cache is held while it generates, when the training activations are not."""
+    cache is held while it generates, when the training activations are not. `masters`: the trained weights are
+    held in bf16 for the model and in fp32 for the optimizer, with fp32 gradients (engines/masters.py)."""
     config = facts.config
     params, trainable = facts.parameters, facts.trainable_parameters
     # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them; 4-bit NF4 or
@@ -79,6 +80,8 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights
     quantized = quantized_weights_bytes(cfg, facts)
     held_weights = sum(quantized) if quantized else params * parameter_bytes
+    if masters:  # the trained weights in bf16 (frozen ones stay fp32), their masters and gradients in fp32
+        held_weights, master_bytes, trained_bytes = params * 4 - trainable * 2, 4.0, 4
     if cfg.adapter:
         held_weights += trainable * trained_bytes  # the adapter's own weights, beside the base
     weight_bytes = held_weights / max(params, 1)  # as held on average (the reference copy, the engines' shares)
@@ -95,8 +98,9 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     device, here_gb = device_memory_gb()
     if device_gb is not None:
         device = "each device (--device-memory)"
-    reference = params * weight_bytes / gb if keeps_reference_copy(cfg) else 0.0
-    generation = kv_cache_bytes(facts.config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 else 4)
+    # (a reference model is loaded as the config loads weights: fp32 beside a model with masters)
+    reference = params * (4 if masters else weight_bytes) / gb if keeps_reference_copy(cfg) else 0.0
+    generation = kv_cache_bytes(facts.config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 or masters else 4)
     total = (share.weights + share.gradients + share.optimizer + max(activations, generation) + share.gathered) / gb \
         + reference
     device_total = device_gb if device_gb is not None else here_gb

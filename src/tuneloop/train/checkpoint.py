@@ -27,6 +27,7 @@ from tuneloop.data.stream_steps import STREAM_POSITION
 from tuneloop.engines.base import SHARDS
 from tuneloop.errors import CheckpointFailed, UserError
 from tuneloop.run_files import complete_checkpoints
+from tuneloop.train.model_folder import config_says_dtype_of
 from tuneloop.train.state import restore_rng_states, rng_states
 
 # plan keys that must match for a checkpoint to continue the same run
@@ -126,6 +127,8 @@ def write_checkpoint(output_dir: Path, step: int, state: dict, model, optimizer_
         temp.mkdir(parents=True)
         if weights:
             model.save_pretrained(temp, safe_serialization=True, state_dict=model_state)
+            if model_state:  # (fp32 masters of a model that computes in bf16: config.json says fp32)
+                config_says_dtype_of(temp, model_state)
         if tokenizer is not None:
             tokenizer.save_pretrained(temp)
         shards = run_files.pending_shards(output_dir, step)

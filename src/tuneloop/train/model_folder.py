@@ -23,12 +23,12 @@ def save_hf_folder(model, tokenizer, folder: Path, weights: dict | None = None) 
         config.use_cache = True  # off for training (packing needs it off); on for whoever generates next
     model.save_pretrained(folder, safe_serialization=True, state_dict=weights)
     if weights:
-        _config_says_dtype_of(folder, weights)
+        config_says_dtype_of(folder, weights)
     tokenizer.save_pretrained(folder)
     make_readable(folder)
 
 
-def _config_says_dtype_of(folder: Path, weights: dict) -> None:
+def config_says_dtype_of(folder: Path, weights: dict) -> None:
     """config.json names the dtype of the weights saved beside it (save_pretrained names the model's own, and a
     16-bit DeepSpeed model saves its fp32 masters): `from_pretrained(dtype="auto")` then loads what was saved."""
     import json
