@@ -39,9 +39,9 @@ VARIANTS = {
 }
 
 
-def run(variant: str, workdir: Path, max_steps: int | None) -> dict:
+def run(variant: str, workdir: Path, max_steps: int | None, extra: list[str]) -> dict:
     out = workdir / variant
-    sets = [*VARIANTS[variant], f"output_dir={out}", f"dataset_prepared_path={workdir / 'prepared'}"]
+    sets = [*VARIANTS[variant], *extra, f"output_dir={out}", f"dataset_prepared_path={workdir / 'prepared'}"]
     if max_steps:
         sets.append(f"max_steps={max_steps}")
     command = [sys.executable, "-m", "tuneloop", "train", str(QUICKSTART), "--overwrite"]
@@ -64,24 +64,30 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=None, help="fewer steps than the quickstart's 14")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset (autocast, if given, "
+                        "and fp32 are the ratios' references)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every variant")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
-    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    runs: dict[str, list[dict]] = {name: [] for name in args.variants.split(",")}
     with tempfile.TemporaryDirectory(prefix="tuneloop-precision-") as folder:
         for round_index in range(args.rounds):
-            for name in VARIANTS:
-                result = run(name, Path(folder), args.max_steps)
+            for name in runs:
+                result = run(name, Path(folder), args.max_steps, args.set)
                 runs[name].append(result)
                 print(f"round {round_index + 1} {name:<10} {result['tokens_per_second']:7.1f} real tok/s, eval loss "
                       f"{result['eval_loss']:.5f}, peak RSS {result['peak_rss_gb']:.2f} GB", flush=True)
 
     def ratio(name: str, reference: str) -> float:
+        if reference not in runs:
+            return float("nan")
         return statistics.median(a["tokens_per_second"] / b["tokens_per_second"]
                                  for a, b in zip(runs[name], runs[reference]))
 
-    fp32_loss = statistics.median(r["eval_loss"] for r in runs["fp32"])
-    print(f"\nthe quickstart (embedded SmolLM2-135M, packed), {args.rounds} interleaved round(s), "
-          f"{os.cpu_count()} cores; real tokens/s after the first step")
+    fp32_loss = statistics.median(r["eval_loss"] for r in runs.get("fp32", runs[next(iter(runs))]))
+    print(f"\nthe quickstart (embedded SmolLM2-135M, packed){' with ' + ', '.join(args.set) if args.set else ''}, "
+          f"{args.rounds} interleaved round(s), {os.cpu_count()} cores; real tokens/s after the first step; "
+          f"eval loss against {'fp32' if 'fp32' in runs else next(iter(runs))}'s")
     head = f"{'variant':<11}{'real tok/s':>16}{'x autocast':>11}{'x fp32':>8}{'MFU':>7}{'eval loss':>11}" \
            f"{'vs fp32':>9}{'peak RSS GB':>12}{'plan GB':>8}"
     print(head + "\n" + "-" * len(head))

@@ -1,8 +1,8 @@
 """bf16 compute weights with fp32 masters (engines/masters.py), through the real `tuneloop train`:
 
 - the run holds bf16 weights and steps fp32 masters, as the plan says and counts;
-- its weights after four AdamW steps are as close to the fp32 run's as the autocast path's are (both compute in
-  bf16), and far closer than pure bf16 weights (`bfloat16: true`, no masters) get;
+- the products are autocast's (the same bf16 weights, the gradients added into fp32): after four AdamW steps its
+  weights equal the autocast run's, while pure bf16 weights (`bfloat16: true`, no masters) lose the update;
 - two DDP ranks give one process's update (the masters' fp32 gradients are averaged once per step);
 - the saved model is the fp32 masters; a kill -9 and resume is bit-identical (test_resume.py's `masters` variant).
 """
@@ -58,16 +58,20 @@ def runs(tmp_path_factory, tiny_model_dir, data):
                                **FOUR_ADAMW_STEPS)}
 
 
-def test_the_run_computes_with_bf16_weights_and_steps_fp32_masters_as_planned(runs):
+def test_the_run_computes_with_bf16_weights_and_steps_fp32_masters_as_planned(runs, tiny_model_dir):
     out = runs["masters"]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["resolved"]["precision"]["masters"] is True
     assert "bf16 compute weights and fp32 masters" in plan["precision"]
     held = json.loads((out / "summary.json").read_text())["held_bytes_per_rank"][0]
     parameters = plan["memory"]["parameters"]
-    # every weight of the tiny model is trained: bf16 for the model, an fp32 master and two fp32 AdamW states
-    assert held["weights"] == parameters * 2
-    assert held["optimizer"] == pytest.approx(parameters * (4 + 8), rel=1e-3)  # (and AdamW's step counters)
+    # the tiny LLaMA's q/k/v/o and MLP projections (its output head stays fp32 for the chunked loss)
+    matmul_weights = sum(tensor.numel() for name, tensor in load_file(tiny_model_dir / "model.safetensors").items()
+                         if name.endswith("proj.weight"))
+    # the matmuls' weights in bf16, the rest (embeddings, norms) fp32; an fp32 master of each bf16 weight and two
+    # fp32 AdamW states of every weight
+    assert held["weights"] == parameters * 4 - matmul_weights * 2
+    assert held["optimizer"] == pytest.approx(matmul_weights * 4 + parameters * 8, rel=1e-3)  # (and step counters)
     planned = plan["memory"]["per_rank_bytes"]
     assert held["weights"] == planned["weights"]
     assert held["optimizer"] == pytest.approx(planned["optimizer"], rel=1e-3)
@@ -88,22 +92,26 @@ def test_the_saved_model_is_the_fp32_masters(runs, tiny_model_dir):
     assert any(bool(((m > 0) & (m < s)).any()) for m, s in zip(moved, spacing))
 
 
-def test_masters_stay_as_close_to_the_fp32_run_as_autocast_does_and_pure_bf16_does_not(runs, tiny_model_dir):
+def test_masters_compute_as_autocast_does_and_pure_bf16_does_not(runs, tiny_model_dir):
+    """The same products in the same dtypes as under autocast, gradients added into fp32 in the same order and the
+    norm clipped over the same sum: the weights equal autocast's (measured: bit-identical after 4 AdamW steps), while
+    bf16 compute itself is 2.5e-2 from fp32 and pure bf16 weights (no fp32 copy) lose most of the update."""
     fp32 = change(runs["fp32"], tiny_model_dir)
-    masters = relative_difference(change(runs["masters"], tiny_model_dir), fp32)
-    autocast = relative_difference(change(runs["autocast"], tiny_model_dir), fp32)
+    autocast = change(runs["autocast"], tiny_model_dir)
+    masters = relative_difference(change(runs["masters"], tiny_model_dir), autocast)
+    bf16_compute = relative_difference(autocast, fp32)
     pure = relative_difference(change(runs["pure_bf16"], tiny_model_dir), fp32)
-    print(f"relative L2 of the weight change against fp32's: masters {masters:.2e}, autocast {autocast:.2e}, "
-          f"pure bf16 {pure:.2e}")
-    assert masters < 0.05 and masters < 2 * autocast
-    assert pure > 3 * masters
+    print(f"relative L2 of the weight change after 4 AdamW steps: masters against autocast {masters:.2e}; "
+          f"autocast against fp32 {bf16_compute:.2e}; pure bf16 against fp32 {pure:.2e}")
+    assert masters < 1e-6 < bf16_compute
+    assert pure > 10 * bf16_compute
 
 
 @pytest.mark.slow
 def test_two_ddp_ranks_with_masters_equal_one_process(tmp_path, tiny_model_dir, data, runs):
     """2 ranks × 1 micro-batch of 2 × 2 accumulation = one process's 2 × 2 × 2 rows: same micro-batches, so the same
-    bf16 gradients; only the order of the fp32 sums differs (and sums of a few bf16 values are exact in fp32: the
-    difference measured 0)."""
+    bf16 gradients; only the order of the fp32 sums differs (the bf16 weights' sums of a few bf16 values are exact in
+    fp32; the fp32 weights' are not: the difference measured 1.9e-7)."""
     keys = {**FOUR_ADAMW_STEPS, "gradient_accumulation_steps": 4}
     one = train(tmp_path, tiny_model_dir, data, "one", bf16=True, **keys)
     two = train(tmp_path, tiny_model_dir, data, "two", ranks=2, bf16=True, **FOUR_ADAMW_STEPS)
@@ -111,7 +119,7 @@ def test_two_ddp_ranks_with_masters_equal_one_process(tmp_path, tiny_model_dir, 
     assert plan["world_size"] == 2 and plan["resolved"]["precision"]["masters"] is True
     difference = relative_difference(change(two, tiny_model_dir), change(one, tiny_model_dir))
     print(f"relative L2 of 2 ranks' weight change against one process's: {difference:.2e}")
-    assert difference < 1e-4
+    assert difference < 1e-5
 
 
 @pytest.mark.parametrize("keys, named", [
@@ -124,3 +132,11 @@ def test_master_weights_true_where_the_run_cannot_have_them_is_refused_naming_wh
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, master_weights=True,
                                                               **keys))
     assert_user_error(run_in_process("check", str(config)), "master_weights: true", named)
+
+
+def test_master_weights_true_beside_refused_sharding_keys_names_the_sharding_problem(tmp_path, tiny_model_dir, data):
+    """(The engine is not known when its keys were refused: the master_weights rule must not trip over that.)"""
+    config = write_config(tmp_path / "run.yml", **base_config(
+        tmp_path, tiny_model_dir, data, master_weights=True, bf16=True, fsdp=["full_shard", "auto_wrap"],
+        fsdp_config={"mixed_precision_policy": "bf16"}))
+    assert_user_error(run_in_process("check", str(config)), "mixed_precision_policy")

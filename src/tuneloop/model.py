@@ -263,6 +263,8 @@ class ModelFacts:
     grown_rows: int = 0  # embedding rows added for the tokenizer's tokens the model's vocabulary does not have
     embedding_rows: int = 0  # the model's own rows, before any was added
     embeddings_trained: bool = True  # the input embeddings are trained (not under LoRA without modules_to_save)
+    # trained weights only matmuls read: held in bf16 beside fp32 masters under bf16 (engines/masters.py)
+    matmul_only_trained: int = 0
     module_classes: frozenset = frozenset()  # the class names of the model's modules (an engine checks its own)
     layer_classes: tuple = ()  # the model's decoder-layer classes (transformers' _no_split_modules)
     quantizable: tuple[int, int, int] = (0, 0, 0)  # (weights, rows, layers) of the linears 4/8-bit loading quantizes
@@ -275,6 +277,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
     import torch
 
     from tuneloop.adapters import add_adapter, freeze_all_but
+    from tuneloop.engines.masters import matmul_only_weights
     from tuneloop.output_head import loss_meets_head_in_chunks
     from tuneloop.quantized_experts import count_expert_weights, expert_parameter_names, expert_targets
 
@@ -317,6 +320,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                       count_matmul_weights(model), grown_rows=max(grown, 0),
                       embedding_rows=len(tokenizer) - grown if tokenizer is not None else 0,
                       embeddings_trained=embeddings_trained,
+                      matmul_only_trained=sum(p.numel() for p in matmul_only_weights(model, cfg)),
                       module_classes=classes, layer_classes=layer_classes, quantizable=quantizable, experts=experts)
 
 

@@ -132,10 +132,10 @@ def precision(cfg) -> Precision:
 
 
 def master_weights(cfg, mixed: str) -> tuple[bool, str | None]:
-    """(bf16 compute weights with fp32 masters, what rules them out). They replace autocast's casts of fp32 weights
-    in every forward and backward with one copy per optimizer step, and run the norms, residuals and activations in
-    bf16 (axolotl's bf16 does too, with no masters): the quickstart ran 1.08-1.21x faster. Only the DDP engine
-    needs them: FSDP2's mixed precision and DeepSpeed's bf16 keep fp32 masters of their own."""
+    """(bf16 compute weights with fp32 masters, what rules them out). They compute what autocast computes (the
+    same bf16 products of the same rounded weights, gradients added into fp32) without casting every weight in
+    every forward and backward: one copy per optimizer step instead (engines/masters.py). Only the DDP engine needs
+    them: FSDP2's mixed precision and DeepSpeed's bf16 keep fp32 masters of their own."""
     from tuneloop.config.rules import master_weights_blocker
 
     if cfg.master_weights is False:

@@ -389,7 +389,7 @@ def master_weights_blocker(cfg, mixed: str) -> str | None:
                 "base in bf16)")
     if cfg.bfloat16 or cfg.float16:
         return "fp32 weights to keep as masters (`bfloat16`/`float16` load 16-bit weights with no fp32 copy)"
-    if cfg.engine.name != "ddp":
+    if cfg.engine is not None and cfg.engine.name != "ddp":  # (None: the sharding keys were refused, and said)
         return f"the DDP engine ({cfg.engine.name} keeps fp32 masters of its own under `bf16`)"
     return None
 

@@ -195,6 +195,9 @@ class Engine:
     def load_shards(self, folder: Path) -> None:
         pass
 
+    def training_ended(self) -> None:
+        """After the last step: the model as a caller should hold it (fp32 masters back in place of bf16 copies)."""
+
     def full_state_dict(self) -> dict | None:
         """None: the model on the main process is whole, it saves itself."""
         return None

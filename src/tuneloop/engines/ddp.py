@@ -26,6 +26,7 @@ class DDPSpec(EngineSpec):
 
 class DDPEngine(Engine):
     masters = None  # the fp32 masters (masters.MasterWeights), under bf16 with masters
+    last = True  # the micro-batch being run is its step's last (set by `accumulating`)
 
     def prepare(self, module):
         from tuneloop.optim import build_optimizer
@@ -35,7 +36,7 @@ class DDPEngine(Engine):
             from tuneloop.engines.masters import MasterWeights
 
             module.to(self.accelerator.device)
-            self.masters = MasterWeights(module.model, self.plan.world_size)
+            self.masters = MasterWeights(module.model, self.plan.world_size, self.cfg)
             self.optimizer = build_optimizer(self.cfg, module.model, self.masters.named_masters(module.model))
             self.runner = module
             return self.runner, self.optimizer
@@ -55,13 +56,13 @@ class DDPEngine(Engine):
     def backward(self, loss) -> None:
         self.accelerator.backward(loss)
         if self.masters is not None and self.last:
-            self.masters.reduce_gradients()
+            self.masters.finish_gradients()
 
     def clip_grad_norm(self, max_norm: float | None):
         if self.masters is not None:
             import torch
 
-            return torch.nn.utils.clip_grad_norm_(self.masters.masters, max_norm or float("inf"))
+            return torch.nn.utils.clip_grad_norm_(self.masters.stepped, max_norm or float("inf"))
         return self.accelerator.clip_grad_norm_(self.runner.parameters(), max_norm or float("inf"))
 
     def optimizer_step(self) -> None:
@@ -70,10 +71,14 @@ class DDPEngine(Engine):
             self.masters.write_compute_weights()
 
     def zero_grad(self) -> None:
-        if self.masters is not None:  # (their gradients are views of one buffer: zeroed, never set to None)
+        if self.masters is not None:  # (their gradients are views of one buffer: overwritten, never set to None)
             self.masters.zero_grad()
         else:
             super().zero_grad()
+
+    def training_ended(self) -> None:
+        if self.masters is not None:
+            self.masters.release()
 
     def full_state_dict(self) -> dict | None:
         """With masters: the model's weights as the masters hold them (fp32), for checkpoints and the saved model."""

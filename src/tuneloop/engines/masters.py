@@ -1,18 +1,24 @@
 """bf16 compute weights with fp32 masters: the DDP engine's bf16 (one process, or DDP ranks).
 
-Under autocast, fp32 weights are cast to bf16 in every forward and their gradients cast back in every backward, and
-the norms, residuals and activations between the matmuls run in fp32. Here, as in Megatron and DeepSpeed's bf16
-optimizer, the model holds bf16 weights and the optimizer steps fp32 master copies of them:
+Under autocast, every matmul casts its fp32 weight to bf16 in every forward, and its bf16 weight gradient back to fp32
+in every backward. Here, as in Megatron and DeepSpeed's bf16 optimizer, those weights are held in bf16 and the
+optimizer steps fp32 master copies of them: the same products in the same dtypes as under autocast (a weight
+rounded to bf16 from the same fp32 value, its gradient added into fp32), without a cast per micro-batch.
 
-- the trained weights' masters live in one flat fp32 buffer and their gradients in another; the model's bf16
-  weights are views of one flat bf16 buffer, so writing them from the masters after a step is one copy;
-- a hook on each trained weight adds its bf16 gradient into its master's fp32 gradient as soon as the backward has
-  it, and drops the bf16 one: the micro-batches of a step accumulate in fp32, and no bf16 gradients are held whole;
-- over ranks the flat fp32 gradient is all-reduced once, after the step's last backward (DDP would reduce the bf16
-  gradients the weights now have);
-- a checkpoint and the saved model hold the masters (fp32), so a resume starts from exactly the weights it left.
-
-Frozen weights stay as they were loaded (autocast casts them as before).
+- Which weights: those only matmuls read (a Linear's, GPT-2's Conv1D's; not an embedding, not one tied to an
+  embedding, not norms or biases), because those are the ones autocast casts. Everything else stays fp32 and is
+  stepped as it is: the embeddings' output, the norms and the residual stream keep autocast's fp32. So does an
+  output head the chunked loss meets directly: it casts the head once per forward and sums the head's gradient
+  over its chunks in fp32, which a bf16 head would round.
+- Their masters are the fp32 weights as loaded (each its own tensor); their gradients are views of one flat fp32
+  buffer (one all-reduce over ranks) and the model's bf16 weights views of one flat bf16 buffer, written from the
+  masters once per optimizer step.
+- A hook on each bf16 weight puts its gradient into its master's fp32 gradient as soon as the backward has it (the
+  step's first is copied, later ones added) and drops the bf16 one: the micro-batches of a step accumulate in fp32,
+  and no bf16 gradients are held whole.
+- Over ranks the fp32 gradients are all-reduced once, after the step's last backward (DDP would reduce the bf16
+  gradients the weights now have).
+- A checkpoint and the saved model hold the masters (fp32), so a resume starts from exactly the weights it left.
 """
 
 from __future__ import annotations
@@ -20,59 +26,132 @@ from __future__ import annotations
 import torch
 
 
+def matmul_only_weights(model: torch.nn.Module, cfg=None) -> list[torch.nn.Parameter]:
+    """The trained fp32 weights that only matmuls read: what autocast would cast in every forward and backward (less
+    the output head where the run's loss meets it in chunks)."""
+    from tuneloop.output_head import loss_meets_head_in_chunks, output_head
+
+    matmul_only: dict[int, bool] = {}
+    if loss_meets_head_in_chunks(cfg, model):
+        matmul_only[id(output_head(model)[1])] = False
+    # what the model's class keeps in fp32 whatever the dtype it is loaded in (T5's `wo`, some routers)
+    kept = getattr(getattr(model, "get_base_model", lambda: model)(), "_keep_in_fp32_modules", None) or ()
+    for module_name, module in model.named_modules():
+        matmul = isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+        matmul = matmul and not any(key in module_name.split(".") for key in kept)
+        for name, param in module.named_parameters(recurse=False):
+            matmul_only[id(param)] = matmul_only.get(id(param), True) and matmul and name == "weight"
+    return [param for param in _trained(model) if matmul_only.get(id(param)) and param.dtype == torch.float32]
+
+
+def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad and p.is_floating_point()]
+
+
 class MasterWeights:
-    def __init__(self, model: torch.nn.Module, world_size: int):
+    def __init__(self, model: torch.nn.Module, world_size: int, cfg=None):
         self.world_size = world_size
-        self.params = [p for p in {id(p): p for p in model.parameters()}.values()
-                       if p.requires_grad and p.is_floating_point()]
-        device = self.params[0].device if self.params else torch.device("cpu")
-        total = sum(p.numel() for p in self.params)
-        self.flat = torch.empty(total, dtype=torch.float32, device=device)
+        self.compute = matmul_only_weights(model, cfg)  # held in bf16, stepped through their masters
+        computed = {id(p) for p in self.compute}
+        self.others = [p for p in _trained(model) if id(p) not in computed]  # fp32, stepped as they are
+        device = next(model.parameters()).device
+        total = sum(p.numel() for p in self.compute)
         self.flat_grad = torch.zeros(total, dtype=torch.float32, device=device)
         self.flat_bf16 = torch.empty(total, dtype=torch.bfloat16, device=device)
         self.masters: list[torch.nn.Parameter] = []
+        self.compute_views: list[torch.Tensor] = []  # the bf16 weights, as views of flat_bf16
+        self.grads: list[torch.Tensor] = []  # the masters' gradients, as views of flat_grad
+        self.hooks: list = []
         offset = 0
-        for param in self.params:
+        for param in self.compute:
             count = param.numel()
-            self.flat[offset:offset + count].copy_(param.detach().reshape(-1))
-            master = torch.nn.Parameter(self.flat[offset:offset + count].view_as(param))  # shares `flat`
-            master.grad = self.flat_grad[offset:offset + count].view_as(param)
+            # the master takes over the fp32 weight's own storage: no copy, and no storage shared between masters
+            # (save_pretrained would clone tensors that share one)
+            master = torch.nn.Parameter(param.data)
+            self.grads.append(self.flat_grad[offset:offset + count].view_as(param))
+            master.grad = self.grads[-1]
             self.masters.append(master)
-            param.data = self.flat_bf16[offset:offset + count].view_as(param)  # (the fp32 weight is freed here)
-            param.register_post_accumulate_grad_hook(self._fold_into(master.grad))
+            self.compute_views.append(self.flat_bf16[offset:offset + count].view_as(param))
+            param.data = self.compute_views[-1]
+            self.hooks.append(param.register_post_accumulate_grad_hook(self._fold_into(len(self.masters) - 1)))
             offset += count
+        self.unwritten = [True] * len(self.masters)  # no gradient yet this step: the first is copied in
         if world_size > 1:  # every rank starts from rank 0's weights, as DDP makes them
-            torch.distributed.broadcast(self.flat, src=0)
+            for tensor in self.masters + self.others:
+                torch.distributed.broadcast(tensor.data, src=0)
         self.write_compute_weights()
-        self._master_of = {id(param): master for param, master in zip(self.params, self.masters)}
+        self._master_of = {id(param): master for param, master in zip(self.compute, self.masters)}
+        # in the model's order, as the gradient norm is taken over the model's own parameters without masters: the
+        # same sum in the same order (the clipped update is then autocast's to the bit)
+        self.stepped = [self._master_of.get(id(param), param) for param in _trained(model)]
 
-    @staticmethod
-    def _fold_into(master_grad: torch.Tensor):
+    def _fold_into(self, index: int):
+        master_grad = self.grads[index]
+
         def fold(param: torch.Tensor) -> None:
-            master_grad.add_(param.grad)  # bf16 into fp32
+            if self.unwritten[index]:
+                master_grad.copy_(param.grad)
+                self.unwritten[index] = False
+            else:
+                master_grad.add_(param.grad)  # bf16 into fp32
             param.grad = None
         return fold
 
     def named_masters(self, model: torch.nn.Module):
-        """(name, the tensor the optimizer steps for it): the master of a trained weight, the weight itself for
-        anything else; in the model's order, so the optimizer's parameter groups are the same at every start."""
+        """(name, the tensor the optimizer steps for it): a bf16 weight's master, any other weight itself; in the
+        model's order, so the optimizer's parameter groups are the same at every start."""
         return [(name, self._master_of.get(id(param), param)) for name, param in model.named_parameters()]
 
-    def reduce_gradients(self) -> None:
+    def finish_gradients(self) -> None:
         """After the step's last backward: the ranks' fp32 gradients averaged (the loop scales every rank's loss as
-        for DDP's average)."""
+        for DDP's average); a weight no micro-batch reached (on any rank) has none, and the optimizer skips it as it
+        would skip the weight itself."""
         if self.world_size > 1:
+            reached = torch.tensor([not unwritten for unwritten in self.unwritten], dtype=torch.float32,
+                                   device=self.flat_grad.device)
+            for index, unwritten in enumerate(self.unwritten):
+                if unwritten:
+                    self.grads[index].zero_()
             torch.distributed.all_reduce(self.flat_grad)
             self.flat_grad.div_(self.world_size)
+            torch.distributed.all_reduce(reached)
+            self.unwritten = [not bool(value) for value in reached]
+        for master, grad, unwritten in zip(self.masters, self.grads, self.unwritten):
+            master.grad = None if unwritten else grad
+        if self.world_size == 1:
+            return
+        if self.others:  # (the norms, biases and embeddings: one more collective, of one flat copy)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.others]
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            torch.distributed.all_reduce(flat)
+            flat.div_(self.world_size)
+            offset = 0
+            for param in self.others:
+                param.grad = flat[offset:offset + param.numel()].view_as(param)
+                offset += param.numel()
 
     def write_compute_weights(self) -> None:
         """The model's bf16 weights from the masters (once per optimizer step)."""
-        self.flat_bf16.copy_(self.flat)
+        torch._foreach_copy_(self.compute_views, self.masters)
 
     def zero_grad(self) -> None:
-        self.flat_grad.zero_()
+        """The next step's first gradient of each bf16 weight replaces the last one's (nothing is written here)."""
+        self.unwritten = [True] * len(self.masters)
+        for param in self.others:
+            param.grad = None
+
+    def release(self) -> None:
+        """Training is over: the model holds its fp32 masters again (what was saved is what a caller holds), and the
+        bf16 copies and gradients are freed."""
+        for handle in self.hooks:
+            handle.remove()
+        for param, master in zip(self.compute, self.masters):
+            param.data = master.data
+            master.grad = None
+        self.hooks, self.grads, self.compute_views = [], [], []
+        self.flat_grad = self.flat_bf16 = None
 
     def state_dict(self, model: torch.nn.Module) -> dict:
-        """The model's state dict with each trained weight's fp32 master in place of its bf16 copy."""
+        """The model's state dict with each bf16 weight's fp32 master in its place."""
         return {name: self._master_of.get(id(tensor), tensor).detach()
                 for name, tensor in model.state_dict(keep_vars=True).items()}

@@ -70,8 +70,9 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     host memory where it offloads them: each engine says its share (engines/: `per_rank`). `device_gb` overrides
     this machine's device (planning a launch elsewhere: `tuneloop plan --device-memory 80`). `generated_positions`:
     online RL's positions in one generation batch (its completions × their longest prompt + completion), whose KV
-    cache is held while it generates, when the training activations are not. `masters`: the trained weights are
-    held in bf16 for the model and in fp32 for the optimizer, with fp32 gradients (engines/masters.py)."""
+    cache is held while it generates, when the training activations are not. `masters`: the trained weights only
+    matmuls read are held in bf16 for the model and in fp32 for the optimizer; every gradient is fp32
+    (engines/masters.py)."""
     config = facts.config
     params, trainable = facts.parameters, facts.trainable_parameters
     # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them; 4-bit NF4 or
@@ -80,8 +81,9 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights
     quantized = quantized_weights_bytes(cfg, facts)
     held_weights = sum(quantized) if quantized else params * parameter_bytes
-    if masters:  # the trained weights in bf16 (frozen ones stay fp32), their masters and gradients in fp32
-        held_weights, master_bytes, trained_bytes = params * 4 - trainable * 2, 4.0, 4
+    bf16_copies = facts.matmul_only_trained if masters else 0  # held in bf16, with fp32 masters the optimizer steps
+    if masters:  # (the other weights stay fp32 and are stepped as they are; every gradient is fp32)
+        held_weights, trained_bytes = params * 4 - bf16_copies * 2, 4
     if cfg.adapter:
         held_weights += trainable * trained_bytes  # the adapter's own weights, beside the base
     weight_bytes = held_weights / max(params, 1)  # as held on average (the reference copy, the engines' shares)
@@ -89,7 +91,8 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     state_bytes = OPTIMIZERS[cfg.optimizer].state_bytes_per_param * (1 if master_bytes else trained_bytes / 4)
     layers = getattr(config, "num_hidden_layers", 0)
     whole = WholeBytes(weights=held_weights, gradients=trainable * trained_bytes,
-                       optimizer=trainable * (state_bytes + master_bytes), parameters=params, trainable=trainable,
+                       optimizer=trainable * (state_bytes + master_bytes) + bf16_copies * 4, parameters=params,
+                       trainable=trainable,
                        weight_bytes=weight_bytes, layer_parameters=_layer_parameters(config), layers=layers,
                        unsharded_weights=quantized[1] if quantized else 0.0)
     share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
@@ -100,7 +103,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         device = "each device (--device-memory)"
     # (a reference model is loaded as the config loads weights: fp32 beside a model with masters)
     reference = params * (4 if masters else weight_bytes) / gb if keeps_reference_copy(cfg) else 0.0
-    generation = kv_cache_bytes(facts.config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 or masters else 4)
+    generation = kv_cache_bytes(facts.config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 else 4)
     total = (share.weights + share.gradients + share.optimizer + max(activations, generation) + share.gathered) / gb \
         + reference
     device_total = device_gb if device_gb is not None else here_gb

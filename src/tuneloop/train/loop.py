@@ -172,6 +172,8 @@ class TrainingLoop:
         self.watchdog.check_before_save(self.accelerator)  # the final model is not saved from a diverged run
         train_seconds = time.perf_counter() - train_start
         training_seconds = train_seconds - (self.seconds["eval"] + self.seconds["save"] - outside_steps_before)
+        held = self.engine.held_bytes()  # as the steps held them
+        self.engine.training_ended()  # (the model holds the weights it is saved with: fp32 masters, under bf16)
         self.hooks.loop_ended(self.language_model)
         if stopped_by != "signal":
             self.publish_model(best_instead=stopped_by == "early_stopping" and has_best(self.output_dir))
@@ -179,7 +181,6 @@ class TrainingLoop:
         device = self.accelerator.device
         real_total, first_real = (int(v) for v in self.accelerator.reduce(
             torch.tensor([self.real_tokens, first_step[1] if first_step else 0], device=device), reduction="sum"))
-        held = self.engine.held_bytes()
         held = self.gather_counts([held["weights"], held["optimizer"], self.peak_rss_at_start])
         return RunOutcome(
             steps=state.step, tokens=state.tokens_seen, train_seconds=train_seconds, real_tokens=real_total,
