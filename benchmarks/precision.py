@@ -24,13 +24,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-QUICKSTART = REPO / "examples" / "quickstart.yml"
+from quickstart_runs import train_quickstart
 VARIANTS = {
     "fp32": ["bf16=false"],
     "autocast": ["bf16=true", "master_weights=false"],
@@ -40,24 +38,7 @@ VARIANTS = {
 
 
 def run(variant: str, workdir: Path, max_steps: int | None, extra: list[str]) -> dict:
-    out = workdir / variant
-    sets = [*VARIANTS[variant], *extra, f"output_dir={out}", f"dataset_prepared_path={workdir / 'prepared'}"]
-    if max_steps:
-        sets.append(f"max_steps={max_steps}")
-    command = [sys.executable, "-m", "tuneloop", "train", str(QUICKSTART), "--overwrite"]
-    for item in sets:
-        command += ["--set", item]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-    if done.returncode != 0:
-        raise SystemExit(f"{variant} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    plan = json.loads((out / "plan.json").read_text())
-    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"tokens_per_second": summary["real_tokens_per_second_after_first_step"],
-            "first_step_seconds": summary["first_step_seconds"], "mfu": summary.get("mfu"),
-            "eval_loss": [m["eval_loss"] for m in evals if "eval_loss" in m][-1],
-            "peak_rss_gb": summary["peak_memory_gb"]["host_rss"], "estimated_gb": plan["estimated_memory_gb"],
-            "precision": plan["precision"]}
+    return train_quickstart(variant, [*VARIANTS[variant], *extra], workdir, max_steps)
 
 
 def main(argv=None) -> int:

@@ -187,7 +187,9 @@ def test_a_sample_of_accepted_configs_plans_and_trains_where_the_machine_can(tmp
     plan = json.loads(planned.stdout)
     assert plan["total_steps"] == 2
     if "flash" in str(raw.get("attn_implementation")) and not shutil.which("nvidia-smi"):
-        assert plan["attention"] == "sdpa" and any("using sdpa" in warning for warning in plan["warnings"])
+        packed = "packed" in (plan["resolved"]["batching"], plan["resolved"]["eval_batching"])
+        assert plan["attention"] == ("sdpa_per_sequence" if packed else "sdpa")  # (packed_attention.py)
+        assert any("using sdpa" in warning for warning in plan["warnings"])
     trained = run_in_process("train", str(path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the warnings about speed-only keys, said by check and plan already)

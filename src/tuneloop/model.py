@@ -451,9 +451,11 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_met
     from tuneloop.adapters import quantization_config
     from tuneloop.hardware import quantized_loading
 
+    from tuneloop.packed_attention import loadable
+
     config = model_config(cfg, tokenizer)
     built = model_class(cfg, resolved.model_kind)
-    attention = resolved.attention.used
+    attention = loadable(resolved.attention.used)
     if on_meta:
         import torch
 

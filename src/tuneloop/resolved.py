@@ -87,7 +87,9 @@ def resolve_run(cfg, model_config=None) -> Resolved:
 
             model_config = read_model_config(cfg)
         kind = kind_of_config(model_config)
-    return replace(_resolved(cfg, kind), precision=precision(cfg), attention=attention(cfg))
+    decided = _resolved(cfg, kind)
+    packed = "packed" in (decided.batching, decided.eval_batching) and not decided.encoder_decoder
+    return replace(decided, precision=precision(cfg), attention=attention(cfg, packed and not decided.compiled))
 
 
 def _resolved(cfg, kind: ModelKind | None) -> Resolved:
@@ -175,18 +177,27 @@ def requested_attention(cfg) -> str:
     return "eager" if cfg.eager_attention else "sdpa"  # sdp_attention: true says sdpa too
 
 
-def attention(cfg) -> Attention:
+def attention(cfg, packed: bool = False) -> Attention:
     """The attention implementation the model loads with, and a note when it is not the one asked for.
 
     Flash-attention kernels (and xformers, hub kernels, flex attention) compute the same attention as SDPA,
     packed rows included (transformers builds the block-diagonal mask from position_ids for SDPA and uses
-    the varlen path for flash-attention), so where they cannot run the run uses SDPA and says so."""
+    the varlen path for flash-attention), so where they cannot run the run uses SDPA and says so.
+
+    `packed` (packed rows, not compiled): on a CPU, SDPA runs each packed sequence on its own where that is
+    cheaper than the whole row under one mask (packed_attention.py; measured there). Not on a GPU, where it has
+    not been measured and flash-attention's varlen kernel is the way; not under torch.compile, whose graph would
+    break at every row's split; not where the config says `attn_implementation: sdpa`, which names transformers'
+    SDPA path as it is (`attn_implementation: sdpa_per_sequence` asks for the split anywhere)."""
     import torch
+
+    from tuneloop.packed_attention import PER_SEQUENCE_SDPA
 
     asked = requested_attention(cfg)
     cuda = torch.cuda.is_available()
-    if asked in ("sdpa", "eager"):
-        return Attention(asked, asked)
+    chosen = packed and not cuda and cfg.attn_implementation != "sdpa"
+    if asked in ("sdpa", "eager", PER_SEQUENCE_SDPA):
+        return Attention(asked, PER_SEQUENCE_SDPA if asked == "sdpa" and chosen else asked)
     if asked in FLASH_PACKAGES:
         if cuda and importlib.util.find_spec(FLASH_PACKAGES[asked]) is not None:
             return Attention(asked, asked)
@@ -201,5 +212,6 @@ def attention(cfg) -> Attention:
         reason = "a CUDA GPU (on CPU it compiles slowly)"
     else:  # xformers: transformers has no xformers attention
         reason = "transformers' xformers support, which it does not have"
-    return Attention(asked, "sdpa", f"attention `{asked}` needs {reason}: using sdpa (the same attention, another "
-                                    "kernel)")
+    used = PER_SEQUENCE_SDPA if chosen else "sdpa"
+    return Attention(asked, used, f"attention `{asked}` needs {reason}: using sdpa (the same attention, another "
+                                  "kernel)")

@@ -39,8 +39,11 @@ TRACKING = OnResume("where the metrics go")
 RUN_LENGTH = OnResume("the run's length, which a resume may change while it ends after the checkpoint (resume.py)")
 
 ZERO_MEANS = {"evals_per_epoch": " (no evals)", "saves_per_epoch": " (no saves)", "max_grad_norm": " (no clipping)"}
-# what `attn_implementation` may say; kernels that cannot run on this machine fall back to sdpa (same maths)
-ATTENTION_IMPLEMENTATIONS = {"sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention", "xformers"}
+# what `attn_implementation` may say; kernels that cannot run on this machine fall back to sdpa (same maths).
+# sdpa_per_sequence: SDPA over each packed sequence apart (packed_attention.py), which tuneloop chooses itself
+# for packed CPU runs unless `attn_implementation: sdpa` asks for transformers' SDPA path as it is
+ATTENTION_IMPLEMENTATIONS = {"sdpa", "sdpa_per_sequence", "eager", "flash_attention_2", "flash_attention_3",
+                             "flex_attention", "xformers"}
 # the text-to-text (encoder-decoder) model families: their *ForConditionalGeneration classes are seq2seq models,
 # not the multimodal ones of the same suffix (model.py checks that the class and the checkpoint agree)
 SEQ2SEQ_FAMILIES = ("T5", "MT5", "UMT5", "LongT5", "Bart", "MBart", "PLBart", "Pegasus", "PegasusX", "BigBirdPegasus",

@@ -25,6 +25,7 @@ import numpy as np
 from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
 from tuneloop.data.collate import MicroBatch, Padding, collator_for
 from tuneloop.data.steps import Step, TrainingSteps
+from tuneloop.packed_attention import attention_work
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +57,8 @@ class StepCounts:
     encoder_padding_fraction: float | None = None
     decoder_padding_fraction: float | None = None
     rollout: dict | None = None  # online RL: the generations of the run (online_rl/rows.py)
+    # packed runs: each micro-batch's attention work apart and under one mask (packed_attention.attention_work)
+    packed_attention_work: list | None = None
 
 
 # ---- prepared rows -----------------------------------------------------------------------------------------
@@ -129,7 +132,8 @@ class PreparedRows:
             total_steps=total_steps, epochs_to_run=epochs_to_run, total_trainable_tokens=walk.targets,
             total_real_tokens=walk.real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
             max_micro_batch_tokens=walk.largest, sequence_lengths=np.asarray(store["length"]),
-            batch_rows_per_epoch=used_rows, first_epoch_batches=first_epoch, **sides)
+            batch_rows_per_epoch=used_rows, first_epoch_batches=first_epoch,
+            packed_attention_work=walk.attention if spec.mode == "packed" else None, **sides)
 
     def rows_training_none_of(self, token_ids: set[int]) -> tuple[int, int]:
         """(rows whose trained tokens include none of these, rows): read in blocks, never all at once."""
@@ -167,6 +171,7 @@ class _TokenWalk:
         self.group, self.padding, self.mode, self.source_lengths = group, padding, mode, source_lengths
         self.targets = self.real = self.computed = self.largest = 0
         self.sides = {"encoder": [0, 0], "decoder": [0, 0]}  # an encoder-decoder's [real, computed] tokens per side
+        self.attention = []  # packed: each micro-batch's packed_attention.attention_work
 
     def add(self, micro: list) -> None:
         for row in micro:
@@ -194,6 +199,15 @@ class _TokenWalk:
         padded = self.padding.width(width)
         self.computed += rows * padded
         self.largest = max(self.largest, rows * padded)
+        if self.mode == "packed":
+            self.attention.append(attention_work([self._sequences(row, padded) for row in micro], padded))
+
+    def _sequences(self, row: list, width: int) -> list[int]:
+        """A packed row's sequence lengths as the collator lays them out: the padding after them is one more."""
+        group = self.group
+        lengths = [int(n) for unit in row for n in self.sequence_lengths[unit * group:(unit + 1) * group]]
+        left = width - sum(lengths)
+        return lengths + [left] if left > 0 else lengths
 
 
 class PreparedSteps(TrainingSteps):

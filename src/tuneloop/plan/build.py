@@ -72,6 +72,7 @@ class TrainingPlan:
     precision: str | None = None  # resolved.precision in words: "fp32 (...)", "bf16 mixed precision (...)"
     host_allocator: str | None = None  # the host allocator of every tuneloop process, in words (allocator.py)
     attention: str | None = None  # the attention implementation the model loads with
+    attention_split: str | None = None  # SDPA per sequence: how many micro-batches split, in words
     torch_compile: str | None = None  # what torch.compile compiles, when the config asks for it
     flops_per_token: float | None = None  # model FLOPs per real token of a training step (flops.py)
     attention_context: float | None = None  # positions a token attends to, on average over the data
@@ -224,6 +225,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
                                device_memory_gb, generated_positions=generated,
                                masters=resolved.precision.masters)
     from tuneloop.allocator import tune_host_allocator
+    from tuneloop.packed_attention import PER_SEQUENCE_SDPA, split_summary
 
     part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),
             "host_allocator": tune_host_allocator(),
@@ -231,6 +233,8 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
                 "bf16" if cfg.bfloat16 else "fp16" if cfg.float16 else "", "fp32"),
             "attention": resolved.attention.used, "engine": resolved.engine.describe(world_size),
             "estimated_memory_gb": estimate.total_gb, "memory": asdict(estimate)}
+    if resolved.attention.used == PER_SEQUENCE_SDPA and counts.packed_attention_work:
+        part["attention_split"] = split_summary(counts.packed_attention_work, "bf16" if precision == "bf16" else "fp32")
     count = count_flops(facts.config, *facts.matmul_weights, counts.sequence_lengths)
     part.update(flops_per_token=count.per_token, attention_context=count.attention_context)
     if count.per_token is None:

@@ -106,6 +106,8 @@ def _machine_lines(plan) -> list[str]:
                      f"({together} in one micro-batch); reference {plan.reference or 'none'}")
     if plan.precision is not None:
         lines.append(f"  precision            {plan.precision}; attention {plan.attention}")
+    if plan.attention_split is not None:
+        lines.append(f"  attention            {plan.attention_split}")
     if plan.host_allocator is not None:
         lines.append(f"  host memory          {plan.host_allocator}")
     if plan.torch_compile is not None:

@@ -1,0 +1,146 @@
+"""SDPA per sequence on packed rows: each sequence of a packed row attends on its own, causally, instead of the
+whole row under one block-diagonal mask.
+
+transformers runs a packed row (position_ids restarting at 0 for each sequence, no attention mask) through SDPA
+with a dense mask built from the positions. The CPU kernel computes every block of that mask, so a 2048-token
+row of seven sequences costs the attention of 2048 tokens, not of seven ~300-token ones. Split at the sequences,
+the same attention costs Σ len² instead of width², plus a fixed cost per call. Measured on an AMD Zen 4 CPU
+(2 threads, the embedded SmolLM2-135M's 9 heads of 64, bf16, forward and backward of the whole model): 1.72–1.83×
+the step at 1 × 2048-token rows of ~300-token sequences, 1.12× at 2 × 512 of ~100, a tie at the quickstart's
+4 × 256 of ~34 (where the per-call cost eats the gain).
+
+Registered under its own name in transformers' attention and mask interfaces, so the model loads with it like
+any kernel (`attn_implementation`); resolved.py chooses it for packed runs on a CPU. The mask interface builds
+SDPA's own mask, so every forward this module does not split (no positions, rows not packed, a sliding window
+shorter than a sequence, a cache) runs exactly SDPA.
+"""
+
+from __future__ import annotations
+
+PER_SEQUENCE_SDPA = "sdpa_per_sequence"
+
+# The cost of one sequence's attention call beyond its len² work, in the units of one dense row's width²
+# (forward and backward, measured on Zen 4 with 9 heads of 64): bf16 ~6000 (a 16-token sequence costs what a
+# 77-token square of the dense kernel costs), fp32 ~2000. A batch is split only where that estimate is below
+# SPLIT_MARGIN of the dense cost: near a tie the one call is kept.
+CALL_COST = {"bf16": 6000, "fp32": 2000}
+SPLIT_MARGIN = 0.8
+# bf16 sequences shorter than this run through SDPA's math kernel (3-D inputs), longer ones through its flash
+# kernel: the CPU flash kernel's backward has a large fixed cost (0.8 ms for 16 tokens against 0.58 by the math
+# kernel, at 256 they tie, at 1024 flash is 2.8× faster). In fp32 the flash kernel is faster at every length.
+BF16_FLASH_FROM = 256
+
+_registered = False
+
+
+def loadable(name: str | None) -> str | None:
+    """The attention name to load a model with; registers this module's kernel first where it is the one."""
+    global _registered
+    if name == PER_SEQUENCE_SDPA and not _registered:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionInterface.register(PER_SEQUENCE_SDPA, per_sequence_sdpa)
+        AttentionMaskInterface.register(PER_SEQUENCE_SDPA, sdpa_mask)
+        _registered = True
+    return name
+
+
+def packed_lengths(positions, width: int) -> list[list[int]] | None:
+    """The sequence lengths of each row of a packed batch, from its position_ids; None unless every row starts at
+    position 0 and each position either follows the last by one or restarts at 0 (what tuneloop's collator and
+    transformers' DataCollatorWithFlattening write; a left-padded batch's positions start at 1)."""
+    import torch
+
+    if positions is None or positions.dim() != 2 or positions.shape[1] != width:
+        return None
+    starts = positions == 0
+    if not bool(starts[:, 0].all()) or not bool(((positions[:, 1:] - positions[:, :-1] == 1) | starts[:, 1:]).all()):
+        return None
+    lengths = []
+    for row in starts:
+        first = torch.nonzero(row).flatten().tolist() + [width]
+        lengths.append([end - start for start, end in zip(first, first[1:])])
+    return lengths
+
+
+def attention_work(lengths: list[list[int]], width: int) -> tuple[int, int, int, int]:
+    """What splitting weighs for a packed micro-batch: (Σ len² over its sequences, sequences, rows, width)."""
+    return sum(n * n for row in lengths for n in row), sum(len(row) for row in lengths), len(lengths), width
+
+
+def splits(work: tuple[int, int, int, int], dtype_name: str) -> bool:
+    """Whether a micro-batch of this `attention_work` costs less apart than under one mask (see CALL_COST)."""
+    squares, sequences, rows, width = work
+    if sequences == rows:
+        return False  # one sequence per row: SDPA runs it causally without a mask already
+    return squares + CALL_COST[dtype_name] * sequences < SPLIT_MARGIN * rows * width * width
+
+
+def worth_splitting(lengths: list[list[int]], width: int, dtype_name: str) -> bool:
+    return splits(attention_work(lengths, width), dtype_name)
+
+
+def split_summary(works: list[tuple[int, int, int, int]], dtype_name: str) -> str:
+    """The plan's words for a run's micro-batches: how many split, and the attention work left."""
+    split = [splits(work, dtype_name) for work in works]
+    done = sum(work[0] if apart else work[2] * work[3] ** 2 for work, apart in zip(works, split))
+    whole = sum(work[2] * work[3] ** 2 for work in works)
+    rest = len(works) - sum(split)
+    return (f"sdpa, each packed sequence on its own in {sum(split)} of {len(works)} micro-batches"
+            + (f" ({rest} under the row's mask, cheaper there)" if rest else "")
+            + f": attention over {done / whole:.2f}× the positions of whole rows")
+
+
+_last_split: tuple = (None, None)  # (position_ids, lengths or None): every layer of a forward sees the same rows
+
+
+def _split_of(positions, width: int, dtype_name: str):
+    global _last_split
+    if _last_split[0] is positions:
+        return _last_split[1]
+    lengths = packed_lengths(positions, width)
+    if lengths is not None and not worth_splitting(lengths, width, dtype_name):
+        lengths = None
+    _last_split = (positions, lengths)
+    return lengths
+
+
+def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      is_causal=None, **kwargs):
+    """transformers' attention-interface signature: query (batch, heads, width, dim), key and value (batch,
+    kv heads, width, dim); returns (batch, width, heads, dim) and no weights."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    width = query.shape[2]
+    lengths = None
+    splittable = (key.shape[2] == width and getattr(module, "is_causal", True) and is_causal is not False
+                  and not any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks")))
+    device = query.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    if splittable:
+        lengths = _split_of(kwargs.get("position_ids"), width, "fp32" if dtype == torch.float32 else "bf16")
+        window = kwargs.get("sliding_window")
+        if lengths is not None and window and max(n for row in lengths for n in row) > window:
+            lengths = None
+    if lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    # autocast would cast each sequence's slices apart (thousands of small copies); cast the three tensors once,
+    # to what autocast gives SDPA, and run the sequences without it
+    query, key, value = (tensor.to(dtype) for tensor in (query, key, value))
+    grouped = key.shape[1] != query.shape[1]
+    rows = []
+    with torch.autocast(device, enabled=False):
+        for b, row in enumerate(lengths):
+            parts = []
+            for q, k, v in zip(query[b].split(row, 1), key[b].split(row, 1), value[b].split(row, 1)):
+                if dtype != torch.float32 and q.shape[1] < BF16_FLASH_FROM:  # 3-D: the math kernel
+                    parts.append(sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped))
+                else:
+                    parts.append(sdpa(q[None], k[None], v[None], dropout_p=dropout, is_causal=True, scale=scaling,
+                                      enable_gqa=grouped)[0])
+            rows.append(torch.cat(parts, 1))
+    return torch.stack(rows).transpose(1, 2).contiguous(), None

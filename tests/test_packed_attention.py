@@ -1,0 +1,111 @@
+"""SDPA per sequence on packed rows (packed_attention.py): the same attention as SDPA under the block-diagonal
+mask, forward and backward, fp32 and bf16; it splits only rows that are packed and worth it, and the plan
+chooses it for packed CPU runs only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from tuneloop import packed_attention
+from tuneloop.packed_attention import PER_SEQUENCE_SDPA, loadable, packed_lengths, per_sequence_sdpa, worth_splitting
+
+
+class Attending(torch.nn.Module):
+    """What transformers' attention modules give an attention function: grouping and causality."""
+
+    num_key_value_groups = 2
+    is_causal = True
+
+
+def positions_of(rows: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+
+
+def block_diagonal_mask(positions: torch.Tensor) -> torch.Tensor:
+    sequence = (positions == 0).cumsum(-1)
+    width = positions.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    return (sequence[:, None, :, None] == sequence[:, None, None, :]) & causal
+
+
+def test_packed_lengths_reads_packed_rows_and_refuses_everything_else():
+    assert packed_lengths(positions_of([[3, 5], [8]]), 8) == [[3, 5], [8]]
+    assert packed_lengths(torch.arange(6)[None], 6) == [[6]]
+    # HF generate's left padding: pads sit at position 1, the prompt starts after them
+    assert packed_lengths(torch.tensor([[1, 1, 0, 1, 2], [0, 1, 2, 3, 4]]), 5) is None
+    assert packed_lengths(torch.tensor([[0, 1, 3, 4]]), 4) is None  # a jump that is not a restart
+    assert packed_lengths(torch.arange(6)[None], 1) is None  # decoding: one query against a longer cache
+    assert packed_lengths(None, 4) is None
+
+
+def test_splitting_is_chosen_for_long_sequences_in_long_rows_not_for_many_tiny_ones():
+    assert worth_splitting([[300] * 7], 2100, "bf16")
+    assert not worth_splitting([[8] * 32], 256, "bf16")  # 32 calls cost more than one 256² mask
+    assert not worth_splitting([[512], [512]], 512, "fp32")  # one sequence a row: plain causal SDPA already
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_sequence_equals_sdpa_under_the_block_diagonal_mask(dtype, monkeypatch):
+    monkeypatch.setattr(packed_attention, "_last_split", (None, None))
+    torch.manual_seed(0)
+    rows = [[300, 40, 172], [512]]  # a long sequence (flash kernel), short ones (math kernel in bf16), a lone row
+    positions = positions_of(rows)
+    q = torch.randn(2, 4, 512, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 512, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 512, 16, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 512, 4, 16, dtype=dtype)
+    results = []
+    for attend in (lambda: per_sequence_sdpa(Attending(), q, k, v, block_diagonal_mask(positions), scaling=0.25,
+                                             position_ids=positions),
+                   lambda: sdpa_attention_forward(Attending(), q, k, v, block_diagonal_mask(positions), scaling=0.25)):
+        out, _ = attend()
+        out.backward(grad)
+        results.append([out.detach().float()] + [t.grad.float() for t in (q, k, v)])
+        q.grad = k.grad = v.grad = None
+    assert packed_attention._last_split[1] == rows  # it did split
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for apart, masked in zip(*results):
+        assert (apart - masked).abs().max() < tolerance * max(1.0, masked.abs().max())
+
+
+def test_a_model_loaded_with_it_trains_packed_rows_like_sdpa_and_saves_a_plain_folder(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(packed_attention, "CALL_COST", {"bf16": 0, "fp32": 0})  # split even these short rows
+    monkeypatch.setattr(packed_attention, "_last_split", (None, None))
+    torch.manual_seed(0)
+    rows = [[20, 9, 35], [30, 34]]
+    ids = torch.randint(3, 200, (2, 64))
+    gradients = {}
+    for name in ("sdpa", PER_SEQUENCE_SDPA):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                     attn_implementation=loadable(name))
+        model.config.use_cache = False
+        loss = model(input_ids=ids, position_ids=positions_of(rows), labels=ids).loss
+        loss.backward()
+        gradients[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert packed_attention._last_split[1] == rows
+    assert torch.allclose(gradients["sdpa"], gradients[PER_SEQUENCE_SDPA], atol=1e-6)
+    model.save_pretrained(tmp_path)
+    assert PER_SEQUENCE_SDPA not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU packed rows keep SDPA's mask or flash varlen")
+def test_resolved_per_sequence_for_packed_cpu_runs_only():
+    from tuneloop.config import config_from_dict
+    from tuneloop.resolved import attention
+
+    def used(**keys):
+        cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": "x.jsonl", "type": "alpaca"}], **keys})
+        return attention(cfg, packed=bool(cfg.sample_packing)).used
+
+    assert used(sample_packing=True) == PER_SEQUENCE_SDPA
+    assert used(sample_packing=True, flash_attention=True) == PER_SEQUENCE_SDPA  # no GPU here: SDPA's stand-in
+    assert used(sample_packing=True, eager_attention=True) == "eager"
+    assert used(sample_packing=False) == "sdpa"
+    assert used(sample_packing=True, attn_implementation="sdpa") == "sdpa"  # transformers' SDPA path, as named
+    assert used(sample_packing=False, attn_implementation=PER_SEQUENCE_SDPA) == PER_SEQUENCE_SDPA
