@@ -280,8 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from tuneloop.allocator import tune_host_allocator
+    from tuneloop.train.compiling import keep_compiled_artifacts
 
     tune_host_allocator()  # before torch allocates anything (allocator.py: mmap and trimming off)
+    keep_compiled_artifacts()
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

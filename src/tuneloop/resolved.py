@@ -89,7 +89,7 @@ def resolve_run(cfg, model_config=None) -> Resolved:
         kind = kind_of_config(model_config)
     decided = _resolved(cfg, kind)
     packed = "packed" in (decided.batching, decided.eval_batching) and not decided.encoder_decoder
-    return replace(decided, precision=precision(cfg), attention=attention(cfg, packed and not decided.compiled))
+    return replace(decided, precision=precision(cfg), attention=attention(cfg, packed))
 
 
 def _resolved(cfg, kind: ModelKind | None) -> Resolved:
@@ -114,9 +114,11 @@ def eval_batching(cfg, encoder_decoder: bool) -> str:
 
 
 def compiled(cfg) -> bool:
-    """`torch_compile: auto` is true, as in axolotl, whose auto means "torch is recent enough" (2.5.1). (A sharding
-    engine has turned it off when the config was read: config/rules.py.)"""
-    return cfg.torch_compile in (True, "auto")
+    """`torch_compile: true`. `auto` (the default) is decided by the plan, from the run's length and what this
+    machine measured for the model (plan/compile_choice.py), and starts here as not compiled; axolotl's auto means
+    "torch is recent enough" (2.5.1), which every torch tuneloop runs on is. (A sharding engine has turned both
+    off when the config was read: config/rules.py.)"""
+    return cfg.torch_compile is True
 
 
 def precision(cfg) -> Precision:
@@ -184,10 +186,9 @@ def attention(cfg, packed: bool = False) -> Attention:
     packed rows included (transformers builds the block-diagonal mask from position_ids for SDPA and uses
     the varlen path for flash-attention), so where they cannot run the run uses SDPA and says so.
 
-    `packed` (packed rows, not compiled): on a CPU, SDPA runs each packed sequence on its own where that is
-    cheaper than the whole row under one mask (packed_attention.py; measured there). Not on a GPU, where it has
-    not been measured and flash-attention's varlen kernel is the way; not under torch.compile, whose graph would
-    break at every row's split; not where the config says `attn_implementation: sdpa`, which names transformers'
+    `packed` (packed rows): on a CPU, SDPA runs each packed sequence on its own where that is cheaper than the
+    whole row under one mask (packed_attention.py; measured there; under torch.compile it stays eager). Not on a
+    GPU, where it has not been measured and flash-attention's varlen kernel is the way; not where the config says `attn_implementation: sdpa`, which names transformers'
     SDPA path as it is (`attn_implementation: sdpa_per_sequence` asks for the split anywhere)."""
     import torch
 

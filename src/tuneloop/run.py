@@ -210,6 +210,10 @@ class TrainingSession:
                                                {**self.seconds, "total": time.perf_counter() - started})
             except UserError as error:  # the other ranks are already on their way out
                 result.error = error
+            else:
+                from tuneloop.plan.compile_choice import record_run
+
+                record_run(plan.compile_key, plan.resolved.compiled, result.summary)  # for `torch_compile: auto`
         return result
 
     def _reference(self, model, tokenizer, rows, resume: Path | None):

@@ -327,7 +327,9 @@ def sharding(cfg) -> Problems:
         yield str(error)
         return
     cfg._engine = engine
-    if engine.name != "ddp" and cfg.torch_compile:  # compiling changes only speed: said, and left off
+    if engine.name != "ddp" and cfg.torch_compile == "auto":
+        cfg.torch_compile = False  # (auto: nothing to say; the plan shows no compile line)
+    elif engine.name != "ddp" and cfg.torch_compile:  # compiling changes only speed: said, and left off
         warnings.warn(f"`torch_compile` with {engine.name}: tuneloop compiles only unsharded models so far, so this "
                       "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
         cfg.torch_compile = False

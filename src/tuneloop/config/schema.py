@@ -216,7 +216,8 @@ class TuneloopConfig(Strict):
     trl: Optional[TRLBlock] = None  # online RL (rl: grpo, gdpo): generation, rewards and GRPO's loss
     # speed: torch.compile of the model's body (train/compiling.py), and the peak MFU is measured against
     # "auto": true, as in axolotl (torch ≥ 2.5.1 here)
-    torch_compile: Annotated[Union[bool, Literal["auto"]], SPEED] = False
+    # auto: where the plan predicts the run repays compiling (plan/compile_choice.py)
+    torch_compile: Annotated[Union[bool, Literal["auto"]], SPEED] = "auto"
     torch_compile_mode: Annotated[Optional[Literal["default", "reduce-overhead", "max-autotune"]], SPEED] = None
     torch_compile_backend: Annotated[Optional[str], SPEED] = None  # torch.compile's backend (inductor when unset)
     torch_compile_options: Annotated[Optional[dict[str, Any]], SPEED] = None  # torch._inductor.config flags

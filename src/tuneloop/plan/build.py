@@ -73,7 +73,9 @@ class TrainingPlan:
     host_allocator: str | None = None  # the host allocator of every tuneloop process, in words (allocator.py)
     attention: str | None = None  # the attention implementation the model loads with
     attention_split: str | None = None  # SDPA per sequence: how many micro-batches split, in words
-    torch_compile: str | None = None  # what torch.compile compiles, when the config asks for it
+    torch_compile: str | None = None  # what torch.compile compiles, when the run compiles
+    torch_compile_choice: str | None = None  # `torch_compile: auto`: on or off, and why (plan/compile_choice.py)
+    compile_key: str | None = None  # what this run's compile measurements are recorded under (compile_choice.py)
     flops_per_token: float | None = None  # model FLOPs per real token of a training step (flops.py)
     attention_context: float | None = None  # positions a token attends to, on average over the data
     peak_flops: float | None = None  # one device's peak at the run's precision, per second
@@ -142,13 +144,24 @@ def data_plan(cfg, resolved, rows, world_size: int) -> TrainingPlan:
 
 def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, tokenizer) -> TrainingPlan:
     batch = _batch(cfg, rows, world_size)
-    padding = padding_for(cfg, resolved.compiled)
-    counts = rows.count_steps(train_spec(cfg, resolved, world_size), cfg.gradient_accumulation_steps, padding,
-                              cfg.max_steps, cfg.num_epochs)
+
+    def counted(resolved):
+        padding = padding_for(cfg, resolved.compiled)
+        counts = rows.count_steps(train_spec(cfg, resolved, world_size), cfg.gradient_accumulation_steps, padding,
+                                  cfg.max_steps, cfg.num_epochs)
+        model_part, notes = (_model_part(cfg, resolved, facts, counts, world_size, device_memory_gb, tokenizer)
+                             if facts is not None else ({}, []))
+        return padding, counts, model_part, notes
+
+    padding, counts, model_part, notes = counted(resolved)
+    if cfg.torch_compile == "auto" and facts is not None:
+        compile_on, why = _auto_compile(cfg, resolved, facts, counts, model_part, world_size)
+        if compile_on:  # compiled widths are rounded up (data/collate.py): counted again
+            resolved = replace(resolved, compiled=True)
+            padding, counts, model_part, notes = counted(resolved)
+        model_part["torch_compile_choice"] = f"auto: {'on' if compile_on else 'off'}, {why}"
     eval_rows = rows.prepared.stats.eval_rows
     schedule = run_schedule(cfg, counts.total_steps, counts.steps_per_epoch, eval_rows)
-    model_part, notes = (_model_part(cfg, resolved, facts, counts, world_size, device_memory_gb, tokenizer)
-                         if facts is not None else ({}, []))
     if tokenizer is not None:
         notes += _stopping_notes(cfg, rows, tokenizer)
     plan = TrainingPlan(
@@ -200,6 +213,16 @@ def _batching_words(resolved) -> str:
     return f"streamed, {resolved.batching}" if resolved.streamed else resolved.batching
 
 
+def _auto_compile(cfg, resolved, facts, counts, model_part: dict, world_size: int) -> tuple[bool, str]:
+    """`torch_compile: auto`, from what this machine measured for this model (plan/compile_choice.py)."""
+    from tuneloop.plan.compile_choice import decide, read_records
+
+    if is_online(cfg):
+        return False, "not for online RL (its generation would run through the training graph)"
+    return decide(read_records(), model_part["compile_key"], counts.total_real_tokens or 0,
+                  model_part.get("flops_per_token"), model_part.get("peak_flops"))
+
+
 def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb, tokenizer) -> tuple[dict, list]:
     """What the model and the machine add: the model's line, precision and attention, the engine (its settings
     checked against the plan), the memory per rank, the compute per token and the peak MFU is taken against;
@@ -226,6 +249,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
                                masters=resolved.precision.masters)
     from tuneloop.allocator import tune_host_allocator
     from tuneloop.packed_attention import PER_SEQUENCE_SDPA, split_summary
+    from tuneloop.plan.compile_choice import shape_key
 
     part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),
             "host_allocator": tune_host_allocator(),
@@ -243,6 +267,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
         # (`tuneloop plan --world-size N` outside a launcher: the N ranks are taken to share this host)
         peak = run_peak(precision, cfg.peak_tflops, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         part.update(peak_flops=peak.flops, peak_source=peak.source)
+    part["compile_key"] = shape_key(cfg, resolved, facts.config, world_size)
     if resolved.compiled:
         part["torch_compile"] = f"torch.compile ({cfg.torch_compile_backend or 'inductor'}" + (
             f", mode {cfg.torch_compile_mode})" if cfg.torch_compile_mode else ")")

@@ -110,6 +110,8 @@ def _machine_lines(plan) -> list[str]:
         lines.append(f"  attention            {plan.attention_split}")
     if plan.host_allocator is not None:
         lines.append(f"  host memory          {plan.host_allocator}")
+    if plan.torch_compile_choice is not None:
+        lines.append(f"  compile              {plan.torch_compile_choice}")
     if plan.torch_compile is not None:
         lines.append(f"  compile              {plan.torch_compile}: the first step compiles (it can take a minute) "
                      "and is timed apart; widths rounded up to multiples of 64")

@@ -1,0 +1,87 @@
+"""`torch_compile: auto` (plan/compile_choice.py): compile where the run repays compiling, from what this machine
+measured for the model; every finished run records its first step and pace; the plan says the decision, and a
+run the plan compiles is counted with the compiled widths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import base_config, run_in_process, tiny_rows, write_config, write_jsonl
+
+from tuneloop.plan import compile_choice
+from tuneloop.plan.compile_choice import decide, read_records, record_run
+
+
+def run(first: float, pace: float) -> dict:
+    return {"first_step_seconds": first, "seconds_per_real_token": pace}
+
+
+def test_measured_both_ways_it_compiles_only_where_the_steps_repay_the_first():
+    records = {"k": {"eager": [run(5.0, 0.004)], "compiled": [run(15.0, 0.003)]}}  # +10 s, 1 ms a token saved
+    on, why = decide(records, "k", 20_000, None, None)
+    assert on and "adds 10 s" in why and "1.33×" in why and "saves ~20 s" in why
+    on, why = decide(records, "k", 5_000, None, None)
+    assert not on and "saves ~5 s" in why
+    slower = {"k": {"eager": [run(5.0, 0.003)], "compiled": [run(6.0, 0.004)]}}
+    assert not decide(slower, "k", 10**9, None, None)[0]
+
+
+def test_unmeasured_it_compiles_only_runs_long_enough_to_hide_a_cold_compile():
+    eager_only = {"k": {"eager": [run(5.0, 0.01)]}}
+    assert decide(eager_only, "k", 10**6, None, None)[0]  # ~2.8 hours eager
+    on, why = decide(eager_only, "k", 10_000, None, None)
+    assert not on and "~2 min eager" in why and "torch_compile: true" in why
+    # nothing measured: the model's FLOPs at the assumed MFU (1e9 FLOPs a token, 1e9 FLOPS: 2.2 s a token)
+    assert decide({}, "k", 1_000, 1e9, 1e9)[0] and not decide({}, "k", 100, 1e9, 1e9)[0]
+    assert decide({}, "k", 10**9, None, None) == (
+        False, "not measured here for this model, and the run's length cannot be estimated")
+
+
+def test_runs_are_recorded_the_last_three_kept_and_the_pace_is_their_median(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUNELOOP_CACHE", str(tmp_path))
+    record_run("k", False, {"steps": 2, "first_step_seconds": 1.0, "real_tokens_per_second_after_first_step": 10})
+    assert read_records() == {}  # two steps: no steady pace to speak of
+    for rate, first in ((100, 4.0), (400, 3.0), (200, 2.0), (250, 1.0)):
+        record_run("k", False, {"steps": 5, "first_step_seconds": first, "real_tokens_per_second_after_first_step": rate})
+    kept = read_records()["k"]["eager"]
+    assert [r["first_step_seconds"] for r in kept] == [3.0, 2.0, 1.0]
+    assert compile_choice._measured(kept) == {"first_step_seconds": 1.0, "seconds_per_real_token": 1 / 250}
+
+
+@pytest.fixture()
+def tiny_run(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("TUNELOOP_CACHE", str(tmp_path / "cache"))
+    data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(24, seed=3))
+    return write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=3,
+                                                            sample_packing=False))
+
+
+def test_the_plan_says_its_choice_and_counts_compiled_widths_when_it_compiles(tiny_run, tmp_path):
+    planned = run_in_process("plan", str(tiny_run), "--json")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    eager = json.loads(planned.stdout)
+    assert eager["torch_compile_choice"].startswith("auto: off, not measured compiled here for this model yet")
+    assert eager["resolved"]["compiled"] is False and eager["torch_compile"] is None
+    # this machine measured the model both ways, and compiling pays for itself many times over
+    (tmp_path / "cache" / "compile_records.json").write_text(json.dumps(
+        {eager["compile_key"]: {"eager": [run(1.0, 0.1)], "compiled": [run(2.0, 0.01)]}}))
+    planned = run_in_process("plan", str(tiny_run), "--json")
+    compiled = json.loads(planned.stdout)
+    assert compiled["torch_compile_choice"].startswith("auto: on, measured here for this model: compiling adds 1 s")
+    assert compiled["resolved"]["compiled"] is True and compiled["torch_compile"].startswith("torch.compile")
+    assert compiled["max_micro_batch_tokens"] % (64 * 4) == 0  # widths rounded up for the compiled graph
+    assert compiled["padding_fraction"] > eager["padding_fraction"]
+    text = run_in_process("plan", str(tiny_run)).stdout
+    assert "compile              auto: on, measured here" in text
+
+
+def test_a_finished_run_records_its_pace_under_the_plans_key(tiny_run, tmp_path):
+    trained = run_in_process("train", str(tiny_run))
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    recorded = read_records()[plan["compile_key"]]["eager"]
+    assert recorded[-1]["first_step_seconds"] == summary["first_step_seconds"]
+    assert recorded[-1]["seconds_per_real_token"] == pytest.approx(
+        1 / summary["real_tokens_per_second_after_first_step"])
