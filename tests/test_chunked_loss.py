@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import tuneloop.output_head as output_head_module
+import tuneloop.train.chunked_loss as chunked_loss_module
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
 from tuneloop.train.objectives import language_model_loss, output_head, summed_token_loss
@@ -22,7 +23,8 @@ from tuneloop.train.objectives import language_model_loss, output_head, summed_t
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(output_head_module, "LOGITS_PER_CHUNK", 64 * 400)  # 64 tokens of a 400-token vocabulary a chunk
+    for device in ("cpu", "gpu"):  # 64 tokens of a 400-token vocabulary a chunk
+        monkeypatch.setitem(output_head_module.LOGITS_PER_CHUNK, device, 64 * 400)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,6 +49,27 @@ def test_the_chunked_function_equals_cross_entropy_over_whole_logits(small_chunk
     logits = hidden.detach() @ weight.detach().t()
     assert float(loss) == pytest.approx(float(plain.detach()), rel=1e-6)
     assert int(correct) == int((logits.argmax(-1).eq(targets) & (targets != IGNORE_INDEX)).sum())
+
+
+def test_positions_without_a_target_never_meet_the_head_and_get_no_gradient(small_chunks, monkeypatch):
+    """The head multiplies only the positions with a target (the plan's FLOPs count only those); a micro-batch
+    without any (a rank's share of prompt-only rows) gives a zero loss and zero gradients."""
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 32, requires_grad=True)
+    weight = torch.randn(400, 32, requires_grad=True)
+    targets = torch.full((300,), IGNORE_INDEX)
+    targets[100:130] = torch.randint(0, 400, (30,))
+    rows_met = []
+    original = chunked_loss_module._chunk_logits
+    monkeypatch.setattr(chunked_loss_module, "_chunk_logits",
+                        lambda chunk, projection: rows_met.append(chunk.shape[0]) or original(chunk, projection))
+    chunked_linear_cross_entropy(hidden, weight, targets).backward()
+    assert rows_met == [30]
+    assert hidden.grad[:100].abs().max() == 0 and hidden.grad[100:130].abs().max() > 0
+    hidden.grad = weight.grad = None
+    none = chunked_linear_cross_entropy(hidden, weight, torch.full((300,), IGNORE_INDEX))
+    none.backward()
+    assert float(none) == 0 and hidden.grad.abs().max() == 0 and weight.grad.abs().max() == 0
 
 
 def model_of(tiny_model_dir, tied: bool):

@@ -50,6 +50,17 @@ def test_model_flops_count_every_matrix_once_and_attention_by_hand(tiny_model_di
     assert counted.per_token == pytest.approx(6 * matrices + 12 * layers * hidden * context)
 
 
+def test_the_head_is_counted_only_for_the_positions_with_a_target():
+    from tuneloop.plan.flops import head_flops_skipped
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    assert head_flops_skipped((400 * 64, True), 1000, 250) == pytest.approx(6 * 400 * 64 * 0.75)
+    assert head_flops_skipped((400 * 64, False), 1000, 250) == pytest.approx(4 * 400 * 64 * 0.75)  # frozen (LoRA)
+    assert head_flops_skipped((0, False), 1000, 250) == 0  # the plain loss multiplies every position
+    full = count_flops(config, 0, 10**6, np.array([8])).per_token
+    assert count_flops(config, 0, 10**6, np.array([8]), 1234.0).per_token == pytest.approx(full - 1234.0)
+
+
 def test_a_frozen_matrix_costs_4_flops_per_weight_and_a_trained_one_6(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
 

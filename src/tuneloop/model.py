@@ -265,6 +265,8 @@ class ModelFacts:
     embeddings_trained: bool = True  # the input embeddings are trained (not under LoRA without modules_to_save)
     # trained weights only matmuls read: held in bf16 beside fp32 masters under bf16 (engines/masters.py)
     matmul_only_trained: int = 0
+    # (weights, trained) of the output projection the chunked loss meets; (0, False) without the chunked loss
+    head_weights: tuple[int, bool] = (0, False)
     module_classes: frozenset = frozenset()  # the class names of the model's modules (an engine checks its own)
     layer_classes: tuple = ()  # the model's decoder-layer classes (transformers' _no_split_modules)
     quantizable: tuple[int, int, int] = (0, 0, 0)  # (weights, rows, layers) of the linears 4/8-bit loading quantizes
@@ -278,7 +280,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
 
     from tuneloop.adapters import add_adapter, freeze_all_but
     from tuneloop.engines.masters import matmul_only_weights
-    from tuneloop.output_head import loss_meets_head_in_chunks
+    from tuneloop.output_head import loss_meets_head_in_chunks, output_head
     from tuneloop.quantized_experts import count_expert_weights, expert_parameter_names, expert_targets
 
     config = model_config(cfg, tokenizer)
@@ -316,8 +318,11 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     embeddings_trained = any(parameter.requires_grad and embedding_name in name  # (peft prefixes the names)
                              for name, parameter in model.named_parameters())
-    return ModelFacts(config, parameters, trainable, max_positions, learned, loss_meets_head_in_chunks(cfg, model),
+    chunked = loss_meets_head_in_chunks(cfg, model)
+    head = output_head(model)[1] if chunked else None
+    return ModelFacts(config, parameters, trainable, max_positions, learned, chunked,
                       count_matmul_weights(model), grown_rows=max(grown, 0),
+                      head_weights=(head.numel(), head.requires_grad) if head is not None else (0, False),
                       embedding_rows=len(tokenizer) - grown if tokenizer is not None else 0,
                       embeddings_trained=embeddings_trained,
                       matmul_only_trained=sum(p.numel() for p in matmul_only_weights(model, cfg)),

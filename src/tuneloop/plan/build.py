@@ -229,7 +229,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     and their warnings (a sequence_len past the model's positions, an attention kernel that cannot run here, a
     run above the device's memory)."""
     from tuneloop.model import check_sequence_len
-    from tuneloop.plan.flops import count_flops, run_peak
+    from tuneloop.plan.flops import count_flops, head_flops_skipped, run_peak
     from tuneloop.plan.memory import estimate_memory, memory_warning
 
     precision = resolved.precision.mixed
@@ -259,7 +259,9 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
             "estimated_memory_gb": estimate.total_gb, "memory": asdict(estimate)}
     if resolved.attention.used == PER_SEQUENCE_SDPA and counts.packed_attention_work:
         part["attention_split"] = split_summary(counts.packed_attention_work, "bf16" if precision == "bf16" else "fp32")
-    count = count_flops(facts.config, *facts.matmul_weights, counts.sequence_lengths)
+    # (the preference losses' log-probs, log_probs.py, also meet the head only at target positions)
+    skipped = head_flops_skipped(facts.head_weights, counts.total_real_tokens, counts.total_trainable_tokens)
+    count = count_flops(facts.config, *facts.matmul_weights, counts.sequence_lengths, skipped)
     part.update(flops_per_token=count.per_token, attention_context=count.attention_context)
     if count.per_token is None:
         part["peak_source"] = count.why_not

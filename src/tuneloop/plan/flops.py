@@ -10,7 +10,9 @@ model.count_matmul_weights):
   attended to in the forward, three times that with the backward. A causal token attends to itself and the
   tokens before it in its own sequence (packing keeps sequences apart), so averaged over the data's tokens it
   attends to Σ len·(len+1)/2 / Σ len positions: the count the data needs, not the padded width;
-- recomputation (gradient checkpointing) is not counted: MFU counts the model's work, not what the hardware redid.
+- recomputation (gradient checkpointing) is not counted: MFU counts the model's work, not what the hardware redid;
+- the output head is counted for the positions it meets: under the chunked loss only those with a target
+  (train/chunked_loss.py), every position otherwise.
 
 The peak: the vendor's dense bf16/fp16 tensor-core figure for GPUs this table knows, one per rank; otherwise,
 and on every CPU, the best of a few square matmuls at the run's precision on this machine. On a CPU the ranks
@@ -53,7 +55,9 @@ def attention_context(lengths: np.ndarray) -> float:
     return float((lengths * (lengths + 1) / 2).sum() / lengths.sum()) if lengths.size and lengths.sum() else 0.0
 
 
-def count_flops(config, frozen: int, trained: int, lengths: np.ndarray) -> FlopsCount:
+def count_flops(config, frozen: int, trained: int, lengths: np.ndarray, head_skipped: float = 0.0) -> FlopsCount:
+    """`head_skipped`: FLOPs per real token the output head does not do, where the chunked loss multiplies only
+    the positions with a target by it (head_flops_skipped)."""
     if getattr(config, "is_encoder_decoder", False):
         return FlopsCount(None, "not counted for encoder-decoder models (their tokens meet different weights)")
     experts = max(getattr(config, name, None) or 0 for name in ("num_experts", "num_local_experts", "n_routed_experts"))
@@ -66,9 +70,18 @@ def count_flops(config, frozen: int, trained: int, lengths: np.ndarray) -> Flops
         return FlopsCount(None, "not counted: the model's config names no layers, heads or hidden size")
     head_dim = getattr(config, "head_dim", None) or width // heads
     context = attention_context(lengths)
-    weights = 4 * frozen + 6 * trained
+    weights = 4 * frozen + 6 * trained - head_skipped
     attention = 3 * 4 * layers * heads * head_dim * context
     return FlopsCount(float(weights + attention), None, round(context, 1))
+
+
+def head_flops_skipped(head_weights: tuple[int, bool], real_tokens: int | None, target_tokens: int | None) -> float:
+    """Per real token: the head's FLOPs (6 per weight trained, 4 frozen) for the share of positions without a
+    target, which the chunked loss never multiplies by it."""
+    weights, head_trained = head_weights
+    if not weights or not real_tokens or target_tokens is None:
+        return 0.0
+    return (6 if head_trained else 4) * weights * max(0.0, 1 - target_tokens / real_tokens)
 
 
 @dataclass
