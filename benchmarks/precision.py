@@ -10,8 +10,8 @@ steps), interleaved A B C D, A B C D ... for `--rounds` rounds:
               weights, fp32 masters stepped by the optimizer, fp32 gradients (engines/masters.py)
   pure_bf16   `bfloat16: true`: bf16 weights and bf16 optimizer updates, no fp32 copy (axolotl's `bf16: true`)
 
-Throughput is tuneloop's own: real tokens/s over the training loop after its first step (summary.json), so the
-evals and the first step are left out alike. Ratios are taken within each round, then the median. The eval loss is
+Throughput is tuneloop's own: real tokens/s over the training loop after its first step (summary.json; the
+evals between steps are in the time, alike in every variant). Ratios are taken within each round, then the median. The eval loss is
 the run's last; peak RSS is the process's.
 
     python benchmarks/precision.py                 # 2 rounds (~10 min on 2 cores)

@@ -1,6 +1,7 @@
 """One run of `tuneloop train examples/quickstart.yml` with `--set` overrides in its own fresh process, and what its
-files say: the run's own throughput (real tokens/s after the first step, so evals and the first step are left out
-alike), its last eval loss, peak RSS, the plan's estimate. Shared by the side-by-side benchmarks here."""
+files say: the run's own throughput (summary.json's real tokens/s after the first step: the first step left out,
+the evals between steps included, alike in every variant), its last eval loss, peak RSS, the plan's estimate.
+Shared by the side-by-side benchmarks here."""
 
 from __future__ import annotations
 

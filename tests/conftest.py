@@ -30,6 +30,13 @@ CORPUS = [
 ]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def compile_records_of_the_suite(tmp_path_factory):
+    """Every test plans `torch_compile: auto` from the suite's own records (plan/compile_choice.py), never from
+    what this machine ran before; subprocesses inherit the variable."""
+    os.environ["TUNELOOP_COMPILE_RECORDS"] = str(tmp_path_factory.mktemp("compile_records") / "records.json")
+
+
 def tiny_rows(count: int, seed: int = 0) -> list[dict]:
     """Alpaca rows of varied lengths, built from a fixed vocabulary of words (deterministic)."""
     import random

@@ -41,6 +41,7 @@ def test_packed_lengths_reads_packed_rows_and_refuses_everything_else():
     assert packed_lengths(torch.tensor([[0, 1, 3, 4]]), 4) is None  # a jump that is not a restart
     assert packed_lengths(torch.arange(6)[None], 1) is None  # decoding: one query against a longer cache
     assert packed_lengths(None, 4) is None
+    assert packed_lengths(positions_of([[3, 5]]), 8, rows=2) is None  # one row of positions for a batch of two
 
 
 def test_splitting_is_chosen_for_long_sequences_in_long_rows_not_for_many_tiny_ones():
@@ -92,6 +93,33 @@ def test_a_model_loaded_with_it_trains_packed_rows_like_sdpa_and_saves_a_plain_f
     assert torch.allclose(gradients["sdpa"], gradients[PER_SEQUENCE_SDPA], atol=1e-6)
     model.save_pretrained(tmp_path)
     assert PER_SEQUENCE_SDPA not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
+
+
+def test_under_bf16_autocast_the_split_matches_sdpa_to_bf16_precision(tiny_model_dir, monkeypatch):
+    """fp32 weights under autocast: RoPE leaves q and k in fp32 and v in bf16; the split casts them once, as
+    autocast would for SDPA."""
+    monkeypatch.setattr(packed_attention, "CALL_COST", {"bf16": 0, "fp32": 0})
+    monkeypatch.setattr(packed_attention, "_last_split", (None, None))
+    torch.manual_seed(0)
+    rows = [[20, 9, 35], [30, 34]]
+    ids = torch.randint(3, 200, (2, 64))
+    losses = {}
+    for name in ("sdpa", PER_SEQUENCE_SDPA):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                     attn_implementation=loadable(name))
+        model.config.use_cache = False
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[name] = float(model(input_ids=ids, position_ids=positions_of(rows), labels=ids).loss.detach())
+    assert packed_attention._last_split[1] == rows
+    assert losses[PER_SEQUENCE_SDPA] == pytest.approx(losses["sdpa"], rel=1e-2)
+
+
+def test_models_outside_the_attention_interface_keep_sdpa():
+    from transformers import FalconConfig, LlamaConfig
+
+    from tuneloop.packed_attention import model_can_split
+
+    assert model_can_split(LlamaConfig()) and not model_can_split(FalconConfig())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU packed rows keep SDPA's mask or flash varlen")

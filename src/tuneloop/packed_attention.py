@@ -52,13 +52,27 @@ def loadable(name: str | None) -> str | None:
     return name
 
 
-def packed_lengths(positions, width: int) -> list[list[int]] | None:
+def model_can_split(model_config) -> bool:
+    """Whether the model's class runs its attention through transformers' attention interface (it says so with
+    `_supports_attention_backend`): others (Falcon's own table of classes, remote code) would fail to load under a
+    registered name or ignore it."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(model_config)]
+    except (KeyError, ValueError):
+        return False
+    return bool(getattr(model_class, "_supports_attention_backend", False))
+
+
+def packed_lengths(positions, width: int, rows: int | None = None) -> list[list[int]] | None:
     """The sequence lengths of each row of a packed batch, from its position_ids; None unless every row starts at
     position 0 and each position either follows the last by one or restarts at 0 (what tuneloop's collator and
     transformers' DataCollatorWithFlattening write; a left-padded batch's positions start at 1)."""
     import torch
 
-    if positions is None or positions.dim() != 2 or positions.shape[1] != width:
+    if positions is None or positions.dim() != 2 or positions.shape[1] != width or (
+            rows is not None and positions.shape[0] != rows):  # (one row of positions broadcast over a batch)
         return None
     starts = positions == 0
     if not bool(starts[:, 0].all()) or not bool(((positions[:, 1:] - positions[:, :-1] == 1) | starts[:, 1:]).all()):
@@ -101,11 +115,11 @@ def split_summary(works: list[tuple[int, int, int, int]], dtype_name: str) -> st
 _last_split: tuple = (None, None)  # (position_ids, lengths or None): every layer of a forward sees the same rows
 
 
-def _split_of(positions, width: int, dtype_name: str):
+def _split_of(positions, width: int, rows: int, dtype_name: str):
     global _last_split
     if _last_split[0] is positions:
         return _last_split[1]
-    lengths = packed_lengths(positions, width)
+    lengths = packed_lengths(positions, width, rows)
     if lengths is not None and not worth_splitting(lengths, width, dtype_name):
         lengths = None
     _last_split = (positions, lengths)
@@ -127,7 +141,8 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
     if splittable:
-        lengths = _split_of(kwargs.get("position_ids"), width, "fp32" if dtype == torch.float32 else "bf16")
+        lengths = _split_of(kwargs.get("position_ids"), width, query.shape[0],
+                            "fp32" if dtype == torch.float32 else "bf16")
         window = kwargs.get("sliding_window")
         if lengths is not None and window and max(n for row in lengths for n in row) > window:
             lengths = None

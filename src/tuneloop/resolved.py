@@ -80,16 +80,17 @@ def resolve_config(cfg) -> Resolved:
 
 def resolve_run(cfg, model_config=None) -> Resolved:
     """Stage 2: with this machine and the model's config (read here unless given)."""
-    kind = named_kind(cfg)
-    if kind is None:
-        if model_config is None:
-            from tuneloop.model import model_config as read_model_config
+    from tuneloop.packed_attention import model_can_split
 
-            model_config = read_model_config(cfg)
-        kind = kind_of_config(model_config)
+    if model_config is None:
+        from tuneloop.model import model_config as read_model_config
+
+        model_config = read_model_config(cfg)
+    kind = named_kind(cfg) or kind_of_config(model_config)
     decided = _resolved(cfg, kind)
     packed = "packed" in (decided.batching, decided.eval_batching) and not decided.encoder_decoder
-    return replace(decided, precision=precision(cfg), attention=attention(cfg, packed))
+    splittable = packed and not cfg.trust_remote_code and model_can_split(model_config)
+    return replace(decided, precision=precision(cfg), attention=attention(cfg, splittable))
 
 
 def _resolved(cfg, kind: ModelKind | None) -> Resolved:
@@ -186,10 +187,12 @@ def attention(cfg, packed: bool = False) -> Attention:
     packed rows included (transformers builds the block-diagonal mask from position_ids for SDPA and uses
     the varlen path for flash-attention), so where they cannot run the run uses SDPA and says so.
 
-    `packed` (packed rows): on a CPU, SDPA runs each packed sequence on its own where that is cheaper than the
-    whole row under one mask (packed_attention.py; measured there; under torch.compile it stays eager). Not on a
-    GPU, where it has not been measured and flash-attention's varlen kernel is the way; not where the config says `attn_implementation: sdpa`, which names transformers'
-    SDPA path as it is (`attn_implementation: sdpa_per_sequence` asks for the split anywhere)."""
+    `packed` (packed rows, a model whose attention goes through transformers' attention interface): on a CPU,
+    SDPA runs each packed sequence on its own where that is cheaper than the whole row under one mask
+    (packed_attention.py; measured there; under torch.compile it stays eager). Not on a GPU, where it has not
+    been measured and flash-attention's varlen kernel is the way; not where the config says
+    `attn_implementation: sdpa`, which names transformers' SDPA path as it is (`attn_implementation:
+    sdpa_per_sequence` asks for the split anywhere)."""
     import torch
 
     from tuneloop.packed_attention import PER_SEQUENCE_SDPA

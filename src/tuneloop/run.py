@@ -213,7 +213,7 @@ class TrainingSession:
             else:
                 from tuneloop.plan.compile_choice import record_run
 
-                record_run(plan.compile_key, plan.resolved.compiled, result.summary)  # for `torch_compile: auto`
+                record_run(plan.compile_key, plan.resolved.compiled, outcome, resume is not None)  # for `auto`
         return result
 
     def _reference(self, model, tokenizer, rows, resume: Path | None):

@@ -19,9 +19,12 @@ The decision and its numbers are a line of the plan; `torch_compile: true` or `f
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 import time
+from pathlib import Path
 
 from tuneloop.cache import cache_root
 
@@ -34,9 +37,16 @@ KEPT_RUNS = 3  # the pace is the median of the last few runs (one short run's pa
 # step is the latest run's (it depends on what the compile caches hold now)
 
 
+def records_path() -> Path:
+    """``$TUNELOOP_COMPILE_RECORDS``, else compile_records.json in tuneloop's cache (the tests point it elsewhere,
+    so the suite never depends on what this machine ran before)."""
+    configured = os.environ.get("TUNELOOP_COMPILE_RECORDS")
+    return Path(configured) if configured else cache_root() / RECORDS
+
+
 def shape_key(cfg, resolved, model_config, world_size: int) -> str:
     """What a compiled step's graph and speed depend on: the model's shape, what is trained, precision, attention,
-    checkpointing, the ranks, the device and torch."""
+    checkpointing, the micro-batch's shape and batching, the engine and ranks, the device and torch."""
     import torch
 
     from tuneloop.plan.flops import _cpu_name
@@ -47,6 +57,8 @@ def shape_key(cfg, resolved, model_config, world_size: int) -> str:
     device = (torch.cuda.get_device_name(0) if torch.cuda.is_available()
               else f"{_cpu_name()}, {torch.get_num_threads()} threads")
     parts = {"shape": shape, "adapter": cfg.adapter, "lora_r": cfg.lora_r if cfg.adapter else None,
+             "trained": [cfg.lora_target_modules, cfg.lora_target_linear, cfg.unfrozen_parameters],
+             "batch": [cfg.micro_batch_size, cfg.sequence_len, resolved.batching], "engine": resolved.engine.name,
              "precision": resolved.precision.name if resolved.precision else None,
              "attention": resolved.attention.used, "checkpointing": bool(cfg.gradient_checkpointing),
              "chunked_loss": cfg.chunked_cross_entropy, "mode": cfg.torch_compile_mode,
@@ -56,34 +68,48 @@ def shape_key(cfg, resolved, model_config, world_size: int) -> str:
 
 
 def read_records() -> dict:
+    """The records, or {} where the file is missing, unreadable or not what record_run writes."""
     try:
-        return json.loads((cache_root() / RECORDS).read_text())
+        records = json.loads(records_path().read_text())
     except (OSError, ValueError):
         return {}
+    return records if isinstance(records, dict) else {}
 
 
-def record_run(key: str | None, compiled: bool, summary: dict) -> None:
-    """After a finished run (main process): its first step and steady pace, for the next plan's decision."""
+def record_run(key: str | None, compiled: bool, outcome, resumed: bool) -> None:
+    """After a finished run (main process): its first step and its steady pace (the training steps after the
+    first, without the evals and checkpoints between them), for the next plan's decision. Not a resumed session
+    (its first step reloads, its steps are fewer than the run's) nor one of fewer than MIN_RECORDED_STEPS."""
     from tuneloop.run_files import write_json
 
-    rate = summary.get("real_tokens_per_second_after_first_step")
-    if not key or not rate or (summary.get("steps") or 0) < MIN_RECORDED_STEPS or not summary.get(
-            "first_step_seconds"):
+    first = outcome.first_step_seconds
+    steady_seconds = outcome.training_seconds - (first or 0)
+    steady_tokens = outcome.real_tokens - outcome.first_step_real_tokens
+    if not key or resumed or not first or outcome.steps < MIN_RECORDED_STEPS or steady_seconds <= 0 \
+            or steady_tokens <= 0:
         return
-    records = read_records()
-    kind = records.setdefault(key, {}).setdefault("compiled" if compiled else "eager", [])
-    kind.append({"first_step_seconds": summary["first_step_seconds"], "seconds_per_real_token": 1.0 / rate,
-                 "recorded": time.strftime("%Y-%m-%d %H:%M:%S")})
-    del kind[:-KEPT_RUNS]
+    path = records_path()
     try:
-        cache_root().mkdir(parents=True, exist_ok=True)
-        write_json(cache_root() / RECORDS, records)
-    except OSError:
-        pass  # a cache that cannot be written only leaves the next plan without the measurement
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # two runs ending together: one read-modify-write after the other
+            records = read_records()
+            runs = records.setdefault(key, {}).get("compiled" if compiled else "eager")
+            runs = (runs if isinstance(runs, list) else []) + [{
+                "first_step_seconds": first, "seconds_per_real_token": steady_seconds / steady_tokens,
+                "recorded": time.strftime("%Y-%m-%d %H:%M:%S")}]
+            records[key]["compiled" if compiled else "eager"] = runs[-KEPT_RUNS:]
+            write_json(path, records, recorded=False)
+    except (OSError, AttributeError, TypeError):
+        pass  # a cache that cannot be written (or holds something else) only leaves the next plan unmeasured
 
 
-def _measured(runs: list | None) -> dict | None:
-    if not runs or not isinstance(runs, list):
+def _measured(runs) -> dict | None:
+    if not isinstance(runs, list):
+        return None
+    runs = [run for run in runs if isinstance(run, dict) and isinstance(run.get("seconds_per_real_token"), float)
+            and isinstance(run.get("first_step_seconds"), (int, float)) and run["seconds_per_real_token"] > 0]
+    if not runs:
         return None
     paces = sorted(run["seconds_per_real_token"] for run in runs)
     return {"first_step_seconds": runs[-1]["first_step_seconds"], "seconds_per_real_token": paces[len(paces) // 2]}
@@ -92,7 +118,8 @@ def _measured(runs: list | None) -> dict | None:
 def decide(records: dict, key: str, real_tokens: int, flops_per_token: float | None,
            peak_flops: float | None) -> tuple[bool, str]:
     """(compile?, why in words) for `torch_compile: auto`, over a run of `real_tokens` real tokens."""
-    measured = records.get(key, {})
+    measured = records.get(key)
+    measured = measured if isinstance(measured, dict) else {}
     eager, compiled = _measured(measured.get("eager")), _measured(measured.get("compiled"))
     if eager and compiled:
         extra = max(0.0, compiled["first_step_seconds"] - eager["first_step_seconds"])
@@ -109,7 +136,7 @@ def decide(records: dict, key: str, real_tokens: int, flops_per_token: float | N
     else:
         return False, "not measured here for this model, and the run's length cannot be estimated"
     long_enough = seconds > UNMEASURED_RUN_SECONDS
-    return long_enough, (f"not measured compiled here for this model yet; the run should take ~{seconds / 60:.0f} "
+    return long_enough, (f"not measured both ways here for this model yet; the run should take ~{seconds / 60:.0f} "
                          f"min eager ({source}): " + (
                              "long enough that compiling the first step is a small share (the run measures it for "
                              "the next plan)" if long_enough else
