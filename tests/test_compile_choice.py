@@ -93,6 +93,15 @@ def test_the_plan_says_its_choice_and_counts_compiled_widths_when_it_compiles(ti
     assert compiled["padding_fraction"] > eager["padding_fraction"]
     text = run_in_process("plan", str(tiny_run)).stdout
     assert "compile              auto: on, measured here" in text
+    assert not any("torch_compile_mode" in warning for warning in compiled["warnings"])
+
+
+def test_compile_settings_of_a_run_the_plan_does_not_compile_are_said(tiny_run):
+    planned = run_in_process("plan", str(tiny_run), "--json", "--set", "torch_compile_mode=max-autotune")
+    plan = json.loads(planned.stdout)
+    assert plan["resolved"]["compiled"] is False
+    assert any("`torch_compile_mode` given, but this run is not compiled (torch_compile: auto, and the plan decided "
+               "against it)" in warning for warning in plan["warnings"])
 
 
 def test_a_finished_run_records_its_pace_under_the_plans_key(tiny_run, tmp_path):

@@ -160,6 +160,13 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
             resolved = replace(resolved, compiled=True)
             padding, counts, model_part, notes = counted(resolved)
         model_part["torch_compile_choice"] = f"auto: {'on' if compile_on else 'off'}, {why}"
+    compile_keys = [key for key in ("torch_compile_mode", "torch_compile_backend", "torch_compile_options")
+                    if getattr(cfg, key)]
+    if compile_keys and not resolved.compiled and facts is not None:  # said, not silently dropped
+        notes.append(f"{', '.join(f'`{key}`' for key in compile_keys)} given, but this run is not compiled "
+                     f"(torch_compile: {cfg.torch_compile}"
+                     + (", and the plan decided against it" if cfg.torch_compile == "auto" else "")
+                     + "): set `torch_compile: true` for them to apply")
     eval_rows = rows.prepared.stats.eval_rows
     schedule = run_schedule(cfg, counts.total_steps, counts.steps_per_epoch, eval_rows)
     if tokenizer is not None:
