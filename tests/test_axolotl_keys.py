@@ -15,7 +15,6 @@ from conftest import assert_user_error, base_config, read_metrics, run_in_proces
 from transformers import AutoTokenizer
 
 from tuneloop.config import config_from_dict
-from tuneloop.data.chat_templates import CHAT_TEMPLATES
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.data.prepare import prepare
 from tuneloop.errors import UserError
@@ -71,15 +70,6 @@ def test_llama3_renders_the_familys_text_and_trains_exactly_the_assistant_turns(
     assert trained_text(rows[0], tokenizer) == "Hi, how are you?<|eot_id|>|one two three<|eot_id|>"
 
 
-@pytest.mark.parametrize("name", [name for name in CHAT_TEMPLATES.names()])
-def test_every_named_template_trains_the_assistant_contents_and_nothing_of_the_other_turns(tmp_path, tokenizer,
-                                                                                            name):
-    rows = prepared(tmp_path, tokenizer, [{"messages": CONVERSATION}], {"type": "chat_template"}, chat_template=name)
-    trained = trained_text(rows[0], tokenizer)
-    assert "Hi, how are you?" in trained and "one two three" in trained
-    assert "Hello there" not in trained and "Be brief" not in trained and "Count." not in trained
-
-
 def test_gemma3_puts_the_system_message_in_the_first_user_turn_and_calls_the_assistant_model(tmp_path, tokenizer):
     rows = prepared(tmp_path, tokenizer, [{"messages": CONVERSATION[:3]}], {"type": "chat_template"},
                     chat_template="gemma3")
@@ -106,11 +96,6 @@ def test_a_content_that_also_appears_earlier_in_the_turn_is_located_where_the_te
              "train_on_eos": "none"}
     row = prepared(tmp_path, tokenizer, [{"messages": messages}], entry, chat_template="qwen3")[0]
     assert trained_text(row, tokenizer) == "user|<think>\nthree, surely\n</think>\n\nthree"
-
-
-def test_unknown_template_names_the_ones_tuneloop_has():
-    with pytest.raises(UserError, match="'qwen3_5', a chat template tuneloop does not have.*'llama3'"):
-        config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "chat_template": "qwen3_5"})
 
 
 def test_tokenizer_default_fallback_uses_the_named_template_only_without_the_tokenizers_own(tmp_path, tokenizer):
@@ -374,12 +359,12 @@ def test_check_reports_every_problem_at_once_in_well_under_a_second(tmp_path):
 def test_check_reports_problems_of_different_features_at_once_field_errors_and_rules_alike(tmp_path):
     """A refused value (an unknown chat template) does not hide the cross-key rules of other features: the
     sharding, schedule and preference problems are reported in the same pass."""
-    config = write_config(tmp_path / "bad.yml", base_model="m", chat_template="jamba", rl="dpo", simpo_gamma=0.5,
+    config = write_config(tmp_path / "bad.yml", base_model="m", chat_template="qwen9", rl="dpo", simpo_gamma=0.5,
                           datasets=[{"path": "x", "type": "chat_template"}], warmup_steps=10, warmup_ratio=0.1,
                           adapter="lora", load_in_8bit=True, lora_target_linear=True, fsdp=["full_shard"],
                           fsdp_version=2)
     result = run_in_process("check", str(config))
-    assert_user_error(result, "`chat_template` got 'jamba'",
+    assert_user_error(result, "`chat_template` got 'qwen9'",
                       "`load_in_8bit` with `fsdp` asks for 8-bit weights under FSDP2",
                       "`warmup_steps` and `warmup_ratio` cannot both be set",
                       "`simpo_gamma` shapes SimPO's loss, and this run is `rl: dpo`")

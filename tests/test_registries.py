@@ -201,7 +201,7 @@ def test_every_chat_template_trains_the_reply_and_not_the_prompt(tmp_path, tiny_
 
     data = write_jsonl(tmp_path / "rows.jsonl", [FORMAT_EXAMPLES["chat_template"]])
     cfg = config_from_dict({"base_model": "m", "datasets": [{"path": str(data), "type": "chat_template"}],
-                            "chat_template": name, "sequence_len": 256,
+                            "chat_template": name, "sequence_len": 4096,  # (Command A: a 2.4k-character preamble)
                             "dataset_prepared_path": str(tmp_path / "prepared")})
     tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     row = prepare(cfg, tokenizer, encoder_decoder=False).train[0]

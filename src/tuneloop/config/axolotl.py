@@ -16,7 +16,6 @@ tables and not in the schema is unknown: the error names the nearest key of all 
 
 from __future__ import annotations
 
-from tuneloop.data.chat_templates import CHAT_TEMPLATES
 
 # feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
 FEATURES = {
@@ -49,10 +48,9 @@ FEATURES = {
                           "kwargs, per-group or embedding learning rates, Dion, Q-GaLore, Grokfast, quadratic "
                           "warm-up)"),
     "plugins": ("an axolotl plugin", "axolotl plugins other than Liger, CutCrossEntropy, kernels and SwanLab"),
-    "chat_templates": ("a chat template tuneloop does not have", "named chat templates other than "
-                       f"{', '.join(CHAT_TEMPLATES.names())} (qwen3_5, gemma4, jamba, the vision families, ...): "
-                       "`chat_template: jinja` with the template's text, or `tokenizer_default`, work for any of "
-                       "them"),
+    "chat_templates": ("a chat template tuneloop does not have", "chat template names beyond axolotl's list (tuneloop "
+                       "has every name axolotl's schema knows): `chat_template: jinja` with the template's text, or "
+                       "`tokenizer_default`, work for any template"),
     "dataset_types": ("a dataset type tuneloop does not have", "dataset types other than alpaca, alpaca:chat, "
                       "completion, seq2seq, chat_template (chat_template.default), sharegpt and the custom format "
                       "mapping"),

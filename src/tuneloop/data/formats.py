@@ -201,8 +201,7 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
                         "set `chat_template: chatml` (or another name, or `jinja` with `chat_template_jinja`)")
 
     def render(upto: int, generation_prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, chat_template=template,
-                                             add_generation_prompt=generation_prompt)
+        return _apply_template(tokenizer, messages[:upto], template, generation_prompt, row)
 
     full = render(len(messages), False)
     option = entry.train_on_eot or entry.train_on_eos or "turn"
@@ -221,7 +220,7 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
                 and (not assistant or full.startswith(render(k, True)))):
             raise UserError(f"data: {row.where}: the chat template does not render conversations as growing "
                             "prefixes, so trained turns cannot be located; use `chat_template: chatml`")
-        content = _content_span(messages, k, end_text, header_end, tokenizer, template)
+        content = _content_span(messages, k, end_text, header_end, tokenizer, template, row)
         end = len(end_text.rstrip())
         if content is None:  # the template rewrote the content: train the whole turn, end marker included
             if trained:
@@ -245,15 +244,28 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
 CONTENT_MARK = "\u27e6tuneloop-content\u27e7"  # stands in for a message's content to find where the template puts it
 
 
+def _apply_template(tokenizer, messages: list[dict], template: str | None, generation_prompt: bool,
+                    row: SourceRow) -> str:
+    """The conversation rendered by the template; a template that refuses it (`raise_exception`: a role it does
+    not write, roles that do not alternate) is the row's error, not a traceback."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                             add_generation_prompt=generation_prompt)
+    except TemplateError as error:
+        raise UserError(f"data: {row.where}: the chat template refuses this conversation: {error}") from None
+
+
 def _content_span(messages: list[dict], k: int, end_text: str, header_end: int, tokenizer,
-                  template: str | None) -> tuple[int, int] | None:
+                  template: str | None, row: SourceRow) -> tuple[int, int] | None:
     """Where message k's content sits in `end_text` (the conversation rendered through turn k): rendered once
     more with a mark in place of the content, the text around the mark is what the template adds, so the
     content is what lies between (a template that trims it included). Searching for the content itself would
     find an earlier copy of it (in the reasoning, or the role's header). None when the template transforms
     the content beyond that."""
     marked = [*messages[:k], {**messages[k], "content": CONTENT_MARK}]
-    text = tokenizer.apply_chat_template(marked, tokenize=False, chat_template=template, add_generation_prompt=False)
+    text = _apply_template(tokenizer, marked, template, False, row)
     if text.count(CONTENT_MARK) != 1:
         return None
     head, tail = text.split(CONTENT_MARK)
