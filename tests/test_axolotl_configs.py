@@ -9,6 +9,7 @@ steps where this machine can (else the clear hardware error); the seed's example
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import warnings
@@ -27,9 +28,9 @@ SHARED = next((p for p in (REPO.parent / "shared", Path("/work/shared")) if (p /
 EXAMPLES = SHARED / "axolotl-examples" if SHARED else None
 pytestmark = pytest.mark.skipif(EXAMPLES is None, reason="../shared/axolotl-examples is not on this machine")
 FEATURE_NAMES = [short for short, _ in axolotl.FEATURES.values()]
-ACCEPTED = 59  # of the 118 example configs (2026-12-02)
-REFUSED_BY_FEATURE = {"multimodal models": 18, "a chat template tuneloop does not have": 14,
-                      "quantization beyond bitsandbytes": 10, "tensor/context/expert parallelism": 8,
+ACCEPTED = 68  # of the 118 example configs (2026-12-02)
+REFUSED_BY_FEATURE = {"multimodal models": 18, "quantization beyond bitsandbytes": 10,
+                      "tensor/context/expert parallelism": 8,
                       "a model option": 7, "MoE-specific options": 6, "this preference/RL training": 4,
                       "an axolotl plugin": 4, "a dataset option": 3, "another training method": 2,
                       "a LoRA variant": 2, "keys axolotl has removed": 2, "8-bit weights under FSDP2": 1,
@@ -37,6 +38,29 @@ REFUSED_BY_FEATURE = {"multimodal models": 18, "a chat template tuneloop does no
 # configs that axolotl's own schema refuses too: `warmup_steps` must be a whole number of steps
 INVALID_IN_AXOLOTL = {("expert_parallel/qwen3_30ba3b_ep_fft_4gpu.yaml", "warmup_steps"),
                       ("expert_parallel/qwen3_30ba3b_ep_lora_4gpu.yaml", "warmup_steps")}
+
+
+README = REPO / "README.md"
+README_BLOCK = ("<!-- axolotl-configs: written by tests/test_axolotl_configs.py -->\n", "<!-- /axolotl-configs -->\n")
+
+
+def readme_block(accepted: int, total: int, refused_by_feature: Counter) -> str:
+    """The README's count of accepted configs and its table of refusals by feature (FEATURES' long names)."""
+    described = {short: long for short, long in axolotl.FEATURES.values()}
+    described["keys axolotl has removed"] = "keys axolotl itself has removed (`eta_min`)"
+    rows = [f"| {described[feature]} | {count} |"
+            for feature, count in sorted(refused_by_feature.items(), key=lambda item: (-item[1], item[0]))]
+    return "\n".join([f"**{accepted} of the {total} are accepted ({accepted / total:.0%}).**", "",
+                      "| feature tuneloop does not do yet | configs |", "|---|---|", *rows]) + "\n"
+
+
+def check_readme(block: str) -> None:
+    """The README's block says `block`; with TUNELOOP_WRITE_README=1 it is written there instead."""
+    text = README.read_text()
+    start, end = text.index(README_BLOCK[0]) + len(README_BLOCK[0]), text.index(README_BLOCK[1])
+    if os.environ.get("TUNELOOP_WRITE_README") == "1":
+        README.write_text(text[:start] + block + text[end:])
+    assert README.read_text()[start:start + len(block)] == block
 
 
 def example_configs() -> list[Path]:
@@ -110,6 +134,7 @@ def test_the_axolotl_example_configs_are_accepted_or_refused_only_for_missing_fe
     # (the README's table says the same); a change that accepts more configs raises these figures
     assert len(accepted) == ACCEPTED
     assert dict(refused_by_feature) == REFUSED_BY_FEATURE
+    check_readme(readme_block(len(accepted), len(example_configs()), refused_by_feature))
 
 
 def test_the_seeds_example_config_plans_unchanged_but_for_its_paths(tmp_path, tiny_model_dir):
@@ -171,6 +196,71 @@ SAMPLES = {
     "QLoRA, gemma template, message_property_mappings": "gemma2/qlora.yml",
     "QLoRA under FSDP (the 405B recipe: offloading, re-entrant checkpointing)": "llama-3/qlora-fsdp-405b.yaml",
 }
+
+
+# configs that name a family's chat template, on a tiny twin of that family (its own architecture: Qwen3.5's
+# gated-delta-net layers, Gemma 4's, Jamba's Mamba layers)
+FAMILY_SAMPLES = {
+    "qwen3_5 template, QLoRA with quantized MoE experts": ("qwen3.5/35b-a3b-moe-qlora.yaml", "qwen3_5_moe"),
+    "gemma4_unified template, LoRA on Gemma 4 with MoE blocks": ("gemma4-unified/12b-text-lora.yaml", "gemma4"),
+    "jamba template, QLoRA under FSDP": ("jamba/qlora_fsdp_large.yaml", "jamba"),
+    # accepted by `check`, which reads no model; the plan sees gate_up_proj and down_proj on one 4-bit experts module
+    "gemma4 template, QLoRA on both expert weights of one module (refused)": ("gemma4/26b-a4b-moe-qlora.yaml",
+                                                                              "gemma4"),
+}
+
+
+def tiny_twin(family: str, target: Path, tokenizer_dir: Path) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    if family == "qwen3_5_moe":
+        config = AutoConfig.for_model("qwen3_5_moe_text", **common, num_hidden_layers=4, num_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=32, linear_num_key_heads=2,
+                                      linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    elif family == "gemma4":
+        text = dict(common, intermediate_size=128, num_hidden_layers=2, enable_moe_block=True, num_experts=4,
+                    top_k_experts=2, moe_intermediate_size=32, vocab_size_per_layer_input=len(tokenizer),
+                    hidden_size_per_layer_input=16, sliding_window=64)
+        config = AutoConfig.for_model("gemma4", text_config=text, vision_config=None, audio_config=None)
+    else:
+        config = AutoConfig.for_model("jamba", **common, intermediate_size=128, num_hidden_layers=4, num_experts=2,
+                                      num_experts_per_tok=1, attn_layer_period=2, attn_layer_offset=1,
+                                      expert_layer_period=2, expert_layer_offset=1, use_mamba_kernels=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return target
+
+
+@pytest.mark.parametrize("sample", FAMILY_SAMPLES)
+def test_a_config_naming_a_familys_template_plans_and_trains_on_a_tiny_twin_of_the_family(tmp_path, tiny_tokenizer_dir,
+                                                                                         sample):
+    path, family = FAMILY_SAMPLES[sample]
+    model_dir = tiny_twin(family, tmp_path / "twin", tiny_tokenizer_dir)
+    raw = local_version(yaml.safe_load((EXAMPLES / path).read_text()), model_dir, tmp_path)
+    raw["optimizer"] = "adamw_torch"  # (torchao's 8-bit AdamW needs a CUDA GPU: the sample test covers its refusal)
+    config = tmp_path / "run.yml"
+    config.write_text(yaml.safe_dump(raw, sort_keys=False))
+    planned = run_in_process("plan", str(config), "--json")
+    if "(refused)" in sample:
+        assert_user_error(planned, "gate_up_proj and down_proj of one experts module",
+                          "peft can train LoRA on one weight per module only")
+        return
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    plan = json.loads(planned.stdout)
+    assert plan["total_steps"] == 2
+    recurrent = family in ("qwen3_5_moe", "jamba")  # their linear-attention / Mamba layers would mix packed rows
+    assert plan["batching"] == ("group_by_length" if recurrent else "packed")
+    assert any("sample packing is set aside" in warning for warning in plan["warnings"]) == recurrent
+    trained = run_in_process("train", str(config))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(tmp_path / "out") if "loss" in m] == [1, 2]
 
 
 @pytest.mark.parametrize("sample", SAMPLES)

@@ -33,6 +33,31 @@ def kind_of_config(config) -> ModelKind:
     return MODEL_KINDS["seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"]
 
 
+# layers that mix tokens by attention: a packed row's sequences stay apart under the per-sequence mask
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"}
+# families whose token mixers are recurrent or convolutional even where `layer_types` does not say so
+RECURRENT_FAMILIES = ("mamba", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma", "lfm2", "lfm3", "zamba", "bamba",
+                      "falcon_h1")
+
+
+def recurrent_layers(config) -> str | None:
+    """What in this model carries state along the sequence outside attention (state-space, linear-attention or
+    short-convolution layers), in words; None for attention-only models. Such a layer runs straight through a
+    packed row: transformers' kernels on this stack take no sequence boundaries (Qwen3.5's torch gated-delta rule
+    drops its `cu_seqlens`, Mamba's slow path and LFM2's conv take none), so one sequence's state would leak into
+    the next."""
+    configs = [config, *(getattr(config, name, None) for name in ("text_config", "language_config"))]
+    for part in (c for c in configs if c is not None):
+        types = getattr(part, "layer_types", None) or getattr(part, "layers_block_type", None)
+        others = sorted({str(t) for t in types or ()} - ATTENTION_LAYER_TYPES)
+        if others:
+            return f"{getattr(part, 'model_type', 'this model')}'s {'/'.join(others)} layers"
+        model_type = str(getattr(part, "model_type", ""))
+        if model_type.startswith(RECURRENT_FAMILIES):
+            return f"{model_type}'s recurrent layers"
+    return None
+
+
 def named_kind(cfg: TuneloopConfig) -> ModelKind | None:
     """The kind `model_type` names (AutoModelForSeq2SeqLM, a seq2seq family's class, or a causal one), if set."""
     from tuneloop.config.schema import is_seq2seq_class
@@ -272,6 +297,27 @@ class ModelFacts:
     quantizable: tuple[int, int, int] = (0, 0, 0)  # (weights, rows, layers) of the linears 4/8-bit loading quantizes
     experts: tuple[int, int] = (0, 0)  # (weights, tensors) of the 3-D expert weights (quantize_moe_experts)
 
+    @property
+    def text_config(self):
+        """The config that holds the language model's sizes (hidden, layers, heads, vocabulary): a composite
+        config's text part (Gemma 4, Qwen3.5), else the config itself."""
+        return sizes_config(self.config)
+
+
+def sizes_config(config):
+    """The config whose global sizes the plan reads: a composite's text part, and for a heterogeneous one (per-layer
+    head sizes, Gemma 4) a copy that answers with the global values (the estimates need one figure; transformers
+    refuses to give it, or warns once per key, unless asked for it)."""
+    import copy
+    import logging
+
+    sizes = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(sizes, "allow_global_per_layer_attribute_access", True) is False:
+        sizes = copy.copy(sizes)
+        sizes.allow_global_per_layer_attribute_access = True
+        logging.getLogger("transformers.integrations.heterogeneity.configuration_utils").setLevel(logging.ERROR)
+    return sizes
+
 
 def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFacts:
     """The model built on the meta device (no memory, no weights read), with the adapter or the freezing it
@@ -306,7 +352,8 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
     classes = frozenset(type(module).__name__ for module in model.modules())
     layer_classes = tuple(getattr(model, "_no_split_modules", None) or ())
     parameters = sum(p.numel() for p in model.parameters())
-    max_positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    sizes = sizes_config(config)
+    max_positions = getattr(sizes, "n_positions", None) or getattr(sizes, "max_position_embeddings", None)
     inputs = model.get_input_embeddings()
     learned = max_positions is not None and any(
         isinstance(module, torch.nn.Embedding) and module is not inputs and module.num_embeddings == max_positions

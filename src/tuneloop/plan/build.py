@@ -27,6 +27,7 @@ from tuneloop.data.collate import Padding, padding_for
 from tuneloop.errors import UserError
 from tuneloop.plan.schedule import run_schedule
 from tuneloop.rl_methods import RL_METHODS, is_online, reference_source
+from tuneloop.resolved import slow_bf16_note
 
 FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
 
@@ -245,7 +246,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     resolved.engine.check_model(facts)  # what `train` would meet, the plan meets first
     try:  # a DeepSpeed file's set values must agree with the plan: refused now, not when the engine starts
         resolved.engine.check_plan(cfg.micro_batch_size, cfg.gradient_accumulation_steps, world_size,
-                                   cfg.max_grad_norm, precision, getattr(facts.config, "hidden_size", None))
+                                   cfg.max_grad_norm, precision, getattr(facts.text_config, "hidden_size", None))
     except ValueError as error:
         raise UserError(f"config: {error}") from None
     generated = 0
@@ -268,7 +269,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
         part["attention_split"] = split_summary(counts.packed_attention_work, "bf16" if precision == "bf16" else "fp32")
     # (the preference losses' log-probs, log_probs.py, also meet the head only at target positions)
     skipped = head_flops_skipped(facts.head_weights, counts.total_real_tokens, counts.total_trainable_tokens)
-    count = count_flops(facts.config, *facts.matmul_weights, counts.sequence_lengths, skipped)
+    count = count_flops(facts.text_config, *facts.matmul_weights, counts.sequence_lengths, skipped)
     part.update(flops_per_token=count.per_token, attention_context=count.attention_context)
     if count.per_token is None:
         part["peak_source"] = count.why_not
@@ -276,11 +277,12 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
         # (`tuneloop plan --world-size N` outside a launcher: the N ranks are taken to share this host)
         peak = run_peak(precision, cfg.peak_tflops, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         part.update(peak_flops=peak.flops, peak_source=peak.source)
-    part["compile_key"] = shape_key(cfg, resolved, facts.config, world_size)
+    part["compile_key"] = shape_key(cfg, resolved, facts.text_config, world_size)
     if resolved.compiled:
         part["torch_compile"] = f"torch.compile ({cfg.torch_compile_backend or 'inductor'}" + (
             f", mode {cfg.torch_compile_mode})" if cfg.torch_compile_mode else ")")
-    notes = [note for note in (too_long, grown, resolved.attention.note, memory_warning(estimate)) if note]
+    notes = [note for note in (too_long, grown, resolved.packing_note, resolved.attention.note,
+                                slow_bf16_note(cfg, resolved.precision), memory_warning(estimate)) if note]
     return part, notes
 
 

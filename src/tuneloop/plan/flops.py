@@ -39,6 +39,7 @@ GPU_PEAK_TFLOPS = [("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("GH2
                    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0)]
 PROBE_SIZE = {"cpu": 2048, "cuda": 8192}  # long enough to reach the matmul's speed, short enough to run in ~1 s
 PROBE_REPEATS = 10
+PROBE_PRODUCT_SECONDS = 0.2  # the longest one CPU probe product may take (a slow dtype is probed smaller)
 PEAK_CACHE = "peak_flops.json"
 
 
@@ -177,6 +178,8 @@ def _probe(device: str, dtype, threads: int) -> float:
     if device == "cpu":
         torch.set_num_threads(threads)  # the cores the whole run uses on this host, not this rank's share
     try:
+        if device == "cpu":  # a dtype this CPU has no fast kernel for (bf16 without AVX512-BF16/AMX: ~2 GFLOPS, 95 s
+            size = min(size, _affordable_size(dtype))  # for one 2048² product) is measured on smaller squares
         a = torch.randn(size, size, device=device).to(dtype)
         b = torch.randn(size, size, device=device).to(dtype)
         best = float("inf")
@@ -191,6 +194,18 @@ def _probe(device: str, dtype, threads: int) -> float:
     finally:
         torch.set_num_threads(own)
     return 2 * size**3 / best
+
+
+def _affordable_size(dtype, seconds: float = PROBE_PRODUCT_SECONDS, small: int = 256) -> int:
+    """The side of a square product that takes about `seconds` here, from one timed product of side `small`."""
+    import torch
+
+    a, b = torch.randn(small, small).to(dtype), torch.randn(small, small).to(dtype)
+    torch.mm(a, b)
+    start = time.perf_counter()
+    torch.mm(a, b)
+    rate = 2 * small**3 / max(time.perf_counter() - start, 1e-9)
+    return max(small, int((rate * seconds / 2) ** (1 / 3)))
 
 
 def _read_cache(cache) -> dict:

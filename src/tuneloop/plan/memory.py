@@ -73,7 +73,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     cache is held while it generates, when the training activations are not. `masters`: the trained weights only
     matmuls read are held in bf16 for the model and in fp32 for the optimizer; every gradient is fp32
     (engines/masters.py)."""
-    config = facts.config
+    config = facts.text_config
     params, trainable = facts.parameters, facts.trainable_parameters
     # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them; 4-bit NF4 or
     # 8-bit when quantized; an fp32 master copy where the engine's optimizer steps one (DeepSpeed)
@@ -103,7 +103,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         device = "each device (--device-memory)"
     # (a reference model is loaded as the config loads weights: fp32 beside a model with masters)
     reference = params * (4 if masters else weight_bytes) / gb if keeps_reference_copy(cfg) else 0.0
-    generation = kv_cache_bytes(facts.config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 else 4)
+    generation = kv_cache_bytes(facts.text_config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 else 4)
     total = (share.weights + share.gradients + share.optimizer + max(activations, generation) + share.gathered) / gb \
         + reference
     device_total = device_gb if device_gb is not None else here_gb
@@ -155,7 +155,7 @@ def quantized_weights_bytes(cfg, facts: ModelFacts) -> tuple[float, float] | Non
 def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str) -> float:
     """The usual per-layer count (ACTIVATION_VALUES_PER_TOKEN_HIDDEN values per token and hidden unit), plus the
     logits and their gradient in fp32: one chunk's with the chunked loss, the whole micro-batch's otherwise."""
-    config = facts.config
+    config = facts.text_config
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
     hidden = getattr(config, "hidden_size", 0)
     layers = getattr(config, "num_hidden_layers", 0)
