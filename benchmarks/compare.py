@@ -102,7 +102,7 @@ def build_small_tokenizer(target: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tuneloop.data.chat_templates import CHATML
+    from tuneloop.data.chat_template_texts import CHATML
 
     texts = [message["content"] for conversation in chatterbot_messages() for message in conversation]
     tokenizer = Tokenizer(models.BPE())

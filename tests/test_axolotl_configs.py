@@ -28,11 +28,11 @@ SHARED = next((p for p in (REPO.parent / "shared", Path("/work/shared")) if (p /
 EXAMPLES = SHARED / "axolotl-examples" if SHARED else None
 pytestmark = pytest.mark.skipif(EXAMPLES is None, reason="../shared/axolotl-examples is not on this machine")
 FEATURE_NAMES = [short for short, _ in axolotl.FEATURES.values()]
-ACCEPTED = 68  # of the 118 example configs (2026-12-02)
+ACCEPTED = 69  # of the 118 example configs (2026-12-02)
 REFUSED_BY_FEATURE = {"multimodal models": 18, "quantization beyond bitsandbytes": 10,
                       "tensor/context/expert parallelism": 8,
                       "a model option": 7, "MoE-specific options": 6, "this preference/RL training": 4,
-                      "an axolotl plugin": 4, "a dataset option": 3, "another training method": 2,
+                      "an axolotl plugin": 4, "another training method": 2,
                       "a LoRA variant": 2, "keys axolotl has removed": 2, "8-bit weights under FSDP2": 1,
                       "an optimizer option": 1}
 # configs that axolotl's own schema refuses too: `warmup_steps` must be a whole number of steps

@@ -468,3 +468,18 @@ def test_evals_asked_for_without_an_eval_set_are_a_plan_warning(tmp_path, tiny_m
                                                               early_stopping_patience=2))
     result = run_in_process("plan", str(config))
     assert "warning: eval_steps, early_stopping_patience set, but there is no eval set" in result.stdout
+
+
+def test_an_optimizer_axolotl_has_and_tuneloop_does_not_is_refused_naming_it_and_the_feature():
+    with pytest.raises(UserError, match=r"`optimizer` got 'muon': Muon .* asks for an optimizer option, which "
+                                        r"tuneloop does not do yet; use 'adamw_torch'"):
+        config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "optimizer": "muon"})
+    with pytest.raises(UserError, match=r"got 'adamw_nonsense', which is not an optimizer tuneloop knows"):
+        config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "optimizer": "adamw_nonsense"})
+
+
+def test_a_fractional_warmup_steps_points_to_warmup_ratio():
+    with pytest.raises(UserError, match=r"`warmup_steps` got 0.1, and it counts whole steps; a share of the run is "
+                                        r"`warmup_ratio: 0.1`"):
+        config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "warmup_steps": 0.1})
+    assert config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "warmup_steps": 10.0}).warmup_steps == 10

@@ -114,3 +114,25 @@ def test_a_finished_run_records_its_pace_under_the_plans_key(tiny_run, tmp_path)
     # (this run has no evals or saves inside the loop: the summary's pace is the same, to its rounding)
     assert recorded[-1]["seconds_per_real_token"] == pytest.approx(
         1 / summary["real_tokens_per_second_after_first_step"], rel=1e-3)
+
+
+def test_a_decision_handed_down_by_rank_0_is_the_plans_whatever_this_hosts_records_say(tiny_run):
+    """With several ranks each plans from its own host's records, and every rank runs rank 0's decision
+    (run.py hands it down): the plan built with it compiles, counts compiled widths and says whose it is."""
+    import yaml
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.plan.build import build_plan
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    cfg = config_from_dict(yaml.safe_load(tiny_run.read_text()))
+    resolved = resolve_run(cfg)
+    tokenizer, rows = prepare_data(cfg, resolved)
+    own = build_plan(cfg, resolved, rows, tokenizer, 2)
+    assert own.compile_decision[0] is False  # nothing measured here
+    handed = build_plan(cfg, resolved, rows, tokenizer, 2,
+                        compile_decision=(True, "measured on rank 0's host (rank 0's decision)"))
+    assert handed.resolved.compiled is True
+    assert handed.torch_compile_choice == "auto: on, measured on rank 0's host (rank 0's decision)"
+    assert handed.max_micro_batch_tokens % (64 * 4) == 0 and handed.total_steps == own.total_steps

@@ -87,6 +87,8 @@ def command_preprocess(args) -> int:
         return 0
     units = "pairs" if prepared.train.group > 1 and not prepared.train.labelled else "rows"
     identical = f", {stats.dropped_identical_pairs} identical pairs dropped" if stats.dropped_identical_pairs else ""
+    identical += f", {stats.dropped_too_short} shorter than min_sample_len dropped" if stats.dropped_too_short else ""
+    identical += f", {stats.dropped_duplicates} repeats dropped" if stats.dropped_duplicates else ""
     print(f"prepared {stats.train_rows} train and {stats.eval_rows} eval {units} from {stats.rows_read} read "
           f"({stats.dropped_too_long} longer than sequence_len={cfg.sequence_len} dropped, "
           f"{stats.dropped_no_trained_tokens} with no trained tokens dropped{identical}) into {prepared.cache_dir}"

@@ -45,7 +45,8 @@ class Registry(Generic[Entry]):
     def check(self, name: str) -> str:
         """The name, or a ValueError listing the known ones (pydantic prefixes it with the key)."""
         if name not in self._canonical:
-            raise ValueError(f"got {name!r}, which is not a {self.kind} tuneloop knows; use {self.choices()}")
+            article = "an" if self.kind[:1] in "aeiou" else "a"
+            raise ValueError(f"got {name!r}, which is not {article} {self.kind} tuneloop knows; use {self.choices()}")
         return name
 
     def choices(self) -> str:

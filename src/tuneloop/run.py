@@ -183,6 +183,13 @@ class TrainingSession:
         self.seconds["data"] = time.perf_counter() - clock
         apply_run_template(cfg, tokenizer)  # after the data: a dataset may have asked for the tokenizer's own
         plan = build_plan(cfg, resolved, rows, tokenizer, accelerator.num_processes)
+        if accelerator.num_processes > 1 and plan.compile_decision is not None:
+            # each rank read its own host's compile records (plan/compile_choice.py); every rank runs rank 0's
+            # decision, since a compiled rank pads its rows to other widths than an eager one
+            decision = self._shared_or_raised(tuple(plan.compile_decision), None)
+            if tuple(decision) != tuple(plan.compile_decision):
+                plan = build_plan(cfg, resolved, rows, tokenizer, accelerator.num_processes,
+                                  compile_decision=(decision[0], f"{decision[1]} (rank 0's decision)"))
         if not ignore_memory_estimate:
             check_memory_fits(plan, ranks_on_this_host() if accelerator.device.type == "cpu" else 1)
         identity = {"data_key": rows.key, "settings": settings, "model_shape": model_shape(plan)}

@@ -39,8 +39,8 @@ FEATURES = {
     "pretraining": ("a pretraining stream option", "pretraining stream options (attention across packed documents, "
                     "sample concatenation)"),
     "data_options": ("a dataset option", "dataset options tuneloop does not have yet (custom transforms, "
-                     "per-message training flags, tools, sharded hub datasets, deduplication, curriculum, length "
-                     "strategies, a default system message)"),
+                     "per-message training flags, tools, sharded hub datasets, length strategies, a default system "
+                     "message)"),
     "model_options": ("a model option", "model options tuneloop does not have yet (model kwargs, custom model or "
                       "trainer classes, half-precision weights, embedding resizing, attention scaling, "
                       "mistral-common tokenizers)"),
@@ -55,6 +55,30 @@ FEATURES = {
                       "completion, seq2seq, chat_template (chat_template.default), sharegpt and the custom format "
                       "mapping"),
 }
+
+# `optimizer:` values axolotl (or the Trainer under it) takes that tuneloop does not: each named in its refusal
+OPTIMIZERS_ELSEWHERE = {
+    "muon": "Muon (orthogonalised momentum for 2-D weights, AdamW for the rest)", "dion": "Dion",
+    "optimi_adamw": "optimi's AdamW", "ao_adamw_4bit": "torchao's 4-bit AdamW (tuneloop: adamw_torch_4bit)",
+    "ao_adamw_8bit": "torchao's 8-bit AdamW (tuneloop: adamw_torch_8bit)", "ao_adamw_fp8": "torchao's fp8 AdamW",
+    "adopt_adamw": "ADOPT", "came_pytorch": "CAME", "sinkgd": "SinkGD", "flash_adamw": "FlashOptim's AdamW",
+    "flash_adam": "FlashOptim's Adam", "flash_sgd": "FlashOptim's SGD", "flash_sgdw": "FlashOptim's SGDW",
+    "flash_lion": "FlashOptim's Lion", "q_galore_adamw8bit": "Q-GaLore", "adamw_hf": "transformers' own AdamW",
+    "adamw_apex_fused": "apex's fused AdamW", "adamw_anyprecision": "AnyPrecision AdamW", "adagrad": "Adagrad",
+    "rmsprop": "RMSprop", "lion_32bit": "Lion", "lion_8bit": "8-bit Lion", "paged_lion_32bit": "paged Lion",
+    "paged_lion_8bit": "paged 8-bit Lion", "rmsprop_bnb": "bitsandbytes' RMSprop", "galore_adamw": "GaLore",
+    "galore_adamw_8bit": "8-bit GaLore", "galore_adafactor": "GaLore Adafactor", "lomo": "LOMO", "adalomo": "AdaLomo",
+    "grokadamw": "GrokAdamW", "schedule_free_adamw": "schedule-free AdamW", "schedule_free_sgd": "schedule-free SGD",
+    "schedule_free_radam": "schedule-free RAdam", "apollo_adamw": "APOLLO", "stable_adamw": "StableAdamW",
+}
+
+
+def optimizer_elsewhere(name: str) -> str | None:
+    """The refusal of an optimizer axolotl has and tuneloop does not, naming it and the feature."""
+    what = OPTIMIZERS_ELSEWHERE.get(name)
+    feature = FEATURES["optimizer_options"][0]
+    return None if what is None else f"{what} asks for {feature}, which tuneloop does not do yet"
+
 
 # dataset `type:` prefixes and names that are preference data (chosen/rejected pairs, rewards)
 PREFERENCE_DATASET_TYPES = ("chat_template.argilla", "bradley_terry", "llama3.ultra", "ebft", "dpo", "kto", "orpo",
@@ -151,8 +175,8 @@ _REFUSED_BY_FEATURE = {
     "pretraining": """
         pretrain_multipack_attn pretraining_sample_concatenation""",
     "data_options": """
-        role_boundaries shuffle_before_merging_datasets dataset_exact_deduplication excess_length_strategy
-        eval_sequence_len min_sample_len sample_packing_sequentially curriculum_sampling multipack_real_batches
+        role_boundaries shuffle_before_merging_datasets excess_length_strategy eval_sequence_len
+        multipack_real_batches
         chat_template_kwargs default_system_message""",
     "model_options": """
         cls_model_config tokenizer_use_mistral_common model_kwargs overrides_of_model_kwargs

@@ -166,7 +166,11 @@ def model_source(cfg) -> Problems:
 
 STREAM_CONFLICTS = {"val_set_size": "hold eval rows out of a stream; use `test_datasets`",
                     "group_by_length": "sort a stream by length",
-                    "dataset_shard_num": "shard a stream (each rank already reads its own share)"}
+                    "dataset_shard_num": "shard a stream (each rank already reads its own share)",
+                    "dataset_exact_deduplication": "remember every row of a stream to drop repeats",
+                    "curriculum_sampling": "reorder a stream (it is read in its own order already)",
+                    "sample_packing_sequentially": "choose how a stream packs (it packs rows as they come)",
+                    "min_sample_len": "filter a stream's rows by length"}
 
 
 def streaming(cfg) -> Problems:
@@ -416,9 +420,16 @@ def mixed_precision_of(cfg) -> str:
     return "bf16" if cfg.bf16 else "no"
 
 
+def row_order(cfg) -> Problems:
+    """`sample_packing_sequentially` says how rows pack (data/batching.py): a run that does not pack has none."""
+    if cfg.sample_packing_sequentially and not cfg.sample_packing and not cfg.streams:
+        yield ("`sample_packing_sequentially` chooses how rows are packed, and this run does not pack: set "
+               "`sample_packing: true`, or remove it (`curriculum_sampling: true` alone keeps the data's order)")
+
+
 RULES: tuple[Callable[..., Problems], ...] = (schedule, precision_and_attention, chat_template, adapters,
                                               bitsandbytes_settings, eval_set_and_shards, model_source, streaming,
-                                              preference, sharding, master_weights)
+                                              row_order, preference, sharding, master_weights)
 
 
 def problems_of(cfg, unjudged: set[str] = frozenset()) -> list[str]:

@@ -163,6 +163,12 @@ class TuneloopConfig(Strict):
     eval_sample_packing: Annotated[Optional[bool], WATCHING] = None
     pad_to_sequence_len: bool = False
     group_by_length: bool = False
+    # rows as the data orders them (no shuffle), packed in that order when sample_packing_sequentially: data/batching.py
+    curriculum_sampling: bool = False
+    sample_packing_sequentially: bool = False
+    # filters at preparation, counted by the plan (data/prepare.py)
+    dataset_exact_deduplication: bool = False  # a row whose tokens and labels repeat an earlier row's is dropped
+    min_sample_len: Optional[int] = None  # rows shorter than this many tokens are dropped
     # batch arithmetic
     micro_batch_size: int = 1
     eval_batch_size: Annotated[Optional[int], WATCHING] = None
@@ -304,7 +310,19 @@ class TuneloopConfig(Strict):
     @field_validator("optimizer")
     @classmethod
     def _known_optimizer(cls, value):
+        elsewhere = axolotl.optimizer_elsewhere(value) if value not in OPTIMIZERS else None
+        if elsewhere:
+            raise ValueError(f"got {value!r}: {elsewhere}; use {OPTIMIZERS.choices()}")
         return OPTIMIZERS.check(value)
+
+    @field_validator("warmup_steps", mode="before")
+    @classmethod
+    def _whole_warmup_steps(cls, value):
+        """axolotl types it a whole number too; a fraction is most likely meant as a share of the run."""
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError(f"got {value:g}, and it counts whole steps; a share of the run is "
+                             f"`warmup_ratio: {value:g}`")
+        return value
 
     @field_validator("lr_scheduler")
     @classmethod
@@ -420,7 +438,7 @@ class TuneloopConfig(Strict):
         return value
 
     @field_validator("warmup_steps", "dataset_shard_idx", "weight_decay", "evals_per_epoch", "saves_per_epoch",
-                     "max_grad_norm")
+                     "max_grad_norm", "min_sample_len")
     @classmethod
     def _not_negative(cls, value, info):
         if value is not None and value < 0:

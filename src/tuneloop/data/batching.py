@@ -8,6 +8,12 @@ Across ranks, micro-batches are dealt round-robin, and the epoch is cut to a who
 per rank (every rank must run the same number of steps); the plan reports what is cut.
 Every epoch has the same number of micro-batches (packing included: see
 pack_best_fit_decreasing), which is what lets the plan count one epoch and trust it for all.
+
+axolotl's ordering options: `curriculum_sampling` keeps the data's order (no shuffle: rows, packed rows and
+micro-batches as the rows come); `sample_packing_sequentially` packs next-fit, each sequence into the current row
+or, when it does not fit, a new one, in order. Without curriculum the order it packs is one shuffle drawn for the
+whole run (not one per epoch, which would change the number of rows from epoch to epoch and break the plan's
+count); the packed rows are then shuffled each epoch.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ class BatchingSpec:
     sequence_len: int
     world_size: int
     seed: int
+    ordered: bool = False  # curriculum_sampling: the data's order, never shuffled
+    sequential: bool = False  # sample_packing_sequentially: next-fit packing in order
 
 
 def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
@@ -63,10 +71,33 @@ def pack_best_fit_decreasing(indices: np.ndarray, lengths: np.ndarray, capacity:
     return bins
 
 
+def pack_next_fit(order: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins of sequence indices in `order`: each into the current bin while it fits, else into a new one."""
+    bins: list[list[int]] = []
+    room = 0
+    for index in order:
+        length = int(lengths[index])
+        if length > capacity:  # preparation drops such rows: reaching here is a bug
+            raise ValueError(f"a row of {length} tokens cannot be packed into rows of {capacity}")
+        if length > room or not bins:
+            bins.append([])
+            room = capacity
+        bins[-1].append(int(index))
+        room -= length
+    return bins
+
+
 def epoch_batches(lengths: np.ndarray, spec: BatchingSpec, epoch: int, shuffle: bool = True) -> list[list[list[int]]]:
     """All micro-batches of one epoch, in order; a micro-batch is a list of rows."""
     n = len(lengths)
     rng = epoch_rng(spec.seed, epoch)
+    shuffle = shuffle and not spec.ordered
+    if spec.sequential and spec.mode == "packed":
+        order = epoch_rng(spec.seed, 0).permutation(n) if shuffle else np.arange(n)  # one order for the run
+        rows = pack_next_fit(order, lengths, spec.sequence_len)
+        if shuffle:
+            rows = [rows[i] for i in rng.permutation(len(rows))]
+        return _chunk(rows, spec.micro_batch_size)
     order = rng.permutation(n) if shuffle else np.arange(n)
     if spec.mode == "packed":
         rows = pack_best_fit_decreasing(order, lengths, spec.sequence_len)

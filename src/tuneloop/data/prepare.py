@@ -53,6 +53,8 @@ class PrepareStats:
     dropped_too_long: int = 0
     dropped_no_trained_tokens: int = 0
     dropped_identical_pairs: int = 0  # preference pairs whose chosen and rejected tokens are the same
+    dropped_too_short: int = 0  # rows (pairs: either sequence) under `min_sample_len` tokens
+    dropped_duplicates: int = 0  # rows (or pairs) whose tokens and labels repeat an earlier one's
     train_rows: int = 0  # units: rows, or preference pairs
     eval_rows: int = 0
 
@@ -117,15 +119,14 @@ class Limits:
     # an encoder-decoder's rows: the prompt for the encoder, the trained text as the decoder's targets; each side
     # at most sequence_len tokens
     encoder_decoder: bool = False
-
-
+    min_len: int = 0  # `min_sample_len`: shorter rows are dropped
 def limits_of(cfg, encoder_decoder: bool = False) -> Limits:
     from tuneloop.rl_methods import RL_METHODS
 
     labelled = bool(cfg.rl) and not RL_METHODS[cfg.rl].paired
     packs = cfg.sample_packing or cfg.resolved_eval_sample_packing  # a pair packs whole, in train or eval rows
     return Limits(cfg.sequence_len, cfg.train_on_inputs, bool(cfg.rl), bool(cfg.rl) and packs, labelled,
-                  encoder_decoder)
+                  encoder_decoder, cfg.min_sample_len or 0)
 
 
 class ChunkTokenizer:
@@ -179,7 +180,8 @@ class ChunkTokenizer:
                                 dtype=np.int64, count=len(sequences))
         too_long = np.maximum(sources, lengths - sources) > self.sequence_len
         untrained = ~too_long & (n_targets == 0)
-        keep = ~too_long & ~untrained
+        too_short = ~too_long & ~untrained & (lengths < self.limits.min_len)
+        keep = ~too_long & ~untrained & ~too_short
         kept = [row for row, wanted in zip(sequences, keep) if wanted]
         tokens = TokenChunk(
             np.concatenate([ids for ids, _, _ in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
@@ -187,7 +189,8 @@ class ChunkTokenizer:
             lengths[keep].astype(np.int32), n_targets[keep].astype(np.int32),
             source_length=sources[keep].astype(np.int32))
         return ChunkResult(tokens, PrepareStats(rows_read=rows_read, dropped_too_long=int(too_long.sum()),
-                                                dropped_no_trained_tokens=int(untrained.sum())), os.getpid())
+                                                dropped_no_trained_tokens=int(untrained.sum()),
+                                                dropped_too_short=int(too_short.sum())), os.getpid())
 
     def kept(self, sequences: list[tuple[np.ndarray, np.ndarray]], rows_read: int,
              desirable: np.ndarray | None = None) -> ChunkResult:
@@ -197,8 +200,10 @@ class ChunkTokenizer:
                                 count=len(sequences))
         too_long = lengths > self.sequence_len
         untrained = ~too_long & (n_targets == 0)
+        short = lengths < self.limits.min_len
         identical = np.zeros(len(sequences), dtype=bool)
         if self.limits.paired:  # a pair is kept or dropped whole (and counted once)
+            short = short.reshape(-1, 2).any(axis=1)
             too_long = too_long.reshape(-1, 2).any(axis=1)
             if self.limits.pair_in_one_row:
                 too_long |= lengths.reshape(-1, 2).sum(axis=1) > self.sequence_len
@@ -209,7 +214,8 @@ class ChunkTokenizer:
                     dtype=bool)
             else:
                 identical = np.zeros(len(sequences) // 2, dtype=bool)
-        keep = ~too_long & ~untrained & ~identical
+        too_short = ~too_long & ~untrained & ~identical & short
+        keep = ~too_long & ~untrained & ~identical & ~too_short
         per_sequence = np.repeat(keep, 2) if self.limits.paired else keep
         kept = [pair for pair, wanted in zip(sequences, per_sequence) if wanted]
         tokens = TokenChunk(
@@ -219,7 +225,8 @@ class ChunkTokenizer:
             np.repeat(desirable, 2)[per_sequence] if desirable is not None else None)
         return ChunkResult(tokens, PrepareStats(rows_read=rows_read, dropped_too_long=int(too_long.sum()),
                                                 dropped_no_trained_tokens=int(untrained.sum()),
-                                                dropped_identical_pairs=int(identical.sum())), os.getpid())
+                                                dropped_identical_pairs=int(identical.sum()),
+                                                dropped_too_short=int(too_short.sum())), os.getpid())
 
 
 def plain_encoder(tokenizer):
@@ -306,6 +313,8 @@ def cache_key(cfg, tokenizer, encoder_decoder: bool = False) -> str:
         "test_datasets": [entry.model_dump() for entry in cfg.test_datasets],
         "sequence_len": cfg.sequence_len,
         "train_on_inputs": cfg.train_on_inputs,
+        **({"deduplicated": True} if cfg.dataset_exact_deduplication else {}),
+        **({"min_sample_len": cfg.min_sample_len} if cfg.min_sample_len else {}),
         "preference": [limits_of(cfg).paired, limits_of(cfg).pair_in_one_row, limits_of(cfg).labelled],
         **({"encoder_decoder": True} if encoder_decoder else {}),
         "val_set_size": cfg.val_set_size,
@@ -467,6 +476,34 @@ def _can_spawn() -> bool:
     return path is None or Path(path).is_file()
 
 
+class RepeatedRows:
+    """`dataset_exact_deduplication`: a unit (a row, or a preference pair's two) whose tokens and labels repeat
+    an earlier unit's of the same store is dropped, as axolotl drops a row equal to an earlier one after
+    tokenization. Chunks arrive in the data's order, so the first of equal units is kept."""
+
+    def __init__(self, group: int):
+        self.group = group
+        self.seen: set[bytes] = set()
+
+    def dropped_from(self, tokens: TokenChunk) -> TokenChunk:
+        ends = np.cumsum(tokens.length)
+        starts = ends - tokens.length
+        keep = np.zeros(len(tokens), dtype=bool)
+        for unit in range(len(tokens) // self.group):
+            first, last = unit * self.group, (unit + 1) * self.group - 1
+            span = slice(int(starts[first]), int(ends[last]))
+            digest = hashlib.blake2b(digest_size=16)
+            for part in (tokens.length[first:last + 1], tokens.input_ids[span], tokens.labels[span],
+                         *(() if tokens.label is None else (tokens.label[first:last + 1],)),
+                         *(() if tokens.source_length is None else (tokens.source_length[first:last + 1],))):
+                digest.update(np.ascontiguousarray(part).tobytes())
+            key = digest.digest()
+            if key not in self.seen:
+                self.seen.add(key)
+                keep[first:last + 1] = True
+        return tokens.rows(keep)
+
+
 def _tokenize_into(store: TokenStoreWriter, entries: list, cfg, tokenizer, stats: PrepareStats,
                    progress: ReadProgress, notice, shard: tuple[int, int] | None = None) -> set[int]:
     """Every row of `entries` into `store`; returns the ids of the processes that tokenized them."""
@@ -482,8 +519,13 @@ def _tokenize_into(store: TokenStoreWriter, entries: list, cfg, tokenizer, stats
                                lambda: ChunkTokenizer(tokenizer, rules, limits), write_worker_state,
                                processes_for(cfg), notice)
     pids = set()
+    repeats = RepeatedRows(store.group) if cfg.dataset_exact_deduplication else None
     for result in results:
-        store.write(result.tokens)
+        tokens = result.tokens
+        if repeats is not None:
+            tokens = repeats.dropped_from(tokens)
+            result.stats.dropped_duplicates = len(result.tokens) // store.group - len(tokens) // store.group
+        store.write(tokens)
         stats.add(result.stats)
         pids.add(result.pid)
         if progress.report:
@@ -548,9 +590,12 @@ def _build(cfg, tokenizer, target: Path, report=None, notice=None, encoder_decod
             (temp / "usable").rename(temp / "train")
             stats.train_rows = total
         if stats.train_rows == 0:
+            others = "".join(f", {count} {why}" for count, why in (
+                (stats.dropped_too_short, f"shorter than min_sample_len={cfg.min_sample_len}"),
+                (stats.dropped_duplicates, "repeating an earlier row")) if count)
             raise UserError(f"data: no training rows left: read {stats.rows_read}, dropped {stats.dropped_too_long} "
-                            f"longer than sequence_len={cfg.sequence_len} and {stats.dropped_no_trained_tokens} "
-                            "with no trained tokens")
+                            f"longer than sequence_len={cfg.sequence_len}{others} and "
+                            f"{stats.dropped_no_trained_tokens} with no trained tokens")
         if cfg.test_datasets and stats.eval_rows == 0:
             raise UserError("data: the eval set is empty after filtering; check test_datasets or sequence_len")
         (temp / "stats.json").write_text(json.dumps(asdict(stats), indent=2))

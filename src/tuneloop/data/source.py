@@ -38,6 +38,8 @@ class StepCounts:
     dropped_too_long: int  # what preparation left out (a stream counts it as it reads)
     dropped_no_trained_tokens: int
     dropped_identical_pairs: int
+    dropped_too_short: int = 0  # `min_sample_len`
+    dropped_duplicates: int = 0  # `dataset_exact_deduplication`
     micro_batches_per_epoch: int | None
     rows_cut_per_epoch: int
     steps_per_epoch: int | None
@@ -127,7 +129,8 @@ class PreparedRows:
         return StepCounts(
             train_rows=len(lengths), train_tokens=int(lengths.sum()), trainable_tokens=int(targets.sum()),
             dropped_too_long=stats.dropped_too_long, dropped_no_trained_tokens=stats.dropped_no_trained_tokens,
-            dropped_identical_pairs=stats.dropped_identical_pairs,
+            dropped_identical_pairs=stats.dropped_identical_pairs, dropped_too_short=stats.dropped_too_short,
+            dropped_duplicates=stats.dropped_duplicates,
             micro_batches_per_epoch=micro_per_rank, rows_cut_per_epoch=rows_cut, steps_per_epoch=steps_per_epoch,
             total_steps=total_steps, epochs_to_run=epochs_to_run, total_trainable_tokens=walk.targets,
             total_real_tokens=walk.real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,

@@ -70,12 +70,15 @@ class TrainingPlan:
     optimizer: str = ""
     dropped_no_trained_tokens: int = 0
     dropped_identical_pairs: int = 0  # preference pairs whose chosen and rejected replies tokenize the same
+    dropped_too_short: int = 0  # under `min_sample_len` tokens
+    dropped_duplicates: int = 0  # repeats of an earlier row (`dataset_exact_deduplication`)
     precision: str | None = None  # resolved.precision in words: "fp32 (...)", "bf16 mixed precision (...)"
     host_allocator: str | None = None  # the host allocator of every tuneloop process, in words (allocator.py)
     attention: str | None = None  # the attention implementation the model loads with
     attention_split: str | None = None  # SDPA per sequence: how many micro-batches split, in words
     torch_compile: str | None = None  # what torch.compile compiles, when the run compiles
     torch_compile_choice: str | None = None  # `torch_compile: auto`: on or off, and why (plan/compile_choice.py)
+    compile_decision: tuple | None = None  # the same as (on, why), which rank 0 hands the other ranks (run.py)
     compile_key: str | None = None  # what this run's compile measurements are recorded under (compile_choice.py)
     flops_per_token: float | None = None  # model FLOPs per real token of a training step (flops.py)
     attention_context: float | None = None  # positions a token attends to, on average over the data
@@ -122,20 +125,23 @@ def world_size_from_env() -> int:
 
 
 def train_spec(cfg, resolved, world_size: int) -> BatchingSpec:
-    return BatchingSpec(resolved.batching, cfg.micro_batch_size, cfg.sequence_len, world_size, cfg.seed)
+    return BatchingSpec(resolved.batching, cfg.micro_batch_size, cfg.sequence_len, world_size, cfg.seed,
+                        ordered=cfg.curriculum_sampling, sequential=cfg.sample_packing_sequentially)
 
 
 def eval_spec(cfg, resolved, world_size: int) -> BatchingSpec:
     return BatchingSpec(resolved.eval_batching, cfg.resolved_eval_batch_size, cfg.sequence_len, world_size, cfg.seed)
 
 
-def build_plan(cfg, resolved, rows, tokenizer, world_size: int, device_memory_gb: float | None = None) -> TrainingPlan:
+def build_plan(cfg, resolved, rows, tokenizer, world_size: int, device_memory_gb: float | None = None,
+               compile_decision: tuple[bool, str] | None = None) -> TrainingPlan:
     """Every number of the run: the data's, and the model's and the machine's (memory per rank on
-    `device_memory_gb` GB devices when planning for other machines; MFU against the peak of the devices)."""
+    `device_memory_gb` GB devices when planning for other machines; MFU against the peak of the devices).
+    `compile_decision`: `torch_compile: auto` decided already (by rank 0, for every rank: run.py)."""
     from tuneloop.model import model_facts
 
     facts = model_facts(cfg, resolved.model_kind, tokenizer)
-    return _assembled(cfg, resolved, rows, world_size, facts, device_memory_gb, tokenizer)
+    return _assembled(cfg, resolved, rows, world_size, facts, device_memory_gb, tokenizer, compile_decision)
 
 
 def data_plan(cfg, resolved, rows, world_size: int) -> TrainingPlan:
@@ -143,7 +149,8 @@ def data_plan(cfg, resolved, rows, world_size: int) -> TrainingPlan:
     return _assembled(cfg, resolved, rows, world_size, None, None, None)
 
 
-def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, tokenizer) -> TrainingPlan:
+def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, tokenizer,
+               compile_decision: tuple[bool, str] | None = None) -> TrainingPlan:
     batch = _batch(cfg, rows, world_size)
 
     def counted(resolved):
@@ -156,11 +163,12 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
 
     padding, counts, model_part, notes = counted(resolved)
     if cfg.torch_compile == "auto" and facts is not None:
-        compile_on, why = _auto_compile(cfg, resolved, facts, counts, model_part, world_size)
+        compile_on, why = compile_decision or _auto_compile(cfg, resolved, facts, counts, model_part, world_size)
         if compile_on:  # compiled widths are rounded up (data/collate.py): counted again
             resolved = replace(resolved, compiled=True)
             padding, counts, model_part, notes = counted(resolved)
         model_part["torch_compile_choice"] = f"auto: {'on' if compile_on else 'off'}, {why}"
+        model_part["compile_decision"] = (compile_on, why)
     compile_keys = [key for key in ("torch_compile_mode", "torch_compile_backend", "torch_compile_options")
                     if getattr(cfg, key)]
     if compile_keys and not resolved.compiled and facts is not None:  # said, not silently dropped
@@ -177,7 +185,8 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
         train_rows=counts.train_rows, train_tokens=counts.train_tokens, trainable_tokens=counts.trainable_tokens,
         eval_rows=eval_rows, dropped_too_long=counts.dropped_too_long,
         dropped_no_trained_tokens=counts.dropped_no_trained_tokens,
-        dropped_identical_pairs=counts.dropped_identical_pairs,
+        dropped_identical_pairs=counts.dropped_identical_pairs, dropped_too_short=counts.dropped_too_short,
+        dropped_duplicates=counts.dropped_duplicates,
         micro_batches_per_epoch=counts.micro_batches_per_epoch, rows_cut_per_epoch=counts.rows_cut_per_epoch,
         steps_per_epoch=counts.steps_per_epoch, total_steps=counts.total_steps, epochs_to_run=counts.epochs_to_run,
         epochs_covered=(round(counts.total_steps / counts.steps_per_epoch, 4) if counts.steps_per_epoch else None),

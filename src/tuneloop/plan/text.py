@@ -132,6 +132,10 @@ def _machine_lines(plan) -> list[str]:
         dropped.append(f"{plan.dropped_no_trained_tokens} with no trained token")
     if plan.dropped_identical_pairs:
         dropped.append(f"{plan.dropped_identical_pairs} pairs whose chosen and rejected replies are the same")
+    if plan.dropped_too_short:
+        dropped.append(f"{plan.dropped_too_short} shorter than min_sample_len")
+    if plan.dropped_duplicates:
+        dropped.append(f"{plan.dropped_duplicates} repeating an earlier row (dataset_exact_deduplication)")
     if dropped:
         lines.append(f"  dropped rows         {'; '.join(dropped)}")
     for warning in plan.warnings:
