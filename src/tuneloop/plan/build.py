@@ -117,7 +117,7 @@ class TrainingPlan:
         return values
 
 
-NOT_IN_JSON = ("train_batching", "eval_batching", "padding", "first_epoch_batches")
+NOT_IN_JSON = ("train_batching", "eval_batching", "padding", "first_epoch_batches", "compile_decision")
 
 
 def world_size_from_env() -> int:
