@@ -11,7 +11,7 @@ import numpy as np
 from conftest import CORPUS, assert_user_error, base_config, read_metrics, run_in_process, tiny_rows, \
     write_config, write_jsonl
 
-from tuneloop.data.batching import BatchingSpec, epoch_batches
+from tuneloop.data.batching import BatchingSpec, epoch_batches, epoch_rng
 
 
 def spec(mode: str, **order) -> BatchingSpec:
@@ -35,14 +35,23 @@ def test_sequential_packing_fills_each_row_in_order_before_opening_the_next():
     assert rows == [[0, 1], [2, 3], [4, 5, 6], [7], [8, 9]]
 
 
+def test_curriculum_packing_keeps_the_datas_order():
+    """Best fit would take the longest sequence first; curriculum packs next-fit in the data's order."""
+    rows = [row for micro in epoch_batches(LENGTHS, spec("packed", ordered=True), 0) for row in micro]
+    assert [index for row in rows for index in row] == list(range(10))
+
+
 def test_sequential_packing_without_curriculum_packs_one_shuffled_order_for_the_whole_run():
     """The packed rows are the same each epoch (so the plan's count holds) and reshuffled each epoch."""
     epochs = [[row for micro in epoch_batches(LENGTHS, spec("packed", sequential=True), epoch) for row in micro]
               for epoch in (0, 1, 2)]
     assert all(sorted(rows) == sorted(epochs[0]) for rows in epochs)
     assert len({json.dumps(rows) for rows in epochs}) > 1
-    for rows in epochs[0][:-1]:  # next-fit: each row but the last was closed by a sequence that did not fit
-        assert sum(LENGTHS[rows]) <= 10
+    run_order = epoch_rng(3, 0).permutation(10).tolist()  # the one shuffle the run packs (seed 3, as spec())
+    rows = sorted(epochs[0], key=lambda row: run_order.index(row[0]))
+    assert [index for row in rows for index in row] == run_order  # each row a run of that order, none skipped
+    for row, following in zip(rows, rows[1:]):  # next-fit: a row closes only when the next sequence does not fit
+        assert sum(LENGTHS[row]) <= 10 < sum(LENGTHS[row]) + LENGTHS[following[0]]
     assert sorted(index for rows in epochs[0] for index in rows) == list(range(10))
 
 

@@ -21,6 +21,10 @@ from tuneloop.model import recurrent_layers
     ("mamba", {}, "mamba's linear_attention layers"),
     ("lfm2", {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}, "lfm2's conv layers"),
     ("falcon_h1", {}, "falcon_h1's hybrid layers"),
+    ("nemotron_h", {}, "nemotron_h's linear_attention layers"),
+    # attention under newer names keeps packing: DeepSeek V3.2's indexed attention, V4's compressed kinds
+    ("deepseek_v32", {}, None),
+    ("deepseek_v4", {}, None),
 ])
 def test_layers_that_carry_state_outside_attention_are_named(model_type, extra, expected):
     assert recurrent_layers(AutoConfig.for_model(model_type, **extra)) == expected
@@ -65,3 +69,22 @@ def test_an_attention_only_model_keeps_packed_sequences_apart_by_their_positions
     model = tiny("llama", num_hidden_layers=2, intermediate_size=64)
     together, alone = second_sequence_logits(model, torch.arange(3, 23), torch.arange(30, 42))
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_stream_on_a_recurrent_model_is_refused_rather_than_dropping_its_long_documents():
+    """Grouped by length, a stream's rows are its documents whole, and every one longer than sequence_len would
+    be dropped unseen: the run is refused, pointing to prepared data."""
+    from tuneloop.config.load import config_from_dict
+    from tuneloop.errors import UserError
+    from tuneloop.resolved import resolve_run
+
+    config = AutoConfig.for_model("qwen3_5_text", num_hidden_layers=2, layer_types=["linear_attention",
+                                                                                     "full_attention"])
+    keys = {"base_model": "m", "sequence_len": 64, "micro_batch_size": 1, "max_steps": 2}
+    streamed = config_from_dict({**keys, "pretraining_dataset": [{"path": "corpus.jsonl"}], "streaming": True})
+    with pytest.raises(UserError, match="streams its documents packed.*qwen3_5_text's linear_attention layers.*"
+                                        "prepared data instead"):
+        resolve_run(streamed, config)
+    prepared = config_from_dict({**keys, "datasets": [{"path": "corpus.jsonl", "type": "completion"}],
+                                 "sample_packing": True})
+    assert resolve_run(prepared, config).batching == "group_by_length"

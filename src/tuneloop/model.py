@@ -34,7 +34,11 @@ def kind_of_config(config) -> ModelKind:
 
 
 # layers that mix tokens by attention: a packed row's sequences stay apart under the per-sequence mask
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"}
+# `layer_types` values of layers that carry state along the sequence (transformers 5.24 writes Mamba and gated
+# delta-net layers as linear_attention, LFM2's as conv, Falcon-H1's and Inkling's parallel SSM+attention as
+# hybrid); a deny-list, since attention keeps gaining new names (indexed_attention, compressed_sparse_attention,
+# window_attention, ...) that all take packed boundaries as attention does
+RECURRENT_LAYER_TYPES = {"linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "recurrent"}
 # families whose token mixers are recurrent or convolutional even where `layer_types` does not say so
 RECURRENT_FAMILIES = ("mamba", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma", "lfm2", "lfm3", "zamba", "bamba",
                       "falcon_h1")
@@ -49,7 +53,7 @@ def recurrent_layers(config) -> str | None:
     configs = [config, *(getattr(config, name, None) for name in ("text_config", "language_config"))]
     for part in (c for c in configs if c is not None):
         types = getattr(part, "layer_types", None) or getattr(part, "layers_block_type", None)
-        others = sorted({str(t) for t in types or ()} - ATTENTION_LAYER_TYPES)
+        others = sorted({str(t) for t in types or ()} & RECURRENT_LAYER_TYPES)
         if others:
             return f"{getattr(part, 'model_type', 'this model')}'s {'/'.join(others)} layers"
         model_type = str(getattr(part, "model_type", ""))

@@ -91,6 +91,15 @@ def resolve_run(cfg, model_config=None) -> Resolved:
     decided = _resolved(cfg, kind)
     packed = "packed" in (decided.batching, decided.eval_batching) and not decided.encoder_decoder
     recurrent = packed and recurrent_layers(model_config)
+    if recurrent and decided.streamed and decided.batching == "packed":
+        # a stream cut into rows of whole sequence_len has no unpacked form that keeps its long documents: grouped
+        # by length, every document longer than sequence_len would be dropped unseen
+        from tuneloop.errors import UserError
+
+        raise UserError(f"config: this run streams its documents packed into rows of sequence_len, and {recurrent} "
+                        "carry state from one packed sequence into the next (the kernels here take no sequence "
+                        "boundaries): train this model on prepared data instead (`datasets:` with `type: "
+                        "completion` and no `streaming`), where rows are grouped by length")
     if recurrent:
         decided = replace(decided, batching="group_by_length" if decided.batching == "packed" else decided.batching,
                           eval_batching="group_by_length", packing_note=(

@@ -187,7 +187,7 @@ class TrainingSession:
             # each rank read its own host's compile records (plan/compile_choice.py); every rank runs rank 0's
             # decision, since a compiled rank pads its rows to other widths than an eager one
             decision = self._shared_or_raised(tuple(plan.compile_decision), None)
-            if tuple(decision) != tuple(plan.compile_decision):
+            if decision[0] != plan.compile_decision[0]:  # the same choice for another reason needs no new plan
                 plan = build_plan(cfg, resolved, rows, tokenizer, accelerator.num_processes,
                                   compile_decision=(decision[0], f"{decision[1]} (rank 0's decision)"))
         if not ignore_memory_estimate:

@@ -10,8 +10,9 @@ Every epoch has the same number of micro-batches (packing included: see
 pack_best_fit_decreasing), which is what lets the plan count one epoch and trust it for all.
 
 axolotl's ordering options: `curriculum_sampling` keeps the data's order (no shuffle: rows, packed rows and
-micro-batches as the rows come); `sample_packing_sequentially` packs next-fit, each sequence into the current row
-or, when it does not fit, a new one, in order. Without curriculum the order it packs is one shuffle drawn for the
+micro-batches as the rows come; packed, it packs next-fit, since best fit takes the longest first);
+`sample_packing_sequentially` packs next-fit, each sequence into the current row or, when it does not fit, a new
+one, in order. Without curriculum the order it packs is one shuffle drawn for the
 whole run (not one per epoch, which would change the number of rows from epoch to epoch and break the plan's
 count); the packed rows are then shuffled each epoch.
 """
@@ -32,7 +33,7 @@ class BatchingSpec:
     sequence_len: int
     world_size: int
     seed: int
-    ordered: bool = False  # curriculum_sampling: the data's order, never shuffled
+    ordered: bool = False  # curriculum_sampling: the data's order, never shuffled (packed: next-fit)
     sequential: bool = False  # sample_packing_sequentially: next-fit packing in order
 
 
@@ -92,7 +93,7 @@ def epoch_batches(lengths: np.ndarray, spec: BatchingSpec, epoch: int, shuffle: 
     n = len(lengths)
     rng = epoch_rng(spec.seed, epoch)
     shuffle = shuffle and not spec.ordered
-    if spec.sequential and spec.mode == "packed":
+    if (spec.sequential or spec.ordered) and spec.mode == "packed":  # best fit sorts longest first: not the order
         order = epoch_rng(spec.seed, 0).permutation(n) if shuffle else np.arange(n)  # one order for the run
         rows = pack_next_fit(order, lengths, spec.sequence_len)
         if shuffle:

@@ -22,7 +22,8 @@ Where a family's own template does something the prefix rule forbids, or depends
   generation prompt is `<|turn>model\n`, without the empty thought channel Gemma adds when thinking is off,
   since trained turns carry none.
 - gemma and gemma3n use Gemma 3's turn format (`<start_of_turn>`; `model` for the assistant; a system message
-  goes before the first user message).
+  goes before the first user message). Like the Mistral families, they refuse a system message that is not
+  followed by a user turn or that comes later (Gemma's own template would train it as the model's words).
 - mistral_v2v3, mistral_v3_tekken and pixtral put a system message before the first user message; Mistral's
   templates put it in the last user message when the conversation ends with one, and drop it otherwise.
 - mistral_v7_tekken writes `[SYSTEM_PROMPT]` only for a system message the row has: Mistral's default one
@@ -59,12 +60,21 @@ def _text(text: str) -> str:
     return "{{ " + json.dumps(text) + " }}"
 
 
-def _first_system_prefix(separator: str) -> str:
+# for the families that fold a system message into the first user turn: they have no place for one elsewhere
+_SYSTEM_BEFORE_USER = ("{% if messages | length > 1 and messages[0]['role'] == 'system' and messages[1]['role'] != "
+                       "'user' %}{{ raise_exception('this chat template writes a system message into the first "
+                       "user turn, and the conversation has none after it: start it with a user turn') }}{% endif %}")
+_LATER_SYSTEM = ("{% elif message['role'] == 'system' %}{{ raise_exception('this chat template writes a system "
+                 "message only as the first message (it joins the first user turn), not later') }}")
+
+
+def _first_system_prefix(separator: str, trim: bool = False) -> str:
     """Sets `first_prefix` (a first system message and `separator`, for the first user turn) and `turns` (the
-    messages after it)."""
-    return ("{% if messages and messages[0]['role'] == 'system' %}{% set first_prefix = messages[0]['content'] + '"
-            + separator + "' %}{% set turns = messages[1:] %}{% else %}{% set first_prefix = '' %}"
-            "{% set turns = messages %}{% endif %}")
+    messages after it); a first system message before anything but a user turn is refused."""
+    content = "messages[0]['content']" + (" | trim" if trim else "")
+    return (_SYSTEM_BEFORE_USER + "{% if messages and messages[0]['role'] == 'system' %}{% set first_prefix = "
+            + content + " + '" + separator + "' %}{% set turns = messages[1:] %}{% else %}"
+            "{% set first_prefix = '' %}{% set turns = messages %}{% endif %}")
 
 
 def _mistral(inst_open: str, inst_close: str, answer_prefix: str) -> str:
@@ -72,7 +82,7 @@ def _mistral(inst_open: str, inst_close: str, answer_prefix: str) -> str:
     return (_BOS + _first_system_prefix("\n\n") + "{% for message in turns %}{% if message['role'] == 'user' %}"
             "{{ '" + inst_open + "' + (first_prefix if loop.first else '') + message['content'] + '" + inst_close
             + "' }}{% elif message['role'] == 'assistant' %}{{ '" + answer_prefix + "' + message['content'] + "
-            + _EOS_EXPR + " }}" + _OTHER_ROLE + "{% endif %}{% endfor %}")
+            + _EOS_EXPR + " }}" + _LATER_SYSTEM + _OTHER_ROLE + "{% endif %}{% endfor %}")
 
 
 _COMMAND_A_SYSTEM = (
@@ -186,9 +196,10 @@ LLAVA = (
 # ---- Gemma --------------------------------------------------------------------------------------------------------
 
 GEMMA3 = (
-    _BOS + "{% if messages and messages[0]['role'] == 'system' %}{% set first_prefix = messages[0]['content'] | trim + "
-    "'\n\n' %}{% set turns = messages[1:] %}{% else %}{% set first_prefix = '' %}{% set turns = messages %}{% endif %}"
-    "{% for message in turns %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    _BOS + _first_system_prefix("\n\n", trim=True) + "{% for message in turns %}{% if message['role'] == 'system' %}"
+    "{{ raise_exception('this chat template writes a system message only as the first message (it joins the first "
+    "user turn), not later') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{{ '<start_of_turn>' + role + '\n' + (first_prefix if loop.first else '') + message['content'] | trim + "
     "'<end_of_turn>\n' }}{% endfor %}" + _generation("<start_of_turn>model\\n")
 )

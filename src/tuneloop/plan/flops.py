@@ -196,8 +196,14 @@ def _probe(device: str, dtype, threads: int) -> float:
     return 2 * size**3 / best
 
 
+# below this rate at 256² a dtype has no fast kernel here (emulated bf16 on an AVX2 CPU: ~2 GFLOPS); above it the
+# probe keeps its full size, whose 2048² product a fast kernel finishes in well under a second
+SLOW_DTYPE_FLOPS = 10e9
+
+
 def _affordable_size(dtype, seconds: float = PROBE_PRODUCT_SECONDS, small: int = 256) -> int:
-    """The side of a square product that takes about `seconds` here, from one timed product of side `small`."""
+    """The side of a square product that takes about `seconds` here, from one timed product of side `small`; the
+    full probe size where the dtype is not clearly slow (a small product underrates a fast kernel's rate)."""
     import torch
 
     a, b = torch.randn(small, small).to(dtype), torch.randn(small, small).to(dtype)
@@ -205,6 +211,8 @@ def _affordable_size(dtype, seconds: float = PROBE_PRODUCT_SECONDS, small: int =
     start = time.perf_counter()
     torch.mm(a, b)
     rate = 2 * small**3 / max(time.perf_counter() - start, 1e-9)
+    if rate >= SLOW_DTYPE_FLOPS:
+        return PROBE_SIZE["cpu"]
     return max(small, int((rate * seconds / 2) ** (1 / 3)))
 
 
