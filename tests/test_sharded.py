@@ -383,3 +383,22 @@ def test_a_checkpoint_resumed_by_another_engine_is_refused_naming_both(tmp_path,
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     assert_user_error(run_in_process("train", str(config)), "was written by DeepSpeed ZeRO-2 and this run uses "
                       "DeepSpeed ZeRO-3")
+
+
+AXOLOTL_DEEPSPEED_FILES = {  # every JSON in axolotl's deepspeed_configs/ (commit 067b021): stage, offloads
+    "zero1.json": (1, False, False), "zero1_torch_compile.json": (1, False, False), "zero2.json": (2, False, False),
+    "zero2_torch_compile.json": (2, False, False), "zero3.json": (3, False, False),
+    "zero3_bf16.json": (3, False, False), "zero3_bf16_cpuoffload_all.json": (3, True, True),
+    "zero3_bf16_cpuoffload_params.json": (3, True, False)}
+
+
+@pytest.mark.parametrize("name", sorted(AXOLOTL_DEEPSPEED_FILES))
+def test_every_deepspeed_file_axolotl_ships_is_read_by_its_axolotl_path(name):
+    from tuneloop.engines.deepspeed import filled_config, read_deepspeed_keys
+
+    spec = read_deepspeed_keys(f"deepspeed_configs/{name}")  # as axolotl's configs write it, no such file here
+    assert (spec.stage, spec.offload_weights, spec.offload_optimizer) == AXOLOTL_DEEPSPEED_FILES[name]
+    if "torch_compile" in name:  # compiling under DeepSpeed changes only speed: said, and not passed on
+        with pytest.warns(UserWarning, match="asks DeepSpeed to torch.compile the model.*runs uncompiled"):
+            config = filled_config(spec, 2, 1, 2, 1.0, "bf16", 64)
+        assert "compile" not in config

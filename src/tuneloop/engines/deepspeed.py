@@ -185,6 +185,12 @@ def filled_config(spec: DeepSpeedSpec, micro_batch_size: int, accumulation: int,
         warnings.warn(f"`deepspeed: {spec.file}`: zero_optimization.overlap_comm needs ZeRO stage 2 or 3 here; it "
                       "only changes speed, so it is turned off.", UserWarning, stacklevel=2)
         zero["overlap_comm"] = False
+    compile_block = config.pop("compile", None)
+    if compile_block and not compile_block.get("disable", True):
+        # axolotl's zero*_torch_compile.json: torch.compile under DeepSpeed, which only changes speed
+        warnings.warn(f"`deepspeed: {spec.file}` asks DeepSpeed to torch.compile the model (its `compile` block); "
+                      "tuneloop compiles only models under its own DDP engine so far, so this runs uncompiled: the "
+                      "same training, at eager speed.", UserWarning, stacklevel=2)
     config["managed_gradient_accumulation"] = False
     config["zero_allow_untested_optimizer"] = True  # the optimizer is tuneloop's (optim.py)
     config.setdefault("zero_force_ds_cpu_optimizer", False)
