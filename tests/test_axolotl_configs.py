@@ -33,8 +33,7 @@ REFUSED_BY_FEATURE = {"multimodal models": 18, "quantization beyond bitsandbytes
                       "tensor/context/expert parallelism": 8,
                       "a model option": 7, "MoE-specific options": 6, "this preference/RL training": 4,
                       "an axolotl plugin": 4, "another training method": 2,
-                      "a LoRA variant": 2, "keys axolotl has removed": 2, "8-bit weights under FSDP2": 1,
-                      "an optimizer option": 1}
+                      "a LoRA variant": 2, "keys axolotl has removed": 2, "8-bit weights under FSDP2": 1}
 # configs that axolotl's own schema refuses too: `warmup_steps` must be a whole number of steps
 INVALID_IN_AXOLOTL = {("expert_parallel/qwen3_30ba3b_ep_fft_4gpu.yaml", "warmup_steps"),
                       ("expert_parallel/qwen3_30ba3b_ep_lora_4gpu.yaml", "warmup_steps")}

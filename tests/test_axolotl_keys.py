@@ -164,6 +164,37 @@ def test_alpaca_chat_renders_axolotls_chat_style(tmp_path, tokenizer):
     assert trained_text(row, tokenizer) == "three<|endoftext|>"
 
 
+def test_alpaca_phi_and_chatml_render_axolotls_styles(tmp_path, tokenizer):
+    rows = [{"instruction": "Add two numbers.", "input": "one two", "output": "three"},
+            {"instruction": "Name a colour.", "output": "red"}]
+    phi = prepared(tmp_path / "phi", tokenizer, rows, {"type": "alpaca:phi"})
+    system = "Below is an instruction that describes a task"
+    assert tokenizer.decode(phi[0]["input_ids"]) == (
+        f"<|system|>\n{system}, paired with an input that provides further context. Write a response that "
+        "appropriately completes the request.<|end|>\n<|user|>\nAdd two numbers.<|end|>one two<|assistant|>three"
+        "<|endoftext|>")
+    assert tokenizer.decode(phi[1]["input_ids"]) == (
+        f"<|system|>\n{system}. Write a response that appropriately completes the request.<|end|>\n<|user|>\n"
+        "Name a colour.<|end|>\n<|assistant|>\nred<|endoftext|>")
+    assert [trained_text(row, tokenizer) for row in phi] == ["three<|endoftext|>", "red<|endoftext|>"]
+    chatml = prepared(tmp_path / "chatml", tokenizer, rows[1:], {"type": "alpaca:chatml"})[0]
+    assert tokenizer.decode(chatml["input_ids"]).endswith(
+        "<|im_end|>\n<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\nred<|endoftext|>")
+
+
+def test_jeopardy_rows_are_alpaca_prompts_answered_in_the_games_form(tmp_path, tokenizer):
+    """axolotl's jeopardy: the clue as instruction, its category as input, "what is" before the answer."""
+    row = prepared(tmp_path, tokenizer, [{"question": "It orbits the Earth", "category": "SPACE", "answer": "the Moon"}],
+                   {"type": "jeopardy"})[0]
+    assert tokenizer.decode(row["input_ids"]) == (
+        "Below is an instruction that describes a task, paired with an input that provides further context. Write a "
+        "response that appropriately completes the request.\n\n### Instruction:\nIt orbits the Earth\n\n### Input:\n"
+        "SPACE\n\n### Response:\nwhat is the Moon<|endoftext|>")
+    assert trained_text(row, tokenizer) == "what is the Moon<|endoftext|>"
+    with pytest.raises(UserError, match="missing field `category`"):
+        prepared(tmp_path / "bad", tokenizer, [{"question": "q", "answer": "a"}], {"type": "jeopardy"})
+
+
 def test_chat_template_default_is_chat_template(tmp_path, tokenizer):
     a = prepared(tmp_path / "a", tokenizer, SHAREGPT, {"type": "chat_template.default"})[0]
     b = prepared(tmp_path / "b", tokenizer, SHAREGPT, {"type": "chat_template"})[0]
@@ -424,6 +455,8 @@ def test_eval_strategy_steps_evaluates_every_eval_steps(tmp_path, tiny_model_dir
 @pytest.mark.parametrize("raw, message", [
     ({"adapter": "qlora", "load_in_8bit": True, "lora_target_linear": True}, "`adapter: qlora` loads the weights in 4-bit"),
     ({"lr_scheduler": "constant", "cosine_min_lr_ratio": 0.1}, "`cosine_min_lr_ratio` sets where a decay ends"),
+    ({"lr_scheduler": "linear", "cosine_constant_lr_ratio": 0.5}, "`cosine_constant_lr_ratio` ends a cosine decay"),
+    ({"lr_scheduler": "one_cycle", "lr_quadratic_warmup": True}, "`lr_quadratic_warmup` shapes a warm-up"),
     ({"flash_attention": True, "attn_implementation": "sdpa"}, "the attention settings disagree"),
     ({"chat_template": "llama3", "chat_template_jinja": "{{ x }}"}, "name two templates"),
     ({"datasets": [{"path": "x", "type": "alpaca", "roles_to_train": ["user"]}]}, "`roles_to_train` applies to chat"),

@@ -40,12 +40,12 @@ def test_alpaca_with_and_without_input_renders_axolotls_prompt_and_trains_only_t
             {"instruction": "Name three colours.", "input": "", "output": "red, green and blue"}]
     prepared, _ = prepared_rows(tmp_path, tokenizer, rows, {"type": "alpaca"})
     text, trained = split(prepared[0], tokenizer)
-    assert text == (ALPACA_SYSTEM_WITH_INPUT + "### Instruction:\nAdd two numbers.\n\n### Input:\none two\n\n"
+    assert text == (ALPACA_SYSTEM_WITH_INPUT + "\n\n### Instruction:\nAdd two numbers.\n\n### Input:\none two\n\n"
                     "### Response:\nthree<|endoftext|>")
     assert ALPACA_SYSTEM_WITH_INPUT.startswith("Below is an instruction that describes a task, paired with an input")
     assert trained == "three<|endoftext|>"
     text, trained = split(prepared[1], tokenizer)
-    assert text == (ALPACA_SYSTEM_NO_INPUT + "### Instruction:\nName three colours.\n\n### Response:\n"
+    assert text == (ALPACA_SYSTEM_NO_INPUT + "\n\n### Instruction:\nName three colours.\n\n### Response:\n"
                     "red, green and blue<|endoftext|>")
     assert trained == "red, green and blue<|endoftext|>"
     # labels sit at the positions of the response tokens and nowhere else

@@ -112,7 +112,7 @@ def test_the_run_state_survives_a_checkpoint_whole():
     RunState and forgotten in to_json/from_json fails here."""
     state = RunState(step=7, tokens_seen=1234, targets_collated=600,
                      evals=[{"step": 4, "eval_loss": 2.5}, {"step": 7, "eval_loss": 2.75}],
-                     best_eval_loss=2.5, evals_without_improvement=1, bad_steps_in_a_row=[0, 2])
+                     best_metric=2.5, evals_without_improvement=1, bad_steps_in_a_row=[0, 2])
     defaults = RunState()
     for field in dataclasses.fields(RunState):
         assert getattr(state, field.name) != getattr(defaults, field.name), f"set {field.name} in this test"
@@ -134,6 +134,10 @@ def test_the_run_state_survives_a_checkpoint_whole():
 FORMAT_EXAMPLES = {
     "alpaca": {"instruction": "Add two numbers.", "input": "one two", "output": "three"},
     "alpaca:chat": {"instruction": "Name three colours.", "output": "red, green and blue"},
+    "alpaca:chatml": {"instruction": "Name three colours.", "output": "red, green and blue"},
+    "alpaca:phi": {"instruction": "Add two numbers.", "input": "one two", "output": "three"},
+    **{name: {"question": "It orbits the Earth", "category": "SPACE", "answer": "the Moon"}
+       for name in ("jeopardy", "jeopardy:chat", "jeopardy:chatml", "jeopardy:phi")},
     "completion": {"text": "The quick brown fox jumps over the lazy dog."},
     "seq2seq": {"source": "Translate the sentence into French.", "target": "red, green and blue"},
     "chat_template": {"messages": [{"role": "user", "content": "Hello there"},

@@ -104,3 +104,34 @@ def torch_equal(a, b) -> bool:
 
 def data_file(tmp_path):
     return write_jsonl(tmp_path / "train.jsonl", tiny_rows(40, seed=4))
+
+
+def test_quadratic_warmup_rises_as_the_square_of_the_linear_one():
+    plan = Plan(warmup_steps=4, total_steps=24)
+    linear = [lr_multiplier(step, plan, "cosine", 0.0) for step in range(24)]
+    quadratic = [lr_multiplier(step, plan, "cosine", 0.0, quadratic_warmup=True) for step in range(24)]
+    assert quadratic[:4] == pytest.approx([0.04, 0.16, 0.36, 0.64])
+    assert quadratic[4:] == linear[4:]  # the decay is untouched
+
+
+def test_cosine_constant_lr_ratio_ends_the_decay_early_then_holds_the_floor():
+    """axolotl's warm-up, decay, constant: the floor is reached at int(total × ratio) and held."""
+    plan = Plan(warmup_steps=2, total_steps=20)
+    values = [lr_multiplier(step, plan, "cosine", 0.1, decay_end_ratio=0.5) for step in range(20)]
+    assert values[2] == pytest.approx(1.0)
+    assert values[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))  # halfway from 2 to 10
+    assert values[10:] == pytest.approx([0.1] * 10)
+    assert values[9] > 0.1
+
+
+def test_the_plan_names_the_schedules_shape_and_the_run_follows_it(tmp_path, tiny_model_dir):
+    keys = dict(lr_scheduler="cosine", warmup_steps=2, max_steps=8, learning_rate=1e-3, micro_batch_size=2,
+                lr_quadratic_warmup=True, cosine_constant_lr_ratio=0.5, cosine_min_lr_ratio=0.2, save_strategy="no")
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data_file(tmp_path), **keys))
+    planned = run_in_process("plan", str(config))
+    assert "cosine (quadratic warm-up; decay to 0.2× by 50% of the run, then constant) schedule" in planned.stdout
+    assert run_in_process("train", str(config)).returncode == 0
+    rates = [m["lr"] for m in read_metrics(tmp_path / "out") if "lr" in m]
+    expected = [1e-3 * lr_multiplier(step, Plan(2, 8), "cosine", 0.2, True, 0.5) for step in range(8)]
+    assert rates == pytest.approx(expected)
+    assert rates[0] == pytest.approx(1e-3 / 9) and rates[4:] == pytest.approx([2e-4] * 4)

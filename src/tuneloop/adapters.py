@@ -25,33 +25,115 @@ def lora_targets(cfg, model):
                     "`lora_target_linear: true`")
 
 
+def lora_config(cfg, model, peft_task_type: str):
+    """peft's LoraConfig as the config asks for it, the LoRA variants included (DoRA, rsLoRA, the start of A and B,
+    fan-in-fan-out weights); LoRA+ is the optimizer's (optim.py)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=lora_targets(cfg, model), target_parameters=target_parameters(cfg, model),
+                      modules_to_save=cfg.lora_modules_to_save, task_type=peft_task_type,
+                      use_dora=cfg.peft_use_dora, use_rslora=cfg.peft_use_rslora,
+                      init_lora_weights=cfg.peft_init_lora_weights, fan_in_fan_out=bool(cfg.lora_fan_in_fan_out))
+
+
 def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
-    """The model with its LoRA adapter (the checkpoint's when resuming)."""
-    from peft import LoraConfig, PeftModel, get_peft_model
+    """The model with its LoRA adapter: the checkpoint's when resuming, else `lora_model_dir`'s trained one when
+    set, else a new one."""
+    from peft import PeftModel, get_peft_model
 
     from tuneloop.quantized_experts import remove_lora_proxies_after_each_forward
 
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=lora_targets(cfg, model), target_parameters=target_parameters(cfg, model),
-                      modules_to_save=cfg.lora_modules_to_save, task_type=peft_task_type)
+    lora = lora_config(cfg, model, peft_task_type)
+    start = checkpoint if checkpoint is not None else adapter_folder(cfg)
+    if start is not None and checkpoint is None:
+        check_adapter_agrees(cfg, lora, start, model)
+    if start is not None and on_meta(model):
+        start = None  # a count (the plan) or an FSDP2 rank that is sent its weights: the agreeing new adapter's shape
     if cfg.gradient_checkpointing and not getattr(model, "is_quantized", False):
         model.enable_input_require_grads()
     with warnings.catch_warnings():
         # peft asks is_gradient_checkpointing, which transformers 5 deprecates: not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        if cfg.lora_fan_in_fan_out is not None:  # peft overrides a value the layers contradict: say so instead
+            warnings.filterwarnings("error", message="fan_in_fan_out is set to", category=UserWarning)
         try:
-            if checkpoint is not None:
-                adapted = PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
+            if start is not None:
+                adapted = PeftModel.from_pretrained(model, str(start), is_trainable=True)
             else:
                 adapted = get_peft_model(model, lora)
+        except UserWarning as warning:
+            raise UserError(f"config: `lora_fan_in_fan_out: {str(cfg.lora_fan_in_fan_out).lower()}` contradicts how "
+                            f"this model's layers store their weights (peft: {warning}); remove the key") from None
         except ValueError as error:  # peft's "Target modules {...} not found in the base model"
-            if "not found in the base model" not in str(error) and "NoMatchingPeftModule" not in type(error).__name__:
+            if "not found in the base model" in str(error) or "NoMatchingPeftModule" in type(error).__name__:
+                raise UserError(f"config: `lora_target_modules: {cfg.lora_target_modules}` matches no module of "
+                                f"this model; its linear layers are named {', '.join(linear_layer_names(model))} "
+                                "(or set `lora_target_linear: true`)") from None
+            if not uses_lora_variant(cfg):
                 raise
-            raise UserError(f"config: `lora_target_modules: {cfg.lora_target_modules}` matches no module of this "
-                            f"model; its linear layers are named {', '.join(linear_layer_names(model))} "
-                            "(or set `lora_target_linear: true`)") from None
+            raise UserError(f"config: peft cannot build this LoRA variant on {type(model).__name__}: {error}") from None
     remove_lora_proxies_after_each_forward(adapted)  # (where experts are quantized: quantized_experts.py)
     return adapted
+
+
+def uses_lora_variant(cfg) -> bool:
+    return (cfg.peft_use_dora or cfg.peft_use_rslora or cfg.peft_init_lora_weights is not True
+            or cfg.lora_fan_in_fan_out is not None)
+
+
+def on_meta(model) -> bool:
+    return any(parameter.device.type == "meta" for parameter in model.parameters())
+
+
+def adapter_folder(cfg):
+    """`lora_model_dir` as a folder holding a saved adapter, or None when unset."""
+    from pathlib import Path
+
+    from tuneloop.use.folders import ADAPTER_CONFIG
+
+    if not cfg.lora_model_dir:
+        return None
+    folder = Path(cfg.lora_model_dir)
+    if not (folder / ADAPTER_CONFIG).is_file():
+        what = "is not a folder" if not folder.is_dir() else f"holds no {ADAPTER_CONFIG}"
+        raise UserError(f"config: `lora_model_dir: {cfg.lora_model_dir}` {what}: give the folder of a saved LoRA "
+                        f"adapter (a LoRA run's output_dir or one of its checkpoints, with {ADAPTER_CONFIG} in it), "
+                        "or remove the key to start a new adapter")
+    return folder
+
+
+# the LoraConfig fields that decide an adapter's shape and maths: a saved adapter and the config must agree on them
+AGREEING_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+                   "use_dora": "peft_use_dora", "use_rslora": "peft_use_rslora",
+                   "target_modules": "lora_target_modules", "target_parameters": "lora_target_parameters",
+                   "modules_to_save": "lora_modules_to_save"}
+
+
+def check_adapter_agrees(cfg, lora, folder, model) -> None:
+    """`lora_model_dir`'s adapter is trained on as saved (peft reads its adapter_config.json); a LoRA key of the
+    config that says otherwise would be ignored, so it is refused, naming each difference."""
+    from peft import LoraConfig
+
+    saved = LoraConfig.from_pretrained(str(folder))
+    differences = [f"{key} ({_comparable(getattr(saved, field), model)} there, "
+                   f"{_comparable(getattr(lora, field), model)} here)"
+                   for field, key in AGREEING_FIELDS.items()
+                   if _comparable(getattr(saved, field), model) != _comparable(getattr(lora, field), model)]
+    if differences:
+        raise UserError(f"config: the adapter in `lora_model_dir: {cfg.lora_model_dir}` was made with other LoRA "
+                        f"settings than this config's: {'; '.join(differences)}; make the config say what the adapter "
+                        "is (the folder's adapter_config.json)")
+
+
+def _comparable(value, model):
+    """A LoraConfig value in one form: "all-linear" as the layer names peft resolves it to, collections as sorted
+    lists, nothing as None."""
+    if value == "all-linear":
+        value = linear_layer_names(model)
+    if isinstance(value, (list, set, tuple)):
+        return sorted(value) or None
+    return value
 
 
 def target_parameters(cfg, model) -> list[str] | None:

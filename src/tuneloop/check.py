@@ -10,6 +10,7 @@ from tuneloop.config import TuneloopConfig
 from tuneloop.hardware import hardware_needs
 from tuneloop.resolved import Resolved, resolve_config
 from tuneloop.rl_methods import RL_METHODS, is_online, reference_source
+from tuneloop.use.hub import push_words
 
 
 def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
@@ -73,6 +74,9 @@ def _dataset_kind(entry, online: bool = False) -> str:
 def check_report(cfg: TuneloopConfig) -> list[str]:
     resolved = resolve_config(cfg)
     lines = ["tuneloop check: accepted", *describe_config(cfg, resolved)]
+    push = push_words(cfg)
+    if push:  # (the hub is not reached here: `train` checks the token and the repo when it starts)
+        lines.append(f"  push                 {push}; the token and the hub are checked when `train` starts")
     needs = hardware_needs(cfg, resolved)
     lines += [f"  needs                {need}" for need in needs] or ["  needs                nothing special: "
                                                                      "runs on a CPU or a GPU"]

@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     report_parser.set_defaults(handler=command_report)
     setup_parser = commands.add_parser("setup", help="build the embedded model and data folders (once)")
     setup_parser.set_defaults(handler=command_setup)
-    from tuneloop.use.commands import add_use_commands  # infer, eval, merge-lora: use what a run trained
+    from tuneloop.use.commands import add_use_commands  # infer, eval, merge-lora, export, push: use what a run trained
 
     add_use_commands(commands)
     return parser

@@ -79,35 +79,76 @@ OPTIMIZERS.add("adamw_torch_8bit", OptimizerKind(_library_adamw("torchao.optim",
 OPTIMIZERS.add("adamw_torch_4bit", OptimizerKind(_library_adamw("torchao.optim", "AdamW4bit"), 1, True, "torchao"))
 
 
-def parameter_groups(named_parameters, weight_decay: float) -> list[dict]:
-    """Weight decay on weight matrices only, as the Trainer does: not on biases or norms."""
-    decay, no_decay = [], []
+def parameter_groups(named_parameters, weight_decay: float, rates: LoraPlusRates | None = None) -> list[dict]:
+    """Weight decay on weight matrices only, as the Trainer does: not on biases or norms. With LoRA+ `rates`, each
+    of the two is split again by learning rate (LoraPlusRates), always into the same six groups, empty or not, so a
+    checkpoint's optimizer state fits every start."""
+    kinds = (None,) if rates is None else LoraPlusRates.KINDS
+    groups = {(decays, kind): [] for kind in kinds for decays in (True, False)}
     for name, param in named_parameters:
         if not param.requires_grad:
             continue
         skip = param.ndim < 2 or any(part in name.lower() for part in NO_DECAY_NAMES)
-        (no_decay if skip else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups[(not skip, None if rates is None else rates.kind(name, param))].append(param)
+    return [{"params": params, "weight_decay": weight_decay if decays else 0.0,
+             **({} if kind is None else {"lr": rates.rate_of(kind)})}
+            for (decays, kind), params in groups.items()]
+
+
+@dataclass(frozen=True)
+class LoraPlusRates:
+    """LoRA+ (Hayou et al. 2024, axolotl's `loraplus_lr_ratio`): the B matrices learn `ratio` times faster than the
+    A matrices. Parameters are sorted as peft's create_loraplus_optimizer sorts them, by name, so fp32 masters
+    (named as their weights) sort the same: an embedding's LoRA learns at its own rate; lora_B and every 1-D
+    trained parameter (a bias, DoRA's magnitudes) at learning_rate × ratio; the rest (lora_A, a fully trained
+    module) at learning_rate."""
+
+    learning_rate: float
+    ratio: float
+    embedding_rate: float
+    KINDS = ("base", "fast", "embedding")
+
+    @staticmethod
+    def kind(name: str, param) -> str:
+        if "lora_embedding_A" in name or "lora_embedding_B" in name:
+            return "embedding"
+        return "fast" if "lora_B" in name or param.ndim == 1 else "base"
+
+    def rate_of(self, kind: str) -> float:
+        return {"base": self.learning_rate, "fast": self.learning_rate * self.ratio,
+                "embedding": self.embedding_rate}[kind]
+
+
+def loraplus_rates(cfg) -> LoraPlusRates | None:
+    if cfg.loraplus_lr_ratio is None:
+        return None
+    return LoraPlusRates(cfg.learning_rate, cfg.loraplus_lr_ratio, cfg.loraplus_embedding_lr)
 
 
 def build_optimizer(cfg, model, named_parameters=None):
     """Over the model's parameters, or over `named_parameters` where they are not the model's own (fp32 masters:
     engines/masters.py). (hardware.check_hardware has refused an optimizer this machine cannot run, before
-    training.)"""
+    training.) Each group's learning rate is its peak: the scheduler's multiplier scales every group's."""
     named = model.named_parameters() if named_parameters is None else named_parameters
-    return OPTIMIZERS[cfg.optimizer].build(parameter_groups(named, cfg.weight_decay), cfg)
+    return OPTIMIZERS[cfg.optimizer].build(parameter_groups(named, cfg.weight_decay, loraplus_rates(cfg)), cfg)
 
 
 # ---- learning-rate schedules -------------------------------------------------------------------
 
-def lr_multiplier(step: int, plan, kind: str, min_ratio: float) -> float:
-    """Multiplier of the peak learning rate for the update that makes optimizer step `step + 1`."""
+def lr_multiplier(step: int, plan, kind: str, min_ratio: float, quadratic_warmup: bool = False,
+                  decay_end_ratio: float | None = None) -> float:
+    """Multiplier of the peak learning rate for the update that makes optimizer step `step + 1`: a warm-up
+    (linear, or quadratic as axolotl's `lr_quadratic_warmup`), then the decay down to `min_ratio`, which ends at
+    `decay_end_ratio` of the run where that is set (then the floor holds: axolotl's cosine_constant_lr_ratio,
+    whose constant phase starts at int(total × ratio) as axolotl counts it)."""
     warmup = plan.warmup_steps
     if step < warmup:
-        return (step + 1) / (warmup + 1)
+        rise = (step + 1) / (warmup + 1)
+        return rise * rise if quadratic_warmup else rise
     if kind == "constant":
         return 1.0
-    decay_steps = max(1, plan.total_steps - warmup)
+    end = max(warmup, int(plan.total_steps * decay_end_ratio)) if decay_end_ratio else plan.total_steps
+    decay_steps = max(1, end - warmup)
     progress = min(1.0, (step - warmup) / decay_steps)
     if kind == "linear":
         return min_ratio + (1 - min_ratio) * (1 - progress)
@@ -115,13 +156,23 @@ def lr_multiplier(step: int, plan, kind: str, min_ratio: float) -> float:
 
 
 def _warmup_then(kind: str):
-    """Linear warm-up to the peak, then `kind` (cosine, linear or constant) down to cosine_min_lr_ratio."""
+    """A warm-up to the peak, then `kind` (cosine, linear or constant) down to cosine_min_lr_ratio."""
     def build(optimizer, cfg, plan):
         import torch
 
         min_ratio = cfg.cosine_min_lr_ratio or 0.0
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, plan, kind, min_ratio))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(
+            step, plan, kind, min_ratio, cfg.lr_quadratic_warmup, cfg.cosine_constant_lr_ratio))
     return build
+
+
+def schedule_words(cfg) -> str:
+    """The schedule as the plan names it: the scheduler and what shapes it beyond its name."""
+    shapes = ["quadratic warm-up"] if cfg.lr_quadratic_warmup else []
+    if cfg.cosine_constant_lr_ratio:
+        shapes.append(f"decay to {cfg.cosine_min_lr_ratio or 0:g}× by {cfg.cosine_constant_lr_ratio:.0%} of the "
+                      "run, then constant")
+    return cfg.lr_scheduler + (f" ({'; '.join(shapes)})" if shapes else "")
 
 
 def _one_cycle(optimizer, cfg, plan):

@@ -66,6 +66,19 @@ NOT_OFFERED = {
 }
 
 
+def eval_metric_names(cfg) -> tuple[str, ...]:
+    """What an eval line reports for the run's objective (train/objectives.py, train/preference.py): the names
+    `metric_for_best_model` may take. Online RL has no eval set."""
+    if is_online(cfg):
+        return ()
+    if not cfg.rl:
+        return ("eval_loss", "eval_perplexity", "eval_token_accuracy")
+    rewards = ("eval_reward_chosen", "eval_reward_rejected", "eval_reward_margin")
+    if RL_METHODS[cfg.rl].paired:
+        return ("eval_loss", *rewards, "eval_reward_accuracy")
+    return ("eval_loss", *rewards, "eval_kl")
+
+
 def is_online(cfg) -> bool:
     """An online RL run (`rl: grpo` or `gdpo`): completions generated and scored as it trains."""
     return cfg is not None and cfg.rl in ONLINE_METHODS

@@ -84,6 +84,7 @@ class RunResult:
     resumed_from: Path | None = None
     already_finished: bool = False  # auto-resume found a finished run in output_dir: nothing was done
     error: Exception | None = None  # met by every rank at once (see the module's docstring)
+    push_failure: str | None = None  # main process: the final hub push failed (a warning: the run is done)
 
     @property
     def stopped_by_signal(self) -> bool:
@@ -100,6 +101,7 @@ class TrainingSession:
         self.accelerator = None
         self.trackers = None  # main process: the trackers the config asks for (trackers.py), started with the plan
         self.output_lock = None  # main process: output_dir held for this run (run_files.OutputDirLock)
+        self.hub = None  # main process, with hub_model_id: the run's pushes to the Hugging Face Hub (use/hub.py)
         self._main_first_count = 0  # the steps the main process takes first (see _wait_for_main)
         self.ignore_disk_check = False
         self.seconds: dict[str, float] = {}  # wall time of the steps before the loop: data, model load
@@ -177,6 +179,8 @@ class TrainingSession:
         if cfg.auto_resume_from_checkpoints and not overwrite and finished_run(output_dir):
             check_finished_run_matches(output_dir, settings)
             return RunResult(output_dir, already_finished=True)
+        if cfg.hub_model_id:  # the token, the hub and the repo, before the data is read: a failure stops every rank
+            self._decided_on_main(self._open_hub)
         # rank 0 fills the data cache, the others read it
         clock = time.perf_counter()
         tokenizer, rows = self._on_main_first(lambda: prepare_data(cfg, resolved, hooks=self.hooks))
@@ -201,7 +205,8 @@ class TrainingSession:
                            on_meta=on_meta)
         reference_model, reference = self._reference(model, tokenizer, rows, resume)
         self.seconds["model_load"] = time.perf_counter() - clock
-        hooks = self.hooks if self.trackers is None else TogetherHooks(self.hooks, self.trackers)
+        watchers = [watcher for watcher in (self.trackers, self.hub) if watcher is not None]
+        hooks = TogetherHooks(self.hooks, *watchers) if watchers else self.hooks
         try:
             with StopRequests() as stop:
                 loop = TrainingLoop(cfg, plan, rows, tokenizer, model, accelerator,
@@ -221,7 +226,27 @@ class TrainingSession:
                 from tuneloop.plan.compile_choice import record_run
 
                 record_run(plan.compile_key, plan.resolved.compiled, outcome, resume is not None)  # for `auto`
+            self._finish_push(result)
         return result
+
+    def _open_hub(self) -> None:
+        """Main process: the run's hub pushes, its repo reached (a UserError, before anything is trained, if not)."""
+        from tuneloop.use.hub import HubPush
+
+        self.hub = HubPush(self.cfg, self.hooks.notice)
+
+    def _finish_push(self, result: RunResult) -> None:
+        """Main process, after the outputs: the queued checkpoint pushes waited for, then the finished run pushed. A
+        failure is a warning kept in `result.push_failure`, never the run's error: the run is done and its files are
+        intact (`tuneloop push` uploads them later). A run stopped by a signal does not wait: it has a deadline."""
+        if self.hub is None or result.stopped_by_signal:
+            return
+        final = result.error is None  # (a run whose summary could not be written is not pushed as finished)
+        result.push_failure = self.hub.finish(result.output_dir, final=final)
+        if result.push_failure:
+            self.hooks.notice(result.push_failure)
+        elif final:
+            self.hooks.told(f"pushed to {self.hub.url}")
 
     def _reference(self, model, tokenizer, rows, resume: Path | None):
         """A preference run's reference: (frozen model or None, precomputed log-probs or None). See

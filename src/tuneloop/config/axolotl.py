@@ -32,10 +32,10 @@ FEATURES = {
                      "(GPTQ, torchao, fp8, NVFP4, QAT)"),
     "moe": ("MoE-specific options", "MoE options that change the result (8-bit experts, linearized experts, "
             "DenseMixer, expert kernels)"),
-    "peft_variants": ("a LoRA variant", "LoRA variants and PEFT options (DoRA, rsLoRA, LoRA+, rank/alpha patterns, "
-                      "layer selection, MoRA, starting from an adapter)"),
+    "peft_variants": ("a LoRA variant", "LoRA variants and PEFT options (PiSSA, OLoRA, CorDA, LoftQ and EVA starts, "
+                      "rank/alpha patterns, layer selection and replication, MoRA, trainable token indices)"),
     "training_methods": ("another training method", "other training methods (ReLoRA, LISA, jagged restarts, NEFTune, "
-                         "PoSE, distillation, diffusion LMs, EAFT, Spectrum, load-best-model, automatic batch size)"),
+                         "PoSE, distillation, diffusion LMs, EAFT, Spectrum, automatic batch size)"),
     "pretraining": ("a pretraining stream option", "pretraining stream options (attention across packed documents, "
                     "sample concatenation)"),
     "data_options": ("a dataset option", "dataset options tuneloop does not have yet (custom transforms, "
@@ -45,8 +45,7 @@ FEATURES = {
                       "trainer classes, half-precision weights, embedding resizing, attention scaling, "
                       "mistral-common tokenizers)"),
     "optimizer_options": ("an optimizer option", "optimizer options tuneloop does not have yet (optim_args, scheduler "
-                          "kwargs, per-group or embedding learning rates, Dion, Q-GaLore, Grokfast, quadratic "
-                          "warm-up)"),
+                          "kwargs, per-group or embedding learning rates, Dion, Q-GaLore, Grokfast)"),
     "plugins": ("an axolotl plugin", "axolotl plugins other than Liger, CutCrossEntropy, kernels and SwanLab"),
     "chat_templates": ("a chat template tuneloop does not have", "chat template names beyond axolotl's list (tuneloop "
                        "has every name axolotl's schema knows): `chat_template: jinja` with the template's text, or "
@@ -97,7 +96,7 @@ def _keys(text: str) -> set[str]:
 SPEED_OR_LOGGING = _keys("""
     streaming_multipack_buffer_size
     tokenizer_use_fast tokenizer_legacy tokenizer_save_jinja_files experimental_skip_move_to_device use_kernels
-    hub_model_id hub_strategy hub_revision save_safetensors qlora_sharded_model_loading lora_on_cpu merge_lora
+    save_safetensors qlora_sharded_model_loading lora_on_cpu merge_lora
     merge_method torchdistx_path
     wandb_watch wandb_log_model hf_mlflow_log_artifacts use_comet
     comet_api_key comet_workspace comet_project_name comet_experiment_key comet_mode comet_online
@@ -158,11 +157,12 @@ _REFUSED_BY_FEATURE = {
         llama4_linearized_experts dense_mixer expert_backend nonexpert_quantization
         moe_grouped_backend moe_dequant_chunk_size moe_bnb_fast dsv4_fp8_nonexpert_mode dsv4_fp8_lora_kernel
         dsv4_shared_mlp_lora_kernel dsv4_bf16_all dsv4_fp4_grouped_mode""",
+    # (implemented, so schema fields now: lora_model_dir, lora_fan_in_fan_out, peft_use_dora, peft_use_rslora,
+    # peft_init_lora_weights, loraplus_lr_ratio, loraplus_lr_embedding, and `peft` for its LoftQ refusal)
     "peft_variants": """
-        lora_model_dir lora_fan_in_fan_out lora_rank_pattern lora_alpha_pattern peft_layers_to_transform
-        peft_layers_pattern peft peft_use_dora peft_use_rslora peft_layer_replication peft_init_lora_weights
-        peft_trainable_token_indices peft_ensure_weight_tying peft_autocast_adapter_dtype loraplus_lr_ratio
-        loraplus_lr_embedding mora""",
+        lora_rank_pattern lora_alpha_pattern peft_layers_to_transform
+        peft_layers_pattern peft_layer_replication
+        peft_trainable_token_indices peft_ensure_weight_tying peft_autocast_adapter_dtype mora""",
     "training_methods": """
         relora relora_prune_ratio relora_prune_method relora_cpu_offload relora_steps relora_warmup_steps
         relora_anneal_steps jagged_restart_steps jagged_restart_warmup_steps jagged_restart_anneal_steps
@@ -170,8 +170,7 @@ _REFUSED_BY_FEATURE = {
         neftune_noise_alpha use_pose pose_split_on_token_ids pose_max_context_len pose_num_chunks use_eaft
         eaft_alpha eaft_k diffusion hatchery kd_trainer kd_ce_alpha kd_alpha kd_temperature kd_beta
         kd_normalize_topk kd_online_server_base_url kd_online_topk kd_online_server kd_online_timeout
-        kd_temperature_min spectrum_top_fraction spectrum_model_name metric_for_best_model greater_is_better
-        load_best_model_at_end""",
+        kd_temperature_min spectrum_top_fraction spectrum_model_name""",
     "pretraining": """
         pretrain_multipack_attn pretraining_sample_concatenation""",
     "data_options": """
@@ -184,8 +183,8 @@ _REFUSED_BY_FEATURE = {
         fp32_norms fp32_norm_classes scaling_softmax scaling_softmax_factor
         scaling_softmax_bias added_tokens_overrides fix_untrained_tokens""",
     "optimizer_options": """
-        embedding_lr embedding_lr_scale optim_args optim_target_modules lr_scheduler_kwargs lr_quadratic_warmup
-        cosine_constant_lr_ratio lr_groups adam_epsilon2 adam_beta3 dion_lr dion_momentum dion_rank_fraction
+        embedding_lr embedding_lr_scale optim_args optim_target_modules lr_scheduler_kwargs
+        lr_groups adam_epsilon2 adam_beta3 dion_lr dion_momentum dion_rank_fraction
         dion_rank_multiple_of qgalore_rank qgalore_update_proj_gap qgalore_scale qgalore_proj_type
         qgalore_proj_quant qgalore_proj_bits qgalore_proj_group_size qgalore_cos_threshold qgalore_gamma_proj
         qgalore_queue_size grokfast_alpha grokfast_lamb""",

@@ -41,6 +41,12 @@ def schedule(cfg) -> Problems:
     if cfg.lr_div_factor is not None and cfg.lr_scheduler != "one_cycle":
         yield (f"`lr_div_factor` only shapes `lr_scheduler: one_cycle`, and this run uses `{cfg.lr_scheduler}`: "
                "remove it or switch the scheduler")
+    if cfg.cosine_constant_lr_ratio and cfg.lr_scheduler not in ("cosine", "cosine_with_min_lr"):
+        yield (f"`cosine_constant_lr_ratio` ends a cosine decay early, and this run uses `lr_scheduler: "
+               f"{cfg.lr_scheduler}`: remove it or set `lr_scheduler: cosine`")
+    if cfg.lr_quadratic_warmup and cfg.lr_scheduler == "one_cycle":
+        yield ("`lr_quadratic_warmup` shapes a warm-up, and `lr_scheduler: one_cycle` rises by its own curve: "
+               "remove one of them")
     if cfg.cosine_min_lr_ratio is not None and cfg.lr_scheduler in ("constant", "constant_with_warmup", "one_cycle"):
         yield (f"`cosine_min_lr_ratio` sets where a decay ends, and `lr_scheduler: {cfg.lr_scheduler}` has none of "
                "its own: remove it or switch the scheduler")
@@ -48,6 +54,32 @@ def schedule(cfg) -> Problems:
 
 ATTENTION_FLAGS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "flex_attention": "flex_attention",
                    "eager_attention": "eager"}
+
+
+def best_eval(cfg) -> Problems:
+    """save_strategy: best, load_best_model_at_end and the metric that picks the best eval: they need evals, and
+    the metric must be one the run's evals report."""
+    from tuneloop.rl_methods import eval_metric_names
+
+    wanted = [key for key, on in (("save_strategy: best", cfg.save_strategy == "best"),
+                                  ("load_best_model_at_end", cfg.load_best_model_at_end)) if on]
+    if cfg.save_strategy == "best" and (cfg.save_steps is not None or cfg.saves_per_epoch):
+        yield ("`save_strategy: best` saves at the evals that improve, and `save_steps`/`saves_per_epoch` is set: "
+               "keep one of them")
+    no_evals = (not cfg.val_set_size and not cfg.test_datasets) or cfg.eval_strategy == "no" or cfg.evals_per_epoch == 0
+    if wanted and no_evals:
+        yield (f"`{wanted[0]}` picks the best of the evals, and this run has none: set `val_set_size` (or "
+               "`test_datasets`) and let evals run, or remove it")
+    picks = wanted or (["early_stopping_patience"] if cfg.early_stopping_patience else [])
+    for key in ("metric_for_best_model", "greater_is_better"):
+        if getattr(cfg, key) is not None and not picks:
+            yield (f"`{key}` says which eval is the best, and nothing in this run uses the best eval: set "
+                   "`save_strategy: best`, `load_best_model_at_end: true` or `early_stopping_patience`, or remove it")
+    names = eval_metric_names(cfg)
+    name, _ = cfg.best_metric
+    if picks and name not in names:
+        known = ", ".join(n.removeprefix("eval_") for n in names) or "none: online RL has no eval set"
+        yield f"`metric_for_best_model: {cfg.metric_for_best_model}` is not a metric this run's evals report ({known})"
 
 
 def precision_and_attention(cfg) -> Problems:
@@ -126,6 +158,34 @@ def adapters(cfg) -> Problems:
     if cfg.unfrozen_parameters and cfg.adapter:
         yield (f"`unfrozen_parameters` with `adapter: {cfg.adapter}` (base-model weights trained next to the adapter) "
                f"asks for {axolotl.FEATURES['peft_variants'][0]}; keep one of them")
+
+
+# the LoRA variants' keys, with the values that ask for nothing (axolotl's full fine-tunes carry
+# `lora_fan_in_fan_out: false`); any other value shapes an adapter, so it needs `adapter:`
+LORA_VARIANT_KEYS = {"peft_use_dora": (False,), "peft_use_rslora": (False,), "peft_init_lora_weights": (True,),
+                     "lora_fan_in_fan_out": (None, False), "loraplus_lr_ratio": (None,),
+                     "loraplus_lr_embedding": (None,), "lora_model_dir": (None,)}
+
+
+def lora_variants(cfg) -> Problems:
+    """DoRA, rsLoRA, LoRA+, the adapter's start (adapters.py, optim.py): settings of an adapter, which agree with
+    each other and with the schedule."""
+    given = [key for key, nothing in LORA_VARIANT_KEYS.items() if getattr(cfg, key) not in nothing]
+    if given and not cfg.adapter:
+        yield f"`{given[0]}` shapes a LoRA adapter, and this run trains none: set `adapter: lora`, or remove it"
+    if cfg.loraplus_lr_embedding is not None and cfg.loraplus_lr_ratio is None:
+        yield "`loraplus_lr_embedding` is a LoRA+ setting: set `loraplus_lr_ratio` too, or remove it"
+    if cfg.loraplus_lr_ratio is not None and cfg.lr_scheduler == "one_cycle":
+        yield ("`loraplus_lr_ratio` with `lr_scheduler: one_cycle`: one_cycle drives every parameter group to the one "
+               "peak `learning_rate`, which would undo LoRA+'s faster B matrices; use cosine, linear or constant")
+    init = cfg.peft_init_lora_weights
+    if init == "orthogonal" and cfg.lora_r % 2:
+        yield f"`peft_init_lora_weights: orthogonal` needs an even `lora_r` (it pairs rows of A and B): {cfg.lora_r}"
+    if init == "mica" and cfg.peft_use_dora:
+        yield "`peft_init_lora_weights: mica` with `peft_use_dora: true`: peft has no DoRA for MiCA; keep one of them"
+    if init is not True and cfg.lora_model_dir:
+        yield (f"`peft_init_lora_weights: {init}` says how a new adapter starts, and `lora_model_dir` starts from that "
+               "folder's trained adapter: remove one of them")
 
 
 def eval_set_and_shards(cfg) -> Problems:
@@ -427,9 +487,19 @@ def row_order(cfg) -> Problems:
                "`sample_packing: true`, or remove it (`curriculum_sampling: true` alone keeps the data's order)")
 
 
-RULES: tuple[Callable[..., Problems], ...] = (schedule, precision_and_attention, chat_template, adapters,
-                                              bitsandbytes_settings, eval_set_and_shards, model_source, streaming,
-                                              row_order, preference, sharding, master_weights)
+
+def hub_push(cfg) -> Problems:
+    """`hub_strategy` and `hub_revision` say how the run is pushed (use/hub.py): without `hub_model_id` it is not."""
+    unused = [f"`{key}`" for key in ("hub_strategy", "hub_revision") if getattr(cfg, key)]
+    if unused and not cfg.hub_model_id:
+        warnings.warn(f"{' and '.join(unused)} say how the run is pushed to the Hugging Face Hub, and without "
+                      "`hub_model_id` it is not pushed: set `hub_model_id` to push, or remove them", UserWarning,
+                      stacklevel=2)
+    yield from ()  # (a warning, never a problem: axolotl ignores them)
+
+RULES: tuple[Callable[..., Problems], ...] = (schedule, best_eval, precision_and_attention, chat_template, adapters,
+                                              lora_variants, bitsandbytes_settings, eval_set_and_shards, model_source,
+                                              streaming, row_order, preference, sharding, master_weights, hub_push)
 
 
 def problems_of(cfg, unjudged: set[str] = frozenset()) -> list[str]:

@@ -51,6 +51,14 @@ SEQ2SEQ_FAMILIES = ("T5", "MT5", "UMT5", "LongT5", "Bart", "MBart", "PLBart", "P
                     "SwitchTransformers", "T5Gemma", "Marian")
 
 
+# peft's `init_lora_weights` values tuneloop takes (besides true and false): each leaves the base weights as they
+# are, so the saved adapter means the same on them (gaussian: A drawn with std 1/r; orthogonal: A and B from one
+# orthogonal draw, B·A = 0; mica: B from the smallest singular directions of W, frozen, A from 0)
+INIT_LORA_WEIGHTS = ("gaussian", "orthogonal", "mica")
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")  # (and pissa_niter_N)
+DATA_DRIVEN_INITS = ("eva", "lora_ga")
+
+
 def is_seq2seq_class(name: str) -> bool:
     family = name.removesuffix("ForConditionalGeneration").removesuffix("MTModel")
     return name != family and family in SEQ2SEQ_FAMILIES
@@ -138,6 +146,15 @@ class TuneloopConfig(Strict):
     lora_target_parameters: Optional[list[str]] = None
     lora_target_linear: bool = False
     lora_modules_to_save: Optional[list[str]] = None
+    # LoRA variants, passed to peft's LoraConfig as axolotl does (adapters.py); the rules say which need an adapter
+    peft_use_dora: bool = False  # DoRA: a trained magnitude per output feature beside the low-rank direction
+    peft_use_rslora: bool = False  # rsLoRA: the update scaled by lora_alpha / sqrt(r) instead of lora_alpha / r
+    peft_init_lora_weights: Union[bool, str] = True  # how A and B start (INIT_LORA_WEIGHTS)
+    lora_fan_in_fan_out: Optional[bool] = None  # unset: as the layers store their weights (peft's choice)
+    loraplus_lr_ratio: Optional[float] = None  # LoRA+: the B matrices learn at learning_rate × this (optim.py)
+    loraplus_lr_embedding: Optional[float] = None  # LoRA+: an embedding's LoRA learns at this (unset: 1e-6, axolotl)
+    lora_model_dir: Optional[str] = None  # an adapter folder to continue training (adapter_config.json inside)
+    peft: Optional[dict[str, Any]] = None  # axolotl's block for LoftQ, which tuneloop refuses (_peft_block)
     load_in_4bit: bool = False
     load_in_8bit: bool = False
     bnb_config_kwargs: Optional[dict[str, Any]] = None
@@ -183,6 +200,10 @@ class TuneloopConfig(Strict):
     warmup_steps: Optional[int] = None
     warmup_ratio: Optional[float] = None
     cosine_min_lr_ratio: Optional[float] = None
+    # cosine: the decay reaches its floor at this share of the run and holds it (axolotl's "warmup, decay,
+    # constant" schedule); 0 or blank = off, as in axolotl
+    cosine_constant_lr_ratio: Optional[float] = None
+    lr_quadratic_warmup: bool = False  # the warm-up rises as the square of its progress (axolotl's, for cosine)
     lr_div_factor: Optional[float] = None  # one_cycle: it starts at learning_rate / lr_div_factor (default 6)
     optimizer: str = "adamw_torch_fused"  # a name in optim.py's OPTIMIZERS
     weight_decay: float = 0.0
@@ -244,8 +265,15 @@ class TuneloopConfig(Strict):
     eval_on_start: Annotated[bool, WATCHING] = False
     save_steps: Annotated[Optional[Union[int, float]], WATCHING] = None
     saves_per_epoch: Annotated[Optional[int], WATCHING] = None
-    save_strategy: Annotated[Optional[Literal["steps", "epoch", "no"]], WATCHING] = None
+    # best: a checkpoint at each eval that improves metric_for_best_model (the Trainer's "best")
+    save_strategy: Annotated[Optional[Literal["steps", "epoch", "best", "no"]], WATCHING] = None
     save_total_limit: Annotated[Optional[int], WATCHING] = None
+    # pushed to the Hugging Face Hub (use/hub.py), as axolotl does: the repo (NAME or OWNER/NAME, created private if
+    # new), what each save pushes (the Trainer's strategies; unset: every_save, the Trainer's default), the branch
+    hub_model_id: Annotated[Optional[str], WATCHING] = None
+    hub_strategy: Annotated[Optional[Literal["end", "every_save", "checkpoint", "all_checkpoints"]],
+                            WATCHING] = None
+    hub_revision: Annotated[Optional[str], WATCHING] = None
     seed: int = 42
     # processes that tokenize the data (default: every core available)
     dataset_processes: Annotated[Optional[int], SPEED] = None
@@ -269,9 +297,14 @@ class TuneloopConfig(Strict):
     loss_watchdog_threshold: Annotated[Optional[float], WATCHING] = None
     loss_watchdog_patience: Annotated[Optional[int], WATCHING] = None
     early_stopping_patience: Annotated[Optional[int], WATCHING] = None
+    # which eval is the best (for save_strategy: best, load_best_model_at_end and early stopping): an eval metric's
+    # name, with or without `eval_` (default loss); greater_is_better unset: false for loss and perplexity, else true
+    metric_for_best_model: Optional[str] = None
+    greater_is_better: Optional[bool] = None
+    load_best_model_at_end: bool = False  # the final model folder holds the best eval's weights
 
     @field_validator("base_model", "base_model_config", "tokenizer_config", "dataset_prepared_path", "output_dir",
-                     "resume_from_checkpoint", "deepspeed", "mlflow_tracking_uri")
+                     "resume_from_checkpoint", "deepspeed", "mlflow_tracking_uri", "lora_model_dir")
     @classmethod
     def _home(cls, value):
         return home_expanded(value)
@@ -378,6 +411,51 @@ class TuneloopConfig(Strict):
             _compiled(pattern, name_pattern(pattern))
         return value
 
+    @field_validator("peft_init_lora_weights", mode="before")
+    @classmethod
+    def _lora_init(cls, value):
+        if isinstance(value, bool) or value in INIT_LORA_WEIGHTS:
+            return value
+        if isinstance(value, str) and (value in BASE_REWRITING_INITS or value.startswith("pissa_niter_")):
+            raise ValueError(f"{value!r} asks for {axolotl.FEATURES['peft_variants'][0]} tuneloop does not do yet: "
+                             f"it rewrites the base model's weights before training (W minus the adapter's start), "
+                             "and tuneloop's saved adapter, its checkpoints and `merge`/`infer` put the adapter back "
+                             "on the original weights; use true, false, gaussian, orthogonal or mica")
+        if value in DATA_DRIVEN_INITS:
+            raise ValueError(f"{value!r} asks for {axolotl.FEATURES['peft_variants'][0]} tuneloop does not do yet: "
+                             "it computes the adapter's start from a pass over the data before training; use true, "
+                             "false, gaussian, orthogonal or mica")
+        raise ValueError(f"got {value!r}; use true, false or one of {', '.join(sorted(INIT_LORA_WEIGHTS))}")
+
+    @field_validator("peft")
+    @classmethod
+    def _peft_block(cls, value):
+        """axolotl's `peft:` block holds `loftq_config` only. LoftQ quantizes the base weights and starts the adapter
+        from the quantization error: peft runs it on CUDA only (bitsandbytes on a GPU), and like PiSSA it rewrites
+        the base weights that tuneloop's saved adapter is put back on."""
+        if not value:
+            return value
+        if set(value) != {"loftq_config"}:
+            raise ValueError(f"knows `loftq_config` only (axolotl's `peft:` block); got {', '.join(map(str, value))}")
+        raise ValueError(f"`loftq_config` (LoftQ) asks for {axolotl.FEATURES['peft_variants'][0]} tuneloop does not "
+                         "do yet: it rewrites the base weights as their quantized values (peft runs it on CUDA "
+                         "only), and tuneloop's saved adapter is put back on the original weights; remove it "
+                         "(`adapter: qlora` trains LoRA on 4-bit weights)")
+
+    @field_validator("loraplus_lr_ratio")
+    @classmethod
+    def _loraplus_ratio(cls, value):
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise ValueError("must be above 0 (LoRA+'s paper uses 16: the B matrices learn 16 times faster)")
+        return value
+
+    @field_validator("loraplus_lr_embedding")
+    @classmethod
+    def _loraplus_embedding(cls, value):
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise ValueError("is a learning rate: 0 or more")
+        return value
+
     @field_validator("lora_target_modules")
     @classmethod
     def _target_regex(cls, value):
@@ -410,6 +488,19 @@ class TuneloopConfig(Strict):
         raise ValueError(f"got {value!r}: tuneloop trains causal language models (AutoModelForCausalLM or a "
                          f"*ForCausalLM class) and text-to-text models (AutoModelForSeq2SeqLM, "
                          f"T5ForConditionalGeneration, ...); this needs {axolotl.FEATURES[feature][0]}")
+
+    @field_validator("hub_model_id")
+    @classmethod
+    def _hub_repo_id(cls, value):
+        """A malformed repo id is said here and refused when `train` starts (before the hub is reached): axolotl's
+        own example configs carry placeholders (`<your-hub-model-id>`) that `check` accepts as axolotl does."""
+        from tuneloop.use.hub import repo_id_problem
+
+        problem = repo_id_problem(value) if value else None
+        if problem:
+            warnings.warn(f"`hub_model_id: {value}` is not a Hub repo id ({problem}); `tuneloop train` refuses it: "
+                          "write NAME or OWNER/NAME", UserWarning, stacklevel=2)
+        return value
 
     @field_validator("plugins")
     @classmethod
@@ -504,7 +595,7 @@ class TuneloopConfig(Strict):
             raise ValueError("false is not supported: tuneloop's sampler shuffles rows every epoch (by seed)")
         return value
 
-    @field_validator("warmup_ratio", "cosine_min_lr_ratio")
+    @field_validator("warmup_ratio", "cosine_min_lr_ratio", "cosine_constant_lr_ratio")
     @classmethod
     def _ratio(cls, value):
         if value is not None and not 0 <= value <= 1:
@@ -543,8 +634,21 @@ class TuneloopConfig(Strict):
         return self.rl_beta if self.rl_beta is not None else self.dpo_beta if self.dpo_beta is not None else 0.1
 
     @property
+    def loraplus_embedding_lr(self) -> float:
+        """LoRA+'s learning rate for an embedding layer's LoRA: 1e-6 unless set, as in axolotl and peft."""
+        return 1e-6 if self.loraplus_lr_embedding is None else self.loraplus_lr_embedding
+
+    @property
     def resolved_eval_batch_size(self) -> int:
         return self.eval_batch_size or self.micro_batch_size
+
+    @property
+    def best_metric(self) -> tuple[str, bool]:
+        """(the eval line's name of the metric that picks the best eval, whether greater is better)."""
+        name = self.metric_for_best_model or "loss"
+        name = name if name.startswith("eval_") else f"eval_{name}"
+        greater = self.greater_is_better
+        return name, (name not in ("eval_loss", "eval_perplexity") if greater is None else greater)
 
     @property
     def resolved_eval_sample_packing(self) -> bool:

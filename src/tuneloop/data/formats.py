@@ -18,17 +18,42 @@ from tuneloop.registry import Registry
 # The config validates a dataset's `type:` against FORMATS, so this module sits under the config and does
 # not import it: `entry` is a dataset entry of the config (DatasetConfig), `fmt` a custom format mapping.
 
-# axolotl's alpaca prompts (commit 067b021), character for character: "instruct" style for `alpaca`, "chat"
-# style for `alpaca:chat`
+# axolotl's Alpaca prompts (commit 067b021, prompters.py), character for character: the system line, then the turn
+# (with or without an input), in each of its prompt styles (`type: alpaca:chat` is style "chat"); the response
+# follows the prompt, trained
 ALPACA_SYSTEM_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides "
-                            "further context. Write a response that appropriately completes the request.\n\n")
+                            "further context. Write a response that appropriately completes the request.")
 ALPACA_SYSTEM_NO_INPUT = ("Below is an instruction that describes a task. "
-                          "Write a response that appropriately completes the request.\n\n")
-ALPACA_TURN_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-ALPACA_TURN_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
-ALPACA_CHAT_SYSTEM = "SYSTEM: {system}\n"
-ALPACA_CHAT_TURN_WITH_INPUT = "USER: {instruction}\n{input}\nASSISTANT:"
-ALPACA_CHAT_TURN_NO_INPUT = "USER: {instruction}\nASSISTANT:"
+                          "Write a response that appropriately completes the request.")
+
+
+@dataclass(frozen=True)
+class AlpacaStyle:
+    system: str  # around the system line: {system}
+    turn: str  # {instruction} and {input}
+    turn_no_input: str  # {instruction}
+
+
+ALPACA_STYLES = {
+    "instruct": AlpacaStyle("{system}\n\n", "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
+                            "### Instruction:\n{instruction}\n\n### Response:\n"),
+    "chat": AlpacaStyle("SYSTEM: {system}\n", "USER: {instruction}\n{input}\nASSISTANT:", "USER: {instruction}\nASSISTANT:"),
+    "chatml": AlpacaStyle("<|im_start|>system\n{system}<|im_end|>\n",
+                          "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+                          "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n"),
+    # (axolotl's phi style writes the input straight after `<|end|>`, and no newlines around the assistant tag)
+    "phi": AlpacaStyle("<|system|>\n{system}<|end|>\n", "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
+                       "<|user|>\n{instruction}<|end|>\n<|assistant|>\n"),
+}
+
+
+def alpaca_prompt(style: str, instruction: str, given_input: str) -> str:
+    form = ALPACA_STYLES[style]
+    if given_input:
+        return (form.system.format(system=ALPACA_SYSTEM_WITH_INPUT)
+                + form.turn.format(instruction=instruction, input=given_input))
+    return form.system.format(system=ALPACA_SYSTEM_NO_INPUT) + form.turn_no_input.format(instruction=instruction)
+
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "function", "ipython", "developer"}
 # axolotl's default mapping of dataset roles to template roles (sharegpt's human/gpt included)
@@ -64,28 +89,26 @@ def _field(row: SourceRow, name: str, required: bool = True) -> str:
     return value if isinstance(value, str) else str(value)
 
 
-def render_alpaca(row: SourceRow, entry, context: RenderContext) -> Rendered:
-    instruction, given_input = _field(row, "instruction"), _field(row, "input", required=False)
-    output = _field(row, "output")
-    if given_input:
-        prompt = ALPACA_SYSTEM_WITH_INPUT + ALPACA_TURN_WITH_INPUT.format(instruction=instruction, input=given_input)
-    else:
-        prompt = ALPACA_SYSTEM_NO_INPUT + ALPACA_TURN_NO_INPUT.format(instruction=instruction)
-    return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
+def alpaca_fields(row: SourceRow) -> tuple[str, str, str]:
+    """(instruction, input, response) of an Alpaca row."""
+    return _field(row, "instruction"), _field(row, "input", required=False), _field(row, "output")
 
 
-def render_alpaca_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
-    """axolotl's `alpaca:chat`: the Alpaca system line as `SYSTEM:`, then `USER: …` / `ASSISTANT:` turns."""
-    instruction, given_input = _field(row, "instruction"), _field(row, "input", required=False)
-    output = _field(row, "output")
-    if given_input:
-        system = ALPACA_SYSTEM_WITH_INPUT.rstrip("\n")
-        turn = ALPACA_CHAT_TURN_WITH_INPUT.format(instruction=instruction, input=given_input)
-    else:
-        system = ALPACA_SYSTEM_NO_INPUT.rstrip("\n")
-        turn = ALPACA_CHAT_TURN_NO_INPUT.format(instruction=instruction)
-    prompt = ALPACA_CHAT_SYSTEM.format(system=system) + turn
-    return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
+def jeopardy_fields(row: SourceRow) -> tuple[str, str, str]:
+    """axolotl's `jeopardy` rows: the clue is the instruction, its category the input, and the response answers in
+    the game's form ("what is …"). (axolotl's JeopardyPrompter declares a prompt of its own that nothing reads: the
+    rows get the Alpaca prompt.)"""
+    return _field(row, "question"), _field(row, "category"), "what is " + _field(row, "answer")
+
+
+def alpaca_renderer(fields: Callable[[SourceRow], tuple[str, str, str]], style: str) -> Callable:
+    """A renderer of instruction rows in one of axolotl's Alpaca prompt styles: the prompt, then the trained
+    response."""
+    def render(row: SourceRow, entry, context: RenderContext) -> Rendered:
+        instruction, given_input, output = fields(row)
+        prompt = alpaca_prompt(style, instruction, given_input)
+        return Rendered(prompt + output, [(len(prompt), len(prompt) + len(output))])
+    return render
 
 
 def render_custom(row: SourceRow, fmt) -> Rendered:
@@ -292,8 +315,15 @@ def _end_marker(text: str, content_end: int, turn_end: int, eot_tokens: tuple[st
 
 # dataset `type:` -> its renderer, (row, dataset entry, RenderContext) -> Rendered
 FORMATS: Registry[Callable] = Registry("dataset type", "type")
-FORMATS.add("alpaca", render_alpaca)  # instruction / input / output in axolotl's Alpaca prompt
-FORMATS.add("alpaca:chat", render_alpaca_chat, aliases=("alpaca_chat",))  # the same as USER:/ASSISTANT: turns
+# instruction / input / output in axolotl's Alpaca prompt, and its jeopardy rows, in each prompt style (`:chat` is
+# USER:/ASSISTANT: turns, `:chatml` and `:phi` those families' tags)
+FORMATS.add("alpaca", alpaca_renderer(alpaca_fields, "instruct"), aliases=("alpaca:instruct",))
+FORMATS.add("alpaca:chat", alpaca_renderer(alpaca_fields, "chat"), aliases=("alpaca_chat",))
+FORMATS.add("alpaca:chatml", alpaca_renderer(alpaca_fields, "chatml"))
+FORMATS.add("alpaca:phi", alpaca_renderer(alpaca_fields, "phi"))
+FORMATS.add("jeopardy", alpaca_renderer(jeopardy_fields, "instruct"), aliases=("jeopardy:instruct",))
+for _style in ("chat", "chatml", "phi"):
+    FORMATS.add(f"jeopardy:{_style}", alpaca_renderer(jeopardy_fields, _style))
 FORMATS.add("completion", render_completion)  # one text field, all of it trained
 FORMATS.add("seq2seq", render_seq2seq)  # a source and a target field: the encoder's input, the decoder's target
 FORMATS.add("chat_template", render_chat, aliases=("chat_template.default",))  # messages through the template

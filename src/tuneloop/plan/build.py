@@ -25,7 +25,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from tuneloop.data.batching import BatchingSpec
 from tuneloop.data.collate import Padding, padding_for
 from tuneloop.errors import UserError
+from tuneloop.optim import schedule_words
 from tuneloop.plan.schedule import run_schedule
+from tuneloop.use.hub import push_words
 from tuneloop.rl_methods import RL_METHODS, is_online, reference_source
 from tuneloop.resolved import slow_bf16_note
 
@@ -89,6 +91,11 @@ class TrainingPlan:
     engine: str | None = None  # how the ranks share the model, in words (engines/)
     saved_dtype: str | None = None  # the dtype of the weights the run saves (the same under every engine)
     model: str | None = None  # the model trained: its class, and where its weights come from
+    # save_strategy: best: the metric whose improvement saves (save_steps_at: the evals that may); the final model
+    # folder's weights when they are not the last step's (load_best_model_at_end)
+    saves_at_best: str | None = None
+    final_model: str | None = None
+    push: str | None = None  # where the run is pushed (hub_model_id), in words (use/hub.py)
     # encoder-decoder runs: the encoder's and the decoder's real tokens over the run, and the share of each side's
     # computed positions that is padding (each side is padded to its own longest row)
     encoder_tokens: int | None = None
@@ -192,7 +199,9 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
         epochs_covered=(round(counts.total_steps / counts.steps_per_epoch, 4) if counts.steps_per_epoch else None),
         warmup_steps=schedule.warmup_steps, eval_steps_at=schedule.eval_steps_at,
         eval_count=len(schedule.eval_steps_at), save_steps_at=schedule.save_steps_at,
-        save_count=len(schedule.save_steps_at),
+        save_count=len(schedule.save_steps_at), saves_at_best=_best_words(cfg) if cfg.save_strategy == "best" else None,
+        final_model=f"the best eval's weights ({_best_words(cfg)})" if cfg.load_best_model_at_end else None,
+        push=push_words(cfg, len(schedule.save_steps_at)),
         tokens_per_step=(round(counts.total_trainable_tokens / counts.total_steps, 2)
                          if counts.total_trainable_tokens is not None else None),
         total_trainable_tokens=counts.total_trainable_tokens, total_real_tokens=counts.total_real_tokens,
@@ -200,12 +209,17 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
         max_micro_batch_tokens=counts.max_micro_batch_tokens, encoder_tokens=counts.encoder_tokens,
         decoder_tokens=counts.decoder_tokens, encoder_padding_fraction=counts.encoder_padding_fraction,
         decoder_padding_fraction=counts.decoder_padding_fraction,
-        learning_rate=cfg.learning_rate, lr_scheduler=cfg.lr_scheduler, optimizer=cfg.optimizer,
+        learning_rate=cfg.learning_rate, lr_scheduler=schedule_words(cfg), optimizer=cfg.optimizer,
         objective=cfg.rl or "language_model", unit=_unit(cfg), rollout=counts.rollout,
         reference=reference_source(cfg), streamed=resolved.streamed, resolved=resolved,
         train_batching=train_spec(cfg, resolved, world_size), eval_batching=eval_spec(cfg, resolved, world_size),
         padding=padding, first_epoch_batches=counts.first_epoch_batches, **model_part)
     return replace(plan, warnings=plan_warnings(cfg, plan, counts) + notes)
+
+
+def _best_words(cfg) -> str:
+    name, greater = cfg.best_metric
+    return f"{name}, {'higher' if greater else 'lower'} is better"
 
 
 def _unit(cfg) -> str:
@@ -372,8 +386,9 @@ def plan_warnings(cfg, plan: TrainingPlan, counts) -> list[str]:
     if read and plan.dropped_too_long / read > 0.01:
         found.append(f"sequence_len={cfg.sequence_len} drops {plan.dropped_too_long} of {read} rows "
                      f"({plan.dropped_too_long / read:.1%}); raise sequence_len to keep them.")
-    asked_for_evals = [key for key in ("eval_steps", "evals_per_epoch", "eval_on_start", "early_stopping_patience")
-                       if getattr(cfg, key)]
+    asked_for_evals = [key for key in ("eval_steps", "evals_per_epoch", "eval_on_start", "early_stopping_patience",
+                                       "load_best_model_at_end") if getattr(cfg, key)]
+    asked_for_evals += ["save_strategy: best"] if cfg.save_strategy == "best" else []
     if not plan.eval_rows and asked_for_evals:
         found.append(f"{', '.join(asked_for_evals)} set, but there is no eval set (val_set_size or test_datasets): "
                      "no eval will run" + (", and early stopping cannot stop the run" if cfg.early_stopping_patience

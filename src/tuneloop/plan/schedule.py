@@ -47,4 +47,6 @@ def run_schedule(cfg, total_steps: int, steps_per_epoch: int | None, eval_rows: 
     saves_off = cfg.save_strategy == "no" or cfg.saves_per_epoch == 0
     save_at = [] if saves_off else [step for step in recurring(total_steps, per_epoch, cfg.save_steps,
                                                                cfg.saves_per_epoch) if step < total_steps]
+    if cfg.save_strategy == "best":  # every eval may save: the loop saves at those that improve the metric
+        save_at = [step for step in eval_at if 0 < step < total_steps]
     return Schedule(warmup, eval_at, save_at)

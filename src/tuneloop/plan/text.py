@@ -125,8 +125,14 @@ def _machine_lines(plan) -> list[str]:
     lines += [
         f"  memory               {_memory_line(plan)}",
         f"  evals                {plan.eval_count} (at steps {_short(plan.eval_steps_at)})",
-        f"  saves                {plan.save_count} (at steps {_short(plan.save_steps_at)})",
+        f"  saves                " + (f"up to {plan.save_count}, at the evals that improve {plan.saves_at_best}"
+                                          if plan.saves_at_best else str(plan.save_count))
+        + f" (at steps {_short(plan.save_steps_at)})",
     ]
+    if plan.final_model is not None:
+        lines.append(f"  final model          {plan.final_model}")
+    if plan.push is not None:
+        lines.append(f"  push                 {plan.push}")
     dropped = [f"{plan.dropped_too_long} longer than sequence_len"] if plan.dropped_too_long else []
     if plan.dropped_no_trained_tokens:
         dropped.append(f"{plan.dropped_no_trained_tokens} with no trained token")

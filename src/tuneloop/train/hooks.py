@@ -51,6 +51,9 @@ class RunHooks:
         """Main process, online RL with `trl.log_completions`: every completion of the generation that `step`
         trains on (prompt, completion, rewards, advantage), as completions.jsonl has it."""
 
+    def saved(self, checkpoint) -> None:
+        """Main process: a checkpoint folder was written whole (and older ones pruned), before the next step."""
+
     def loop_started(self) -> None:
         """Right before the first step of this session."""
 
@@ -98,6 +101,10 @@ class TogetherHooks(RunHooks):
     def completions(self, step: int, records: list[dict]) -> None:
         for hooks in self.all:
             hooks.completions(step, records)
+
+    def saved(self, checkpoint) -> None:
+        for hooks in self.all:
+            hooks.saved(checkpoint)
 
     def loop_started(self) -> None:
         for hooks in self.all:

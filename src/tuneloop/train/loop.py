@@ -153,16 +153,18 @@ class TrainingLoop:
             logged = step % self.cfg.logging_steps == 0 or step == plan.total_steps or step in save_at
             if logged:
                 self.log_train_line(step, lr, grad_norm)
+            improved = False  # (save_strategy: best saves only at the evals that improve its metric)
             if step in eval_at:
-                self.evaluate(step)
+                improved = self.evaluate(step)
                 if state.plateaued(self.cfg.early_stopping_patience):
                     stopped_by = "early_stopping"
-            if step in save_at:
+            saved = step in save_at and (improved or plan.saves_at_best is None)
+            if saved:
                 self.save(step)
             # a signal during the last step changes nothing: the run is complete and saves its model
             if step < plan.total_steps and not stopped_by and self.stop.requested(self.accelerator, step):
                 stopped_by = "signal"
-                if step not in save_at:
+                if not saved:
                     if not logged:
                         self.log_train_line(step, lr, grad_norm)
                     self.save(step)
@@ -176,7 +178,8 @@ class TrainingLoop:
         self.engine.training_ended()  # (the model holds the weights it is saved with: fp32 masters, under bf16)
         self.hooks.loop_ended(self.language_model)
         if stopped_by != "signal":
-            self.publish_model(best_instead=stopped_by == "early_stopping" and has_best(self.output_dir))
+            best_instead = stopped_by == "early_stopping" or self.cfg.load_best_model_at_end
+            self.publish_model(best_instead=best_instead and has_best(self.output_dir))
         # counted on each rank (real tokens this session; targets over the whole run): reduced once, here
         device = self.accelerator.device
         real_total, first_real = (int(v) for v in self.accelerator.reduce(
@@ -268,19 +271,21 @@ class TrainingLoop:
             self.record(line)
             self.watchdog.check(self.accelerator)
 
-    def evaluate(self, step: int) -> None:
+    def evaluate(self, step: int) -> bool:
+        """Runs the eval and records it; True when it is the best so far by metric_for_best_model."""
         with self.hooks.phase("eval"), self.timed("eval"), eager_for_eval(self.plan.resolved.compiled):
             # a sharded engine gathers weights in every forward: each rank runs as many as the busiest one
             lockstep = (self.eval_rounds, self.eval_filler) if self.engine.lockstep_eval else None
             result = evaluate(self.engine.eval_runner(), self.eval_batches, self.eval_collate, self.objective,
                               self.accelerator, lockstep=lockstep)
             self.record({"step": step, "epoch": self.epoch_at(step), **result})
-            best = self.state.record_eval(step, result)
-            if best and self.cfg.early_stopping_patience:
+            best = self.state.record_eval(step, result, *self.cfg.best_metric)
+            if best and (self.cfg.early_stopping_patience or self.cfg.load_best_model_at_end):
                 weights = self.engine.full_state_dict()  # a sharded model is gathered by every rank together
                 checkpoint.write_on_every_rank(
                     self.accelerator, self.output_dir, "the best model",
                     on_main=lambda: save_best(self.language_model, self.tokenizer, self.output_dir, weights))
+        return best
 
     def save(self, step: int) -> None:
         with self.hooks.phase("save"), self.timed("save"):
@@ -311,6 +316,8 @@ class TrainingLoop:
                 self.accelerator, self.output_dir, f"step {step}", on_main=write_on_main,
                 on_every_rank=write_on_every_rank,
                 clean_up=lambda: checkpoint.remove_pending(self.output_dir, step, self.world_size))
+            if self.accelerator.is_main_process:  # (a hub push of it starts here: use/hub.py)
+                self.hooks.saved(run_files.checkpoint_dir(self.output_dir, step))
 
     def publish_model(self, best_instead: bool) -> None:
         if self.world_size > 1:  # decided once: a sharded model's gather below is a collective every rank must meet

@@ -1,5 +1,5 @@
-"""The `infer`, `eval`, `merge-lora` and `export` subcommands. Light at import: torch, transformers and peft are
-imported inside the handlers, so `tuneloop --help` stays instant."""
+"""The `infer`, `eval`, `merge-lora`, `export` and `push` (use/hub.py) subcommands. Light at import: torch,
+transformers, peft and huggingface_hub are imported inside the handlers, so `tuneloop --help` stays instant."""
 
 from __future__ import annotations
 
@@ -12,11 +12,14 @@ from tuneloop.errors import UserError
 
 
 def add_use_commands(commands) -> None:
-    """Registers the four commands on the CLI's subparsers object."""
+    """Registers the five commands on the CLI's subparsers object."""
+    from tuneloop.use.hub import add_push_command
+
     _add_infer(commands)
     _add_eval(commands)
     _add_merge(commands)
     _add_export(commands)
+    add_push_command(commands)
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, optional: bool) -> None:
