@@ -504,9 +504,9 @@ def test_evals_asked_for_without_an_eval_set_are_a_plan_warning(tmp_path, tiny_m
 
 
 def test_an_optimizer_axolotl_has_and_tuneloop_does_not_is_refused_naming_it_and_the_feature():
-    with pytest.raises(UserError, match=r"`optimizer` got 'muon': Muon .* asks for an optimizer option, which "
+    with pytest.raises(UserError, match=r"`optimizer` got 'dion': Dion asks for an optimizer option, which "
                                         r"tuneloop does not do yet; use 'adamw_torch'"):
-        config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "optimizer": "muon"})
+        config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "optimizer": "dion"})
     with pytest.raises(UserError, match=r"got 'adamw_nonsense', which is not an optimizer tuneloop knows"):
         config_from_dict({"base_model": "m", "datasets": [{"path": "x"}], "optimizer": "adamw_nonsense"})
 

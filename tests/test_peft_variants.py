@@ -242,6 +242,14 @@ def test_lora_model_dir_refuses_settings_its_adapter_was_not_made_with(tmp_path,
     LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, use_dora=True).save_pretrained(tmp_path)
     with pytest.raises(UserError, match=r"lora_r \(4 there, 8 here\); peft_use_dora \(True there, False here\)"):
         tuneloop_step(tiny_model_dir, lora_model_dir=str(tmp_path), lora_r=8)
+    pissa = tmp_path / "pissa"
+    LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights="pissa").save_pretrained(pissa)
+    with pytest.raises(UserError, match="started with init_lora_weights=pissa, which rewrote its base weights"):
+        tuneloop_step(tiny_model_dir, lora_model_dir=str(pissa), lora_r=8)
+    patterned = tmp_path / "patterned"
+    LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, rank_pattern={"q_proj": 2}).save_pretrained(patterned)
+    with pytest.raises(UserError, match=r"lora_rank_pattern \(\{'q_proj': 2\} there, \{\} here\)"):
+        tuneloop_step(tiny_model_dir, lora_model_dir=str(patterned), lora_r=8)
 
 
 @pytest.mark.parametrize("keys, message", [

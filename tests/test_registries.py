@@ -112,7 +112,7 @@ def test_the_run_state_survives_a_checkpoint_whole():
     RunState and forgotten in to_json/from_json fails here."""
     state = RunState(step=7, tokens_seen=1234, targets_collated=600,
                      evals=[{"step": 4, "eval_loss": 2.5}, {"step": 7, "eval_loss": 2.75}],
-                     best_metric=2.5, evals_without_improvement=1, bad_steps_in_a_row=[0, 2])
+                     best_metric=2.5, best_step=4, evals_without_improvement=1, bad_steps_in_a_row=[0, 2])
     defaults = RunState()
     for field in dataclasses.fields(RunState):
         assert getattr(state, field.name) != getattr(defaults, field.name), f"set {field.name} in this test"
@@ -158,17 +158,17 @@ def test_the_registries_name_exactly_the_things_their_tests_reach():
     canonical = {FORMATS.canonical(name) for name in FORMATS.names()}
     assert canonical == set(FORMAT_EXAMPLES)
     from tuneloop.online_rl.settings import LOSS_TYPES
-    from tuneloop.rl_methods import ONLINE_METHODS
+    from tuneloop.rl_methods import ONLINE_METHODS, REWARD_MODEL_OBJECTIVE
 
-    assert set(RL_METHODS.names()) == set(LOSSES.names()) == set(OBJECTIVES.names()) - {"language_model",
-                                                                                        *ONLINE_METHODS}
+    assert set(RL_METHODS.names()) == set(LOSSES.names()) == set(OBJECTIVES.names()) - {
+        "language_model", *ONLINE_METHODS, REWARD_MODEL_OBJECTIVE}  # (the reward model's: test_reward_model.py)
     assert set(ONLINE_METHODS) <= set(OBJECTIVES.names())
     # every GRPO loss type is compared with TRL's (test_grpo_equivalence.py names them all)
     equivalence = (Path(__file__).parent / "test_grpo_equivalence.py").read_text()
     assert all(f'("{name}", ' in equivalence for name in LOSS_TYPES)
     assert set(ENGINES.names()) == set(ENGINE_KEYS)
     assert set(TRACKERS.names()) == set(TRACKER_KEYS)
-    assert set(MODEL_KINDS.names()) == {"causal", "seq2seq"}
+    assert set(MODEL_KINDS.names()) == {"causal", "seq2seq", "sequence_classification", "vision_language"}
     assert CHAT_TEMPLATES.names()  # (walked one by one below)
 
 

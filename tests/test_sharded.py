@@ -179,7 +179,7 @@ def check_config(tmp_path, tiny_model_dir, data, **keys) -> subprocess.Completed
      ["`fsdp_config.reshard_after_foward`", "did you mean `reshard_after_forward`?"]),
     ({"fsdp": ["full_shard"], "fsdp_config": {"auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_version": 2}},
      ["size-based wrapping"]),
-    ({"deepspeed": "zero4.json"}, ["`deepspeed: zero4.json`: no such file", "zero1, zero2, zero3"]),
+    ({"deepspeed": "zero4.json"}, ["`deepspeed: zero4.json`: no such file", "zero1, zero1_torch_compile, zero2"]),
     ({"deepspeed": {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}},
      ["has a `optimizer` block", "`optimizer:`"]),
     ({"adapter": "lora", "load_in_8bit": True, "lora_target_linear": True, **FSDP},
@@ -402,3 +402,10 @@ def test_every_deepspeed_file_axolotl_ships_is_read_by_its_axolotl_path(name):
         with pytest.warns(UserWarning, match="asks DeepSpeed to torch.compile the model.*runs uncompiled"):
             config = filled_config(spec, 2, 1, 2, 1.0, "bf16", 64)
         assert "compile" not in config
+
+
+def test_a_deepspeed_file_that_turns_on_deepcompile_is_refused_naming_the_feature():
+    from tuneloop.engines.deepspeed import read_deepspeed_keys
+
+    with pytest.raises(ValueError, match="asks for DeepSpeed's deepcompile, which tuneloop does not do yet"):
+        read_deepspeed_keys({"zero_optimization": {"stage": 3}, "compile": {"deepcompile": True}})

@@ -107,7 +107,10 @@ def adapter_folder(cfg):
 AGREEING_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
                    "use_dora": "peft_use_dora", "use_rslora": "peft_use_rslora",
                    "target_modules": "lora_target_modules", "target_parameters": "lora_target_parameters",
-                   "modules_to_save": "lora_modules_to_save"}
+                   "modules_to_save": "lora_modules_to_save", "fan_in_fan_out": "lora_fan_in_fan_out",
+                   # (settings tuneloop refuses: an adapter made with them is refused as differing from the config)
+                   "rank_pattern": "lora_rank_pattern", "alpha_pattern": "lora_alpha_pattern",
+                   "layers_to_transform": "peft_layers_to_transform", "lora_bias": "lora_bias"}
 
 
 def check_adapter_agrees(cfg, lora, folder, model) -> None:
@@ -115,7 +118,15 @@ def check_adapter_agrees(cfg, lora, folder, model) -> None:
     config that says otherwise would be ignored, so it is refused, naming each difference."""
     from peft import LoraConfig
 
+    from tuneloop.config.schema import BASE_REWRITING_INITS
+
     saved = LoraConfig.from_pretrained(str(folder))
+    start = saved.init_lora_weights
+    if isinstance(start, str) and (start in BASE_REWRITING_INITS or start.startswith("pissa_niter_")):
+        raise UserError(f"config: the adapter in `lora_model_dir: {cfg.lora_model_dir}` was started with "
+                        f"init_lora_weights={start}, which rewrote its base weights: on the original base it means "
+                        "something else; convert it to a plain LoRA adapter first (peft's "
+                        "path_initial_model_for_weight_conversion) or start a new adapter")
     differences = [f"{key} ({_comparable(getattr(saved, field), model)} there, "
                    f"{_comparable(getattr(lora, field), model)} here)"
                    for field, key in AGREEING_FIELDS.items()

@@ -44,6 +44,12 @@ def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
                      f"at most {settings.max_completion_length} tokens, loss_type {settings.loss_type}; rewards "
                      f"{', '.join(settings.reward_funcs or [])}"
                      + (f"; reference: {reference_source(cfg)}" if settings.beta else "")]
+    elif cfg.reward_model:
+        units = "pairs"
+        coefficient = cfg.center_rewards_coefficient
+        objective = ["  objective            reward model (Bradley-Terry: -log σ(r_chosen - r_rejected)), loss "
+                     f"averaged over pairs" + (f", + {coefficient:g} × mean (r_chosen + r_rejected)²" if coefficient
+                                               else "")]
     elif cfg.rl:
         method = RL_METHODS[cfg.rl]
         units = method.unit

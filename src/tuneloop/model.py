@@ -26,10 +26,24 @@ MODEL_KINDS: Registry[ModelKind] = Registry("model kind", "model_type")
 MODEL_KINDS.add("causal", ModelKind("causal", "AutoModelForCausalLM", peft_task_type="CAUSAL_LM"))
 MODEL_KINDS.add("seq2seq", ModelKind("seq2seq", "AutoModelForSeq2SeqLM", peft_task_type="SEQ_2_SEQ_LM",
                                      encoder_decoder=True))
+# a decoder with a score head over its last real token (a reward model: `reward_model: true`); built on a causal
+# checkpoint, its head starts random; under LoRA peft trains the head whole (SEQ_CLS's modules_to_save)
+MODEL_KINDS.add("sequence_classification", ModelKind("sequence_classification", "AutoModelForSequenceClassification",
+                                                     peft_task_type="SEQ_CLS"))
+SEQUENCE_CLASSIFICATION = MODEL_KINDS["sequence_classification"]
+# a decoder that also reads images (a vision tower and projector before it): chat rows with image parts, the
+# processor's image inputs per micro-batch (data/images.py), its loss the causal one over the text tokens
+MODEL_KINDS.add("vision_language", ModelKind("vision_language", "AutoModelForImageTextToText",
+                                             peft_task_type="CAUSAL_LM"))
+VISION_LANGUAGE = MODEL_KINDS["vision_language"]
 
 
 def kind_of_config(config) -> ModelKind:
-    """What a transformers config says the model is."""
+    """What a transformers config says the model is (a saved reward model's config names its class)."""
+    if any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or ()):
+        return SEQUENCE_CLASSIFICATION
+    if getattr(config, "vision_config", None) is not None:
+        return VISION_LANGUAGE
     return MODEL_KINDS["seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"]
 
 
@@ -63,11 +77,17 @@ def recurrent_layers(config) -> str | None:
 
 
 def named_kind(cfg: TuneloopConfig) -> ModelKind | None:
-    """The kind `model_type` names (AutoModelForSeq2SeqLM, a seq2seq family's class, or a causal one), if set."""
+    """The kind `model_type` names (AutoModelForSeq2SeqLM, a seq2seq family's class, or a causal one), if set; a
+    reward model is a sequence classifier whatever the checkpoint was."""
     from tuneloop.config.schema import is_seq2seq_class
 
+    if cfg.reward_model or (cfg.model_type or "").endswith("ForSequenceClassification"):
+        return SEQUENCE_CLASSIFICATION
     if not cfg.model_type:
         return None
+    if cfg.model_type == "AutoModelForImageTextToText" or (cfg.model_type.endswith("ForConditionalGeneration")
+                                                           and not is_seq2seq_class(cfg.model_type)):
+        return VISION_LANGUAGE
     seq2seq = cfg.model_type == "AutoModelForSeq2SeqLM" or is_seq2seq_class(cfg.model_type)
     return MODEL_KINDS["seq2seq" if seq2seq else "causal"]
 
@@ -94,6 +114,51 @@ def check_encoder_decoder_settings(cfg: TuneloopConfig) -> None:
     if cfg.rl:
         raise UserError(f"config: `rl: {cfg.rl}` is preference training of causal models; tuneloop does not train "
                         "encoder-decoder models on preference pairs yet")
+
+
+def check_vision_settings(cfg: TuneloopConfig, kind: ModelKind | None) -> None:
+    """What a vision-language run cannot do yet, refused before any data is read; and the image keys refused on
+    a text-only model (accepted and ignored, they would say the run does what it does not)."""
+    source = cfg.base_model or cfg.base_model_config
+    if kind != VISION_LANGUAGE:
+        for key in ("processor_type", "freeze_mm_modules"):
+            if getattr(cfg, key):
+                raise UserError(f"config: `{key}: {getattr(cfg, key)}` is for vision-language models, and {source} "
+                                "is a text-only model: remove it")
+        return
+    refused = {"sample_packing": "packs rows, and a vision-language model's image positions (Qwen's multimodal "
+                                 "rotary positions) are not isolated per packed sequence yet: set it to false "
+                                 "(axolotl's configs do); `group_by_length: true` reclaims most of the padding",
+               "eval_sample_packing": "packs eval rows: set it to false",
+               "rl": "is preference training; tuneloop does not train vision-language models on preference "
+                     "pairs yet",
+               "reward_model": "puts a score head on a text decoder; not on a vision-language model",
+               "pretraining_dataset": "streams raw text; a vision-language model trains on chat rows with images",
+               "streaming": "streams rows; a vision-language model's rows are prepared whole (their images are "
+                            "read lazily per micro-batch)"}
+    for key, why in refused.items():
+        if getattr(cfg, key, None):
+            raise UserError(f"config: `{key}: {getattr(cfg, key)}` {why} ({source} is a vision-language model)")
+
+
+def attach_image_inputs(cfg: TuneloopConfig, kind: ModelKind | None, tokenizer) -> None:
+    """A vision-language run's processor, carried by its tokenizer to preparing, collating and saving
+    (data/images.py: image_inputs_of)."""
+    check_vision_settings(cfg, kind)
+    if kind == VISION_LANGUAGE:
+        from tuneloop.data.images import load_image_inputs
+
+        tokenizer.tuneloop_image_inputs = load_image_inputs(cfg, model_config(cfg, tokenizer), tokenizer)
+
+
+def freeze_vision_modules(cfg: TuneloopConfig, model) -> None:
+    """`freeze_mm_modules`: the vision tower and projector frozen (data/images.py names them per family)."""
+    from tuneloop.data.images import vision_family
+
+    parts = vision_family(model.config, cfg.base_model or cfg.base_model_config).vision_modules
+    for name, parameter in model.named_parameters():
+        if any(part in name.split(".") for part in parts):
+            parameter.requires_grad_(False)
 
 
 def auto_class(kind: ModelKind):
@@ -133,9 +198,19 @@ def check_model_class(cfg: TuneloopConfig, config) -> None:
     model_class(cfg, kind_of_config(config))  # a class transformers has
     source = cfg.base_model_config or cfg.base_model
     named, actual = named_kind(cfg), kind_of_config(config)
+    if named == SEQUENCE_CLASSIFICATION and actual.name == "causal":
+        actual = named  # a causal checkpoint's body under a new score head (what a reward model starts from)
     if named is not None and named != actual:
-        named_text = "a text-to-text" if named.encoder_decoder else "a causal"
-        actual_text = "an encoder-decoder" if actual.encoder_decoder else "a causal"
+        if actual == SEQUENCE_CLASSIFICATION:
+            raise UserError(f"config: {source} is a sequence-classification model (a reward model's score head): set "
+                            "`reward_model: true` to train it as one, or use its causal base model")
+        if named == SEQUENCE_CLASSIFICATION:
+            raise UserError(f"config: `reward_model: true` puts a score head on a text decoder, and {source} is "
+                            f"a {actual.name} model: use a causal (decoder-only) base model")
+        named_text = ("a vision-language" if named == VISION_LANGUAGE else "a text-to-text" if named.encoder_decoder
+                      else "a causal")
+        actual_text = ("a vision-language" if actual == VISION_LANGUAGE else "an encoder-decoder"
+                       if actual.encoder_decoder else "a causal")
         raise UserError(f"config: `model_type: {cfg.model_type}` is {named_text} model class, and {source} is "
                         f"{actual_text} model; set `model_type: {actual.auto_class}` or leave it out")
     architectures = getattr(config, "architectures", None) or []
@@ -160,6 +235,10 @@ def load_tokenizer(cfg: TuneloopConfig, *, encoder_decoder: bool):
         return _with_added_tokens(cfg, trained_tokenizer(cfg, encoder_decoder=encoder_decoder))
     key = "tokenizer_config" if cfg.tokenizer_config else "base_model" if cfg.base_model else "base_model_config"
     source = _checked_source(cfg.tokenizer_config or cfg.base_model or cfg.base_model_config, key)
+    if cfg.tokenizer_use_mistral_common:
+        from tuneloop.data.mistral_chat import load_mistral_common_tokenizer
+
+        return load_mistral_common_tokenizer(source, key, _revision(cfg, key))
     tokenizer_class = getattr(transformers, cfg.tokenizer_type or "AutoTokenizer", None)
     if tokenizer_class is None:
         raise UserError(f"config: `tokenizer_type: {cfg.tokenizer_type}` is not a class transformers has")
@@ -170,8 +249,11 @@ def load_tokenizer(cfg: TuneloopConfig, *, encoder_decoder: bool):
                         "`tokenizer_config` at the folder of the tokenizer the model was trained with (the model it "
                         "was fine-tuned from, say)")
     try:
+        # (with mistral-common installed, AutoTokenizer would pick it for a folder holding tekken.json; only
+        # `tokenizer_use_mistral_common` says so)
+        only_transformers = {"mistral_format": False} if tokenizer_class is transformers.AutoTokenizer else {}
         tokenizer = tokenizer_class.from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
-                                                    **_revision(cfg, key))
+                                                    **_revision(cfg, key), **only_transformers)
     except (OSError, ValueError, TypeError) as error:
         raise UserError(f"model: cannot load a tokenizer from {source!r}"
                         f"{f' as {cfg.tokenizer_type}' if cfg.tokenizer_type else ''}: {error}") from None
@@ -245,7 +327,18 @@ def model_config(cfg: TuneloopConfig, tokenizer=None):
     if cfg.from_scratch and tokenizer is not None:
         size_to_tokenizer(cfg, config, tokenizer)
     check_model_class(cfg, config)
+    if named_kind(cfg) == SEQUENCE_CLASSIFICATION:
+        score_last_real_token(cfg, config, tokenizer)
     return config
+
+
+def score_last_real_token(cfg: TuneloopConfig, config, tokenizer) -> None:
+    """A reward model's head: one score per sequence (the config's rules refuse other num_labels), read by
+    transformers at the last token that is not the pad token, which it can only find knowing the tokenizer's pad
+    id (saved with the model, so that it scores the same when loaded elsewhere)."""
+    config.num_labels = cfg.num_labels or 1
+    if tokenizer is not None:
+        config.get_text_config().pad_token_id = tokenizer.pad_token_id
 
 
 def check_from_scratch_source(cfg: TuneloopConfig) -> None:
@@ -294,6 +387,7 @@ class ModelFacts:
     embeddings_trained: bool = True  # the input embeddings are trained (not under LoRA without modules_to_save)
     # trained weights only matmuls read: held in bf16 beside fp32 masters under bf16 (engines/masters.py)
     matmul_only_trained: int = 0
+    hidden_matrices_trained: int = 0  # trained weights Muon orthogonalises (muon.is_hidden_matrix): its states
     # (weights, trained) of the output projection the chunked loss meets; (0, False) without the chunked loss
     head_weights: tuple[int, bool] = (0, False)
     module_classes: frozenset = frozenset()  # the class names of the model's modules (an engine checks its own)
@@ -330,10 +424,12 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
 
     from tuneloop.adapters import add_adapter, freeze_all_but
     from tuneloop.engines.masters import matmul_only_weights
+    from tuneloop.mxfp4 import dequantizes_mxfp4
     from tuneloop.output_head import loss_meets_head_in_chunks, output_head
     from tuneloop.quantized_experts import count_expert_weights, expert_parameter_names, expert_targets
 
     config = model_config(cfg, tokenizer)
+    dequantizes_mxfp4(cfg, config)  # (an MXFP4 checkpoint and the MXFP4 keys go together: refused now, not at load)
     try:
         with torch.device("meta"):
             built = model_class(cfg, kind)
@@ -347,6 +443,10 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
             model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     embedding_name = next(name for name, module in model.named_modules() if module is model.get_input_embeddings())
     quantizable = quantizable_linears(cfg, model)
+    if cfg.qat is not None:  # a group size the layers' widths do not take: refused by the plan, before training
+        from tuneloop.qat import check_fits
+
+        check_fits(cfg.qat, model)
     experts = count_expert_weights(model)
     if cfg.quantize_moe_experts and not experts[1]:
         raise UserError(f"config: `quantize_moe_experts: true`, but {cfg.base_model} ({type(model).__name__}) has no "
@@ -366,6 +466,8 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
         model = add_adapter(cfg, model, kind.peft_task_type)
     elif cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
+    if cfg.freeze_mm_modules:
+        freeze_vision_modules(cfg, model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     embeddings_trained = any(parameter.requires_grad and embedding_name in name  # (peft prefixes the names)
                              for name, parameter in model.named_parameters())
@@ -377,7 +479,14 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                       embedding_rows=len(tokenizer) - grown if tokenizer is not None else 0,
                       embeddings_trained=embeddings_trained,
                       matmul_only_trained=sum(p.numel() for p in matmul_only_weights(model, cfg)),
+                      hidden_matrices_trained=hidden_matrices_trained(model),
                       module_classes=classes, layer_classes=layer_classes, quantizable=quantizable, experts=experts)
+
+
+def hidden_matrices_trained(model) -> int:
+    from tuneloop.muon import is_hidden_matrix
+
+    return sum(p.numel() for name, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(name, p))
 
 
 def quantizable_linears(cfg: TuneloopConfig, model) -> tuple[int, int, int]:
@@ -506,6 +615,7 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_met
 
     from tuneloop.adapters import quantization_config
     from tuneloop.hardware import quantized_loading
+    from tuneloop.mxfp4 import dequantizes_mxfp4, mxfp4_loading_config
 
     from tuneloop.packed_attention import loadable
 
@@ -528,6 +638,9 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_met
     quantized = quantized_loading(cfg)
     if quantized:
         options["quantization_config"] = quantization_config(cfg, quantized)
+    # gpt-oss's MXFP4 experts unpacked as they load (mxfp4.py); a full checkpoint of the run holds them unpacked
+    if "config" in options and dequantizes_mxfp4(cfg, config):
+        options["quantization_config"] = mxfp4_loading_config(cfg)
     try:
         model = built.from_pretrained(source, dtype=weights_dtype(cfg), trust_remote_code=cfg.trust_remote_code,
                                       attn_implementation=attention, **options)
@@ -570,4 +683,6 @@ def _prepared_for_training(cfg: TuneloopConfig, kind: ModelKind, model, tokenize
         return add_adapter(cfg, model, kind.peft_task_type, checkpoint)
     if cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
+    if cfg.freeze_mm_modules:
+        freeze_vision_modules(cfg, model)
     return model

@@ -23,17 +23,21 @@ NO_DECAY_NAMES = ("bias", "norm", "layernorm", "ln_")
 
 @dataclass(frozen=True)
 class OptimizerKind:
-    build: Callable  # (parameter groups, cfg) -> torch.optim.Optimizer
+    build: Callable  # (parameter groups, cfg) -> torch.optim.Optimizer; with `by_name`: (named parameters, cfg)
     state_bytes_per_param: float  # optimizer state kept per trained parameter, for the memory estimate
     needs_cuda: bool = False
     library: str | None = None  # the package it comes from, when not torch or transformers
+    by_name: bool = False  # it sorts the parameters itself, by name (Muon: hidden matrices apart from the rest)
+    # state kept per trained hidden-matrix weight where it differs from the rest's (Muon: momentum only, 4 bytes)
+    hidden_matrix_state_bytes: float | None = None
+    words: Callable | None = None  # (cfg) -> how it steps, for the plan, where its name does not say it all
 
 
 def _adamw(fused: bool):
     def build(groups, cfg):
         import torch
 
-        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+        return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=cfg.adamw_betas,
                                  eps=cfg.adam_epsilon, fused=fused)
     return build
 
@@ -56,7 +60,7 @@ def _library_adamw(module: str, name: str):
         import importlib
 
         optimizer_class = getattr(importlib.import_module(module), name)
-        return optimizer_class(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+        return optimizer_class(groups, lr=cfg.learning_rate, betas=cfg.adamw_betas,
                                eps=cfg.adam_epsilon)
     return build
 
@@ -75,6 +79,21 @@ OPTIMIZERS.add("paged_adamw_8bit", OptimizerKind(_library_adamw("bitsandbytes.op
                                                  "bitsandbytes"))
 OPTIMIZERS.add("paged_adamw_32bit", OptimizerKind(_library_adamw("bitsandbytes.optim", "PagedAdamW32bit"), 8, False,
                                                   "bitsandbytes"))
+def _muon(named_parameters, cfg):
+    from tuneloop.muon import build_muon
+
+    return build_muon(named_parameters, cfg, NO_DECAY_NAMES)
+
+
+def _muon_words(cfg) -> str:
+    from tuneloop.muon import muon_words
+
+    return muon_words(cfg)
+
+
+# axolotl's Muon (tuneloop/muon.py): momentum for the hidden matrices, AdamW's two states for the rest
+OPTIMIZERS.add("muon", OptimizerKind(_muon, state_bytes_per_param=8, by_name=True, hidden_matrix_state_bytes=4,
+                                     words=_muon_words))
 OPTIMIZERS.add("adamw_torch_8bit", OptimizerKind(_library_adamw("torchao.optim", "AdamW8bit"), 2, True, "torchao"))
 OPTIMIZERS.add("adamw_torch_4bit", OptimizerKind(_library_adamw("torchao.optim", "AdamW4bit"), 1, True, "torchao"))
 
@@ -130,7 +149,16 @@ def build_optimizer(cfg, model, named_parameters=None):
     engines/masters.py). (hardware.check_hardware has refused an optimizer this machine cannot run, before
     training.) Each group's learning rate is its peak: the scheduler's multiplier scales every group's."""
     named = model.named_parameters() if named_parameters is None else named_parameters
-    return OPTIMIZERS[cfg.optimizer].build(parameter_groups(named, cfg.weight_decay, loraplus_rates(cfg)), cfg)
+    kind = OPTIMIZERS[cfg.optimizer]
+    if kind.by_name:
+        return kind.build(named, cfg)
+    return kind.build(parameter_groups(named, cfg.weight_decay, loraplus_rates(cfg)), cfg)
+
+
+def optimizer_words(cfg) -> str | None:
+    """How the optimizer steps, where its name does not say it all (Muon: how it splits the weights)."""
+    words = OPTIMIZERS[cfg.optimizer].words
+    return words(cfg) if words is not None else None
 
 
 # ---- learning-rate schedules -------------------------------------------------------------------

@@ -28,6 +28,8 @@ def output_head(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if getattr(base.config, "vision_config", None) is not None:
+        decoder = getattr(base, "model", None)  # (its text decoder alone would not take the images)
     if type(head) is not torch.nn.Linear or head.bias is not None or decoder is None:
         return None
     config = base.config
@@ -49,5 +51,9 @@ def chunk_tokens(vocabulary: int) -> int:
 
 def loss_meets_head_in_chunks(cfg, model) -> bool:
     """The language-model loss is chunked unless the config says `chunked_cross_entropy: false` (axolotl's key),
-    where the model's logits are decoder states @ weight."""
+    where the model's logits are decoder states @ weight. Not under QAT: its fake-quantized head (every Linear, as
+    axolotl's) is no plain Linear in training, so the loss takes the model's logits; the plan, which looks at the
+    model before the fake quantization, must count those too."""
+    if cfg is not None and getattr(cfg, "qat", None):
+        return False
     return (cfg is None or cfg.chunked_cross_entropy is not False) and output_head(model) is not None

@@ -62,6 +62,9 @@ def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: d
         last = evals[-1]
         if "eval_token_accuracy" in last:
             lines.append(f"| eval token accuracy last | {last['eval_token_accuracy']:.4f} |")
+        if "eval_accuracy" in last:  # a reward model (reward_model: true)
+            lines.append(f"| eval accuracy first → last | {evals[0]['eval_accuracy']:.4f} → {last['eval_accuracy']:.4f} "
+                         f"(pairs scored chosen above rejected; margin last {last['eval_margin']:.4f}) |")
         if "eval_reward_accuracy" in last:  # a preference run (rl:)
             lines.append(f"| eval reward accuracy first → last | {evals[0]['eval_reward_accuracy']:.4f} → "
                          f"{last['eval_reward_accuracy']:.4f} (pairs ranked right) |")

@@ -108,7 +108,62 @@ def resolve_run(cfg, model_config=None) -> Resolved:
                               "length instead: the same loss per sequence, with some padding"))
         packed = False
     splittable = packed and not cfg.trust_remote_code and model_can_split(model_config)
-    return replace(decided, precision=precision(cfg), attention=attention(cfg, splittable))
+    chosen = attention(cfg, splittable)
+    if not cfg.trust_remote_code:
+        chosen = eager_without_sdpa(chosen, model_config)
+    blind = packed and chosen.used == "eager" and PACKING_BLIND_MASKS.get(getattr(model_config, "model_type", None))
+    if blind:
+        decided = _unpacked(decided, blind)
+    return replace(decided, precision=precision(cfg), attention=chosen)
+
+
+# model types whose attention masks ignore packed rows' position_ids (transformers 5.24), so that eager attention
+# lets a packed row's sequences attend to each other; flash-attention's varlen kernels take the boundaries from
+# position_ids themselves (measured: a tiny gpt_oss's logits of a packed row's second sequence differ from its
+# own by 0.4 under eager)
+PACKING_BLIND_MASKS = {"gpt_oss": "GptOss builds its attention masks without the packed rows' position_ids, so "
+                                  "under eager attention packed sequences would attend to each other"}
+
+
+def _unpacked(decided: Resolved, why: str) -> Resolved:
+    """Packing set aside for rows grouped by length (the same loss per sequence, with some padding), or refused for a
+    packed stream, whose long documents have no unpacked form."""
+    if decided.streamed and decided.batching == "packed":
+        from tuneloop.errors import UserError
+
+        raise UserError(f"config: this run streams its documents packed into rows of sequence_len, and {why}: train "
+                        "this model on prepared data instead (`datasets:` with `type: completion` and no "
+                        "`streaming`), where rows are grouped by length")
+    return replace(decided, batching="group_by_length" if decided.batching == "packed" else decided.batching,
+                   eval_batching="group_by_length",
+                   packing_note=f"sample packing is set aside: {why}, so rows are grouped by length instead: the same "
+                                "loss per sequence, with some padding")
+
+
+SDPA_FALLBACK_WORDS = "using sdpa (the same attention, another kernel)"
+
+
+def eager_without_sdpa(chosen: Attention, model_config) -> Attention:
+    """Eager attention where SDPA would run and the model's class has none (gpt-oss: its attention sinks are no
+    argument of SDPA, and neither transformers' SDPA nor the per-sequence split would apply them): transformers
+    refuses to load such a class under sdpa. Eager is the class's own attention, packed rows included (transformers
+    builds the same block-diagonal mask from position_ids)."""
+    from transformers import AutoModelForCausalLM
+
+    from tuneloop.packed_attention import PER_SEQUENCE_SDPA
+
+    if chosen.used not in ("sdpa", PER_SEQUENCE_SDPA):
+        return chosen
+    try:
+        model_class = AutoModelForCausalLM._model_mapping[type(model_config)]
+    except (KeyError, ValueError):
+        return chosen  # (not a causal class transformers maps: its own loader says what it supports)
+    if getattr(model_class, "_supports_sdpa", True):
+        return chosen
+    instead = f"using eager ({model_class.__name__} has no SDPA attention in transformers; the same attention)"
+    if chosen.note and SDPA_FALLBACK_WORDS in chosen.note:
+        return Attention(chosen.asked, "eager", chosen.note.replace(SDPA_FALLBACK_WORDS, instead))
+    return Attention(chosen.asked, "eager", f"attention `{chosen.asked}`: {instead}")
 
 
 def _resolved(cfg, kind: ModelKind | None) -> Resolved:

@@ -66,11 +66,33 @@ NOT_OFFERED = {
 }
 
 
+# `reward_model: true`: a sequence classifier's score trained on chosen/rejected pairs by the Bradley-Terry loss
+# (train/reward_model.py), not an `rl:` method: it has no reference, no policy log-probs and no preference keys
+REWARD_MODEL_OBJECTIVE = "bradley_terry"
+# its eval line (TRL's RewardTrainer's names, so that an axolotl config's metric_for_best_model reads the same)
+REWARD_MODEL_EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward")
+
+
+def objective_name(cfg) -> str:
+    """The name of what the run minimises (train/objectives.py's OBJECTIVES): the reward model's, the `rl:`
+    method's, or the language model's."""
+    if cfg is not None and cfg.reward_model:
+        return REWARD_MODEL_OBJECTIVE
+    return cfg.rl if cfg is not None and cfg.rl else "language_model"
+
+
+def trains_on_pairs(cfg) -> bool:
+    """Each row is a chosen/rejected pair, kept and batched whole: a paired `rl:` method, or a reward model."""
+    return bool(cfg.reward_model) or (bool(cfg.rl) and cfg.rl in RL_METHODS and RL_METHODS[cfg.rl].paired)
+
+
 def eval_metric_names(cfg) -> tuple[str, ...]:
-    """What an eval line reports for the run's objective (train/objectives.py, train/preference.py): the names
-    `metric_for_best_model` may take. Online RL has no eval set."""
+    """What an eval line reports for the run's objective (train/objectives.py, train/preference.py,
+    train/reward_model.py): the names `metric_for_best_model` may take. Online RL has no eval set."""
     if is_online(cfg):
         return ()
+    if cfg.reward_model:
+        return REWARD_MODEL_EVAL_METRICS
     if not cfg.rl:
         return ("eval_loss", "eval_perplexity", "eval_token_accuracy")
     rewards = ("eval_reward_chosen", "eval_reward_rejected", "eval_reward_margin")

@@ -50,13 +50,14 @@ def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunH
 
     from tuneloop.data.source import prepare_rows
     from tuneloop.hardware import quiet_deepspeed_on_cpu
-    from tuneloop.model import check_encoder_decoder_settings, load_tokenizer
+    from tuneloop.model import attach_image_inputs, check_encoder_decoder_settings, load_tokenizer
 
     quiet_deepspeed_on_cpu()
     transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
     if resolved.encoder_decoder:
         check_encoder_decoder_settings(cfg)
     tokenizer = load_tokenizer(cfg, encoder_decoder=resolved.encoder_decoder)
+    attach_image_inputs(cfg, resolved.model_kind, tokenizer)  # a vision-language model's processor (else nothing)
     if os.environ.get(SLOW_PREPARE_ENV) and os.environ.get("RANK", "0") == "0":
         time.sleep(float(os.environ[SLOW_PREPARE_ENV]))
     if is_online(cfg):  # prompts, whose completions the run generates as it trains (online_rl/)
@@ -214,6 +215,8 @@ class TrainingSession:
                                     reference=reference, reference_model=reference_model)
                 outcome = loop.run()
         except (TrainingDiverged, CheckpointFailed) as error:  # raised on every rank at the same collective
+            if self.hub is not None:
+                self.hub.abandon(output_dir)
             return RunResult(output_dir, plan, resumed_from=resume, error=error)
         result = RunResult(output_dir, plan, outcome, resumed_from=resume)
         if self.is_main:
@@ -239,7 +242,10 @@ class TrainingSession:
         """Main process, after the outputs: the queued checkpoint pushes waited for, then the finished run pushed. A
         failure is a warning kept in `result.push_failure`, never the run's error: the run is done and its files are
         intact (`tuneloop push` uploads them later). A run stopped by a signal does not wait: it has a deadline."""
-        if self.hub is None or result.stopped_by_signal:
+        if self.hub is None:
+            return
+        if result.stopped_by_signal:
+            self.hub.abandon(result.output_dir)
             return
         final = result.error is None  # (a run whose summary could not be written is not pushed as finished)
         result.push_failure = self.hub.finish(result.output_dir, final=final)
@@ -462,6 +468,7 @@ def summary_of(outcome, plan, seconds: dict | None = None) -> dict:
             "seconds": time_split(outcome, seconds or {}),
             "held_bytes_per_rank": outcome.held_per_rank,  # weights and optimizer state, counted on each rank
             **({"stream": outcome.stream} if outcome.stream is not None else {}),
+            **({"mesh": outcome.mesh} if outcome.mesh is not None else {}),  # as built, beside the plan's
             "peak_memory_gb": peak_memory(plan)}
 
 

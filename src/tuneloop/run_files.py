@@ -47,6 +47,7 @@ TENSORBOARD = "runs"  # as the Trainer names it
 WANDB = "wandb"  # wandb's own folder (an offline run lives there until `wandb sync`)
 # ---- what the use commands write there (use/)
 MERGED = "merged"  # `tuneloop merge-lora`'s default output
+QUANTIZED = "quantized"  # `tuneloop quantize`'s default output (axolotl's name)
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -85,6 +86,7 @@ MODEL_FILES = (
     OutputEntry("special_tokens_map.json", "special tokens"), OutputEntry("chat_template.jinja", "chat template"),
     OutputEntry("vocab.json", "vocabulary"), OutputEntry("merges.txt", "BPE merges"),
     OutputEntry("tokenizer.model", "sentencepiece model"), OutputEntry("added_tokens.json", "added tokens"),
+    OutputEntry("tekken.json", "mistral-common tokenizer"),
 )
 OUTPUT_FILES = (
     OutputEntry(PLAN, "the plan"), OutputEntry(RUN_CONFIG, "the config the run used"),
@@ -97,7 +99,7 @@ OUTPUT_FILES = (
     OutputEntry(".rng-*-rank*.pt", "RNG states of a checkpoint in progress"),
     OutputEntry(BEST, "the early-stopping best model"), OutputEntry(OLD_BEST, "the previous best model"),
     OutputEntry(TENSORBOARD, "TensorBoard event files"), OutputEntry(WANDB, "wandb's run files"),
-    OutputEntry(MERGED, "the merged model (merge-lora)"),
+    OutputEntry(MERGED, "the merged model (merge-lora)"), OutputEntry(QUANTIZED, "the quantized model (quantize)"),
     OutputEntry("*.gguf", "GGUF exports (export)"), OutputEntry("*.Modelfile", "Ollama Modelfiles (export)"),
 )
 # Every name tuneloop has written into output_dir, one a line: what `--overwrite` may remove is what is both

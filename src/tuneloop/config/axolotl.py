@@ -20,16 +20,22 @@ from __future__ import annotations
 # feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
 FEATURES = {
     "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO, KTO, SimPO, "
-                   "GRPO and GDPO (rl: ebft; options such as rpo_alpha; reward and process-reward models)"),
+                   "GRPO, GDPO and Bradley-Terry reward models (rl: ebft; options such as rpo_alpha; "
+                   "process-reward models)"),
     "fsdp_deepspeed": ("DeepSpeed's deepcompile", "DeepSpeed's deepcompile"),
     "fsdp2_8bit": ("8-bit weights under FSDP2", "8-bit weights (`load_in_8bit`) sharded by FSDP2 (bitsandbytes keeps "
                    "an 8-bit weight's scales on the parameter FSDP2 replaces; QLoRA under FSDP2 or ZeRO-3, and 8-bit "
                    "under DeepSpeed or DDP, work)"),
-    "parallelism": ("tensor/context/expert parallelism", "tensor, context, sequence, expert and N-D parallelism, "
-                    "and Ray"),
-    "multimodal": ("multimodal models", "multimodal models, processors and image/audio data"),
-    "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading "
-                     "(GPTQ, torchao, fp8, NVFP4, QAT)"),
+    "parallelism": ("tensor/context/expert parallelism", "tensor, context (sequence) and expert parallelism, and "
+                    "Ray (the data-parallel axes of axolotl's device mesh work: `dp_shard_size` and "
+                    "`dp_replicate_size`, HSDP under FSDP2; sizes of 1 are accepted)"),
+    "multimodal": ("multimodal models", "multimodal models beyond LLaVA and Qwen2-VL/Qwen2.5-VL (Gemma 3/3n/4, "
+                   "Mllama, Llama 4, Mistral 3/Pixtral, Idefics3/SmolVLM, InternVL, LFM2-VL, ...), audio and video "
+                   "parts, the `images` column, processor_kwargs/image_size/image_resize_algorithm, and packing, "
+                   "streaming or preference training of vision-language models"),
+    "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading, "
+                     "MXFP4 dequantized at load and int4/int8 QAT (GPTQ, torchao loading, fp8, NVFP4/MXFP4 QAT, QAT "
+                     "under FSDP2 or DeepSpeed, 1-bit models)"),
     "moe": ("MoE-specific options", "MoE options that change the result (8-bit experts, linearized experts, "
             "DenseMixer, expert kernels)"),
     "peft_variants": ("a LoRA variant", "LoRA variants and PEFT options (PiSSA, OLoRA, CorDA, LoftQ and EVA starts, "
@@ -42,8 +48,7 @@ FEATURES = {
                      "per-message training flags, tools, sharded hub datasets, length strategies, a default system "
                      "message)"),
     "model_options": ("a model option", "model options tuneloop does not have yet (model kwargs, custom model or "
-                      "trainer classes, half-precision weights, embedding resizing, attention scaling, "
-                      "mistral-common tokenizers)"),
+                      "trainer classes, half-precision weights, embedding resizing, attention scaling)"),
     "optimizer_options": ("an optimizer option", "optimizer options tuneloop does not have yet (optim_args, scheduler "
                           "kwargs, per-group or embedding learning rates, Dion, Q-GaLore, Grokfast)"),
     "plugins": ("an axolotl plugin", "axolotl plugins other than Liger, CutCrossEntropy, kernels and SwanLab"),
@@ -57,7 +62,7 @@ FEATURES = {
 
 # `optimizer:` values axolotl (or the Trainer under it) takes that tuneloop does not: each named in its refusal
 OPTIMIZERS_ELSEWHERE = {
-    "muon": "Muon (orthogonalised momentum for 2-D weights, AdamW for the rest)", "dion": "Dion",
+    "dion": "Dion",
     "optimi_adamw": "optimi's AdamW", "ao_adamw_4bit": "torchao's 4-bit AdamW (tuneloop: adamw_torch_4bit)",
     "ao_adamw_8bit": "torchao's 8-bit AdamW (tuneloop: adamw_torch_8bit)", "ao_adamw_fp8": "torchao's fp8 AdamW",
     "adopt_adamw": "ADOPT", "came_pytorch": "CAME", "sinkgd": "SinkGD", "flash_adamw": "FlashOptim's AdamW",
@@ -136,7 +141,7 @@ LAUNCHER = _keys("local_rank world_size ddp device axolotl_config_path is_prepro
 
 _REFUSED_BY_FEATURE = {
     "preference": """
-        ebft reward_model process_reward_model center_rewards_coefficient num_labels dpo_use_weighting
+        ebft process_reward_model dpo_use_weighting
         dpo_use_liger_kernel dpo_padding_free dpo_generate_during_eval dpo_norm_loss dpo_use_logits_to_keep rpo_alpha
         max_prompt_len
         nemo_gym_enabled nemo_gym_dir nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port
@@ -144,13 +149,19 @@ _REFUSED_BY_FEATURE = {
         nemo_gym_model_name nemo_gym_multi_turn nemo_gym_max_turns""",
     "fsdp_deepspeed": """deepcompile""",
     "parallelism": """
-        dp_shard_size dp_replicate_size sequence_parallel_degree context_parallel_size heads_k_stride ring_attn_func
-        tensor_parallel_size expert_parallel_size expert_parallel_backend expert_parallel_num_nvl_bytes
+        heads_k_stride ring_attn_func expert_parallel_size expert_parallel_backend expert_parallel_num_nvl_bytes
         expert_parallel_num_rdma_bytes expert_parallel_token_capacity expert_parallel_fallback_on_unsupported
         use_ray ray_run_name ray_num_workers resources_per_worker""",
-    "multimodal": """processor_type processor_kwargs image_size image_resize_algorithm freeze_mm_modules""",
+    # (processor_type and freeze_mm_modules are schema fields now: vision-language models, data/images.py)
+    "multimodal": """processor_kwargs image_size image_resize_algorithm""",
+    # (dp_shard_size, dp_replicate_size, tensor_parallel_size, context_parallel_size and sequence_parallel_degree
+    # are schema fields now: engines/keys.py reads them, refusing tensor and context parallelism > 1 under
+    # this feature)
+    # (model_quantization_config and its kwargs are schema fields now: Mxfp4Config loads, and other classes are
+    # refused there under this feature)
+    # (`qat` is a schema field now: int4/int8 QAT through torchao, qat.py; its GPU-only dtypes are refused there)
     "quantization": """
-        model_quantization_config model_quantization_config_kwargs use_onebitllms gptq qat quantization fp8
+        use_onebitllms gptq quantization fp8
         fp8_enable_fsdp_float8_all_gather gemma4_fp8_nonexpert gemma4_nf4_nonexpert nvfp4_merge_aware
         nvfp4_merge_aware_start_step llmcompressor""",
     "moe": """
@@ -178,7 +189,7 @@ _REFUSED_BY_FEATURE = {
         multipack_real_batches
         chat_template_kwargs default_system_message""",
     "model_options": """
-        cls_model_config tokenizer_use_mistral_common model_kwargs overrides_of_model_kwargs
+        cls_model_config model_kwargs overrides_of_model_kwargs
         rope_scaling mean_resizing_embeddings shrink_embeddings embeddings_skip_upcast trainer_cls
         fp32_norms fp32_norm_classes scaling_softmax scaling_softmax_factor
         scaling_softmax_bias added_tokens_overrides fix_untrained_tokens""",

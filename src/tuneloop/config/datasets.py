@@ -15,7 +15,7 @@ from tuneloop.data.chat_templates import check_template_name
 from tuneloop.data.formats import FORMATS, TURN_END_OPTIONS
 from tuneloop.data.load import parse_split
 from tuneloop.online_rl.prompts import is_transform_type
-from tuneloop.data.preference import PREFERENCE_CHAT_TYPES, PREFERENCE_FORMATS, UNPAIRED_FORMATS
+from tuneloop.data.preference import PREFERENCE_CHAT_TYPES, PREFERENCE_FORMATS, REWARD_FORMATS, UNPAIRED_FORMATS
 
 
 class Strict(BaseModel):
@@ -137,7 +137,7 @@ class DatasetConfig(Strict):
     @classmethod
     def _known_type(cls, value):
         if isinstance(value, str) and not any(value in known for known in (FORMATS, PREFERENCE_FORMATS,
-                                                                            UNPAIRED_FORMATS)):
+                                                                            UNPAIRED_FORMATS, REWARD_FORMATS)):
             if is_transform_type(value) and axolotl.dataset_type_feature(value) != "preference":
                 return value  # axolotl's `type: module.function` transform (online RL's prompts: rules.py)
             feature = axolotl.FEATURES[axolotl.dataset_type_feature(value)][0]

@@ -18,7 +18,8 @@ from tuneloop.config import axolotl
 from tuneloop.config.datasets import (CHAT_ONLY_KEYS, PAIRED_ONLY_KEYS, TRAINED_TURN_KEYS, UNPAIRED_ONLY_KEYS,
                                       PreferenceFormat, given, jinja_means_jinja)
 from tuneloop.data.formats import FORMATS
-from tuneloop.data.preference import PREFERENCE_FORMATS, UNPAIRED_FORMATS
+from tuneloop.data.mistral_chat import CHAT_TYPES as MISTRAL_CHAT_TYPES
+from tuneloop.data.preference import PREFERENCE_FORMATS, REWARD_FORMATS, UNPAIRED_FORMATS
 from tuneloop.rl_methods import PREFERENCE_KEYS, RL_METHODS, is_online
 
 Problems = Iterator[str]
@@ -44,6 +45,9 @@ def schedule(cfg) -> Problems:
     if cfg.cosine_constant_lr_ratio and cfg.lr_scheduler not in ("cosine", "cosine_with_min_lr"):
         yield (f"`cosine_constant_lr_ratio` ends a cosine decay early, and this run uses `lr_scheduler: "
                f"{cfg.lr_scheduler}`: remove it or set `lr_scheduler: cosine`")
+    if cfg.optimizer == "muon" and cfg.lr_scheduler == "one_cycle":
+        yield ("`optimizer: muon` with `lr_scheduler: one_cycle`: one_cycle would cycle the betas of Muon's AdamW part "
+               "(axolotl's cycles its momentum instead); use cosine, linear or constant")
     if cfg.lr_quadratic_warmup and cfg.lr_scheduler == "one_cycle":
         yield ("`lr_quadratic_warmup` shapes a warm-up, and `lr_scheduler: one_cycle` rises by its own curve: "
                "remove one of them")
@@ -173,6 +177,9 @@ def lora_variants(cfg) -> Problems:
     given = [key for key, nothing in LORA_VARIANT_KEYS.items() if getattr(cfg, key) not in nothing]
     if given and not cfg.adapter:
         yield f"`{given[0]}` shapes a LoRA adapter, and this run trains none: set `adapter: lora`, or remove it"
+    if cfg.loraplus_lr_ratio is not None and cfg.optimizer == "muon":
+        yield ("`loraplus_lr_ratio` sets the learning rates of AdamW's groups, and `optimizer: muon` groups the weights "
+               "its own way: keep one of them")
     if cfg.loraplus_lr_embedding is not None and cfg.loraplus_lr_ratio is None:
         yield "`loraplus_lr_embedding` is a LoRA+ setting: set `loraplus_lr_ratio` too, or remove it"
     if cfg.loraplus_lr_ratio is not None and cfg.lr_scheduler == "one_cycle":
@@ -188,11 +195,59 @@ def lora_variants(cfg) -> Problems:
                "folder's trained adapter: remove one of them")
 
 
+def model_quantization(cfg) -> Problems:
+    """`model_quantization_config` (Mxfp4Config, the one class the schema takes: mxfp4.py) and its settings: the
+    experts dequantized (packed MXFP4 does not train), loaded from a checkpoint, and through no other quantization
+    config (transformers loads through one)."""
+    from tuneloop.mxfp4 import MXFP4_CLASS, MXFP4_SETTINGS
+
+    settings = cfg.model_quantization_config_kwargs or {}
+    if cfg.model_quantization_config is None:
+        if settings:
+            yield ("`model_quantization_config_kwargs` are the settings of `model_quantization_config`, which is not "
+                   f"set: set `model_quantization_config: {MXFP4_CLASS}`, or remove them")
+        return
+    unknown = [key for key in settings if key not in MXFP4_SETTINGS]
+    if unknown:
+        # (with dequantize every expert is unpacked: transformers reads modules_to_not_convert only to keep some packed)
+        yield (f"`model_quantization_config_kwargs.{unknown[0]}` is not a setting tuneloop passes to {MXFP4_CLASS}: it "
+               "takes `dequantize: true` only")
+    elif settings.get("dequantize") is not True:
+        yield (f"`model_quantization_config: {MXFP4_CLASS}` without `model_quantization_config_kwargs: {{dequantize: "
+               "true}` keeps the experts packed in MXFP4, which cannot be trained: transformers runs packed MXFP4 "
+               "only through its GPU Triton kernels, forward only (its quantizer is not trainable); set "
+               "`model_quantization_config_kwargs: {dequantize: true}` to load them as trainable weights")
+    bitsandbytes = [key for key, on in (("adapter: qlora", cfg.adapter == "qlora"), ("load_in_4bit", cfg.load_in_4bit),
+                                        ("load_in_8bit", cfg.load_in_8bit)) if on]
+    if bitsandbytes:
+        yield (f"`model_quantization_config: {MXFP4_CLASS}` with `{bitsandbytes[0]}`: transformers loads a checkpoint "
+               "through one quantization config, MXFP4's dequantization or bitsandbytes' 4/8-bit, not both: use "
+               "`adapter: lora` (without load_in_4bit/load_in_8bit) on the dequantized weights")
+    if cfg.from_scratch:
+        yield (f"`model_quantization_config: {MXFP4_CLASS}` dequantizes a checkpoint's MXFP4 weights as they load, "
+               "and this run starts from random weights (from scratch): remove it and its kwargs")
+
+
 def eval_set_and_shards(cfg) -> Problems:
     if cfg.test_datasets and cfg.val_set_size:
         yield "`test_datasets` and `val_set_size` cannot both be set: keep one way to get an eval set"
     if cfg.dataset_shard_num is not None and not 0 <= cfg.dataset_shard_idx < cfg.dataset_shard_num:
         yield f"`dataset_shard_idx` must be in [0, dataset_shard_num={cfg.dataset_shard_num})"
+
+
+def vision_family(cfg) -> Problems:
+    """A vision-language config whose family tuneloop cannot train yet is refused by `check` already, naming the
+    family (config/vision_names.py reads it from the local config.json or the hub id)."""
+    from tuneloop.config.vision_names import TRAINED_VISION_TYPES, asks_for_vision, named_vision_family
+
+    if not asks_for_vision(cfg):
+        return
+    named = named_vision_family(cfg)
+    if named is not None and named[0] not in TRAINED_VISION_TYPES:
+        model_type, words, found = named
+        yield (f"`base_model: {cfg.base_model or cfg.base_model_config}` is a {words} vision-language model (by "
+               f"{found}); tuneloop trains LLaVA and Qwen2-VL / Qwen2.5-VL so far, and this family asks for "
+               "multimodal models, which tuneloop does not do yet")
 
 
 def model_source(cfg) -> Problems:
@@ -250,8 +305,9 @@ def streaming(cfg) -> Problems:
     for key, why in STREAM_CONFLICTS.items():
         if getattr(cfg, key):
             yield f"`{key}` cannot be used with a streamed dataset: tuneloop does not {why}"
-    if cfg.rl or any(entry.type is not None and not isinstance(entry.type, str) or entry.type in PREFERENCE_FORMATS
-                     or entry.type in UNPAIRED_FORMATS for entry in cfg.train_entries):
+    if cfg.rl or cfg.reward_model or any(
+            entry.type is not None and not isinstance(entry.type, str) or entry.type in PREFERENCE_FORMATS
+            or entry.type in UNPAIRED_FORMATS or entry.type in REWARD_FORMATS for entry in cfg.train_entries):
         yield "preference data (`rl:`) is prepared whole: remove `streaming`"
 
 
@@ -353,6 +409,9 @@ def _preference_data(cfg) -> Problems:
 
     for index, entry in enumerate(cfg.datasets + cfg.test_datasets):
         mapping = isinstance(entry.type, PreferenceFormat)
+        if cfg.reward_model or (isinstance(entry.type, str) and entry.type in REWARD_FORMATS):
+            yield from _reward_model_data(cfg, index, entry)
+            continue
         if is_transform_type(entry.type):
             yield (f"dataset {index} is `type: {entry.type}`: a dataset type tuneloop does not have, or a "
                    "module.function transform, which tuneloop runs for online RL's prompts (`rl: grpo`) only so far "
@@ -377,16 +436,63 @@ def _preference_data(cfg) -> Problems:
             yield f"dataset {index}: `type.{wrong[0]}` is not read by `rl: {cfg.rl}`; remove it"
 
 
+def _reward_model_data(cfg, index: int, entry) -> Problems:
+    """A reward model trains on its own pair types (data/preference.py's REWARD_FORMATS), and they on it alone."""
+    name = entry.type if isinstance(entry.type, str) else "a mapping of fields"
+    if not cfg.reward_model:
+        yield (f"dataset {index} is `type: {name}`, pairs for a reward model: set `reward_model: true` (and "
+               "`model_type: AutoModelForSequenceClassification`) to train one on it")
+    elif entry.type not in REWARD_FORMATS:
+        yield (f"`reward_model: true` trains on chosen/rejected pairs, and dataset {index} is `type: {name}`: use "
+               f"{REWARD_FORMATS.choices()}")
+
+
+def reward_model(cfg) -> Problems:
+    """`reward_model: true` (a Bradley-Terry reward model: model.py's sequence_classification kind,
+    train/reward_model.py's loss) and the keys that go with it, or against it."""
+    if not cfg.reward_model:
+        for key in ("num_labels", "center_rewards_coefficient"):
+            if getattr(cfg, key) is not None:
+                yield (f"`{key}` shapes a reward model's training, which `reward_model: true` turns on: set it, "
+                       f"or remove {key}")
+        if (cfg.model_type or "").endswith("ForSequenceClassification"):
+            yield (f"`model_type: {cfg.model_type}` trains a sequence classifier, which tuneloop trains as a reward "
+                   "model only: set `reward_model: true` (with pairs of type bradley_terry.chat_template), or remove "
+                   "it")
+        return
+    if cfg.rl:
+        yield (f"`reward_model: true` and `rl: {cfg.rl}` are two trainings (a reward model's score, a policy's "
+               "preferences): keep one")
+    if cfg.num_labels not in (None, 1):
+        yield (f"`num_labels: {cfg.num_labels}` with `reward_model: true`: a reward model gives one score per "
+               "sequence; set `num_labels: 1` or remove it")
+    if cfg.model_type and not cfg.model_type.endswith("ForSequenceClassification"):
+        yield (f"`model_type: {cfg.model_type}` with `reward_model: true`: a reward model is a sequence classifier; "
+               "set `model_type: AutoModelForSequenceClassification` or remove it")
+    for key in ("sample_packing", "eval_sample_packing"):
+        if getattr(cfg, key):
+            yield (f"`{key}: true` with `reward_model: true`: the score is read at each row's last real token, so a "
+                   "row holds one sequence; set it to false (`group_by_length: true` reclaims most of the padding)")
+    if cfg.train_on_inputs:
+        yield ("`train_on_inputs: true` with `reward_model: true`: a reward model scores the whole conversation, "
+               "and has no prompt to mask or train; remove it")
+    if cfg.from_scratch:
+        yield ("`reward_model: true` scores with a trained model's understanding, and this run starts from random "
+               "weights: give a trained model as base_model")
+
+
 def sharding(cfg) -> Problems:
     """How the ranks share the model (engines/keys.py reads axolotl's fsdp and deepspeed keys), and what a
     sharding engine cannot run with."""
-    from tuneloop.engines.keys import read_engine
+    from tuneloop.engines.keys import read_engine, read_mesh_keys
 
     fsdp_config = dict(cfg.fsdp_config or {})
     if cfg.fsdp_final_state_dict_type:
         fsdp_config.setdefault("final_state_dict_type", cfg.fsdp_final_state_dict_type)
     try:
-        engine = read_engine(cfg.fsdp, cfg.fsdp_version, fsdp_config, cfg.deepspeed)
+        mesh = read_mesh_keys(cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size,
+                              cfg.context_parallel_size, cfg.sequence_parallel_degree)
+        engine = read_engine(cfg.fsdp, cfg.fsdp_version, fsdp_config, cfg.deepspeed, mesh=mesh)
     except ValueError as error:
         yield str(error)
         return
@@ -398,6 +504,9 @@ def sharding(cfg) -> Problems:
                       "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
         cfg.torch_compile = False
     yield from sharded_quantized_weights(cfg, engine)
+    if cfg.optimizer == "muon" and engine.name != "ddp":
+        yield (f"`optimizer: muon` orthogonalises whole weight matrices, and {engine.name} hands the optimizer shards "
+               "of them: use muon on DDP ranks (no `fsdp`/`deepspeed`), or an AdamW")
     if engine.name == "fsdp2" and cfg._engine.loads_on_rank_zero and cfg.rl:
         # the reference model (or its precomputed log-probs) is made from the policy before the engine sends the
         # other ranks their weights: on those ranks there would be none yet
@@ -497,9 +606,76 @@ def hub_push(cfg) -> Problems:
                       stacklevel=2)
     yield from ()  # (a warning, never a problem: axolotl ignores them)
 
-RULES: tuple[Callable[..., Problems], ...] = (schedule, best_eval, precision_and_attention, chat_template, adapters,
-                                              lora_variants, bitsandbytes_settings, eval_set_and_shards, model_source,
-                                              streaming, row_order, preference, sharding, master_weights, hub_push)
+def quantization_aware_training(cfg) -> Problems:
+    """`qat:` (qat.py) fake-quantizes the weights the run trains, for a model quantized after training. Refused with
+    what would make it mean something else: an adapter (as in axolotl for 4/8-bit bases; a LoRA would train beside
+    frozen fake-quantized weights, and the merged model `tuneloop quantize` rounds is not what trained), and the
+    sharding engines, under which tuneloop has not run torchao's fake-quantized layers yet."""
+    if cfg.qat is None:
+        return
+    if cfg.adapter or cfg.load_in_4bit or cfg.load_in_8bit:
+        key = f"adapter: {cfg.adapter}" if cfg.adapter else "load_in_4bit" if cfg.load_in_4bit else "load_in_8bit"
+        yield (f"`qat` with `{key}`: quantization-aware training fake-quantizes the weights the run trains, and an "
+               "adapter trains beside frozen ones (the merged model would not be what trained): remove one of them "
+               "(axolotl refuses QAT with 4/8-bit loading too)")
+    if cfg.engine is not None and cfg.engine.name != "ddp":
+        yield (f"`qat` with {cfg.engine.name} asks for {axolotl.FEATURES['quantization'][0]} (QAT under a sharding "
+               "engine), which tuneloop does not do yet: it has not run torchao's fake-quantized layers sharded; "
+               "train QAT on one process or DDP ranks (no `fsdp`/`deepspeed`)")
+
+
+def mistral_common(cfg) -> Problems:
+    """`tokenizer_use_mistral_common`: chats are encoded by mistral-common (data/mistral_chat.py), so what only a
+    transformers tokenizer or a Jinja template would read is refused rather than ignored. (axolotl ignores some of
+    them here: `eot_tokens`, a template.)"""
+    if not cfg.tokenizer_use_mistral_common:
+        return
+    why = "with `tokenizer_use_mistral_common: true`"
+    for key in ("chat_template", "chat_template_jinja"):
+        if getattr(cfg, key):
+            yield (f"`{key}` {why}: mistral-common encodes the chats itself, and a Jinja template would be ignored; "
+                   "remove it")
+    model_option, data_option = axolotl.FEATURES["model_options"][0], axolotl.FEATURES["data_options"][0]
+    for key, what in (("tokenizer_type", "a transformers tokenizer class"), ("train_tokenizer", "a trained tokenizer"),
+                      ("special_tokens", "added or renamed special tokens"), ("tokens", "added tokens")):
+        if getattr(cfg, key):
+            yield (f"`{key}` {why} asks for {what} on a mistral-common tokenizer, {model_option} tuneloop does not "
+                   "have yet: remove one of them")
+    if cfg.eot_tokens and list(cfg.eot_tokens) != ["</s>"]:
+        yield (f"`eot_tokens: {list(cfg.eot_tokens)}` {why} asks for {data_option} tuneloop does not have yet: "
+               "mistral-common ends an assistant turn with </s> alone; remove eot_tokens")
+    if cfg.rl:
+        yield (f"`rl: {cfg.rl}` {why} asks for {axolotl.FEATURES['preference'][0]} on mistral-common's chat "
+               "encoding, which tuneloop does not do yet (its preference rows are rendered with a template)")
+    for index, entry in enumerate(cfg.datasets + cfg.test_datasets):
+        yield from _mistral_common_entry(index, entry, why, data_option)
+
+
+def _mistral_common_entry(index: int, entry, why: str, data_option: str) -> Problems:
+    """A dataset of chat rows (or of tokens), trained as mistral-common can tell its turns apart."""
+    where = f"dataset {index} ({entry.path})"
+    if entry.type is not None and entry.type not in MISTRAL_CHAT_TYPES:
+        name = entry.type if isinstance(entry.type, str) else "a mapping of instruction fields"
+        yield (f"{where} is `type: {name}` {why}: {axolotl.FEATURES['dataset_types'][0]} on mistral-common yet (it "
+               f"encodes chat rows: {', '.join(MISTRAL_CHAT_TYPES)}; rows given as tokens, without type, work too)")
+    for key in ("chat_template", "chat_template_jinja"):
+        if getattr(entry, key, None):
+            yield f"{where}: `{key}` {why}: mistral-common encodes the chats itself; remove it"
+    if list(entry.roles_to_train) != ["assistant"]:
+        yield (f"{where}: `roles_to_train: {list(entry.roles_to_train)}` {why} asks for {data_option} tuneloop does "
+               "not have yet (it finds the assistant's turns in mistral-common's tokens); set [assistant] or remove it")
+    for key in ("train_on_eos", "train_on_eot"):
+        if getattr(entry, key) == "all":
+            yield (f"{where}: `{key}: all` {why} asks for {data_option} tuneloop does not have yet: in "
+                   "mistral-common's encoding only assistant turns end with </s>; use turn (the default), last or none")
+
+
+RULES: tuple[Callable[..., Problems], ...] = (schedule, best_eval, vision_family, precision_and_attention, chat_template, adapters,
+                                              lora_variants, bitsandbytes_settings, model_quantization,
+                                              eval_set_and_shards, model_source,
+                                              streaming, row_order, preference, reward_model, sharding,
+                                              master_weights, hub_push,
+                                              quantization_aware_training, mistral_common)
 
 
 def problems_of(cfg, unjudged: set[str] = frozenset()) -> list[str]:

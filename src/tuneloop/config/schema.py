@@ -23,6 +23,7 @@ from tuneloop.data.chat_templates import check_template_name
 from tuneloop.errors import UserError
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS
 from tuneloop.online_rl.settings import TRLBlock
+from tuneloop.qat import QATBlock
 from tuneloop.rl_methods import NOT_OFFERED, ONLINE_METHODS, RL_METHODS
 
 
@@ -125,6 +126,8 @@ class TuneloopConfig(Strict):
     overrides_of_model_config: Optional[dict[str, Any]] = None  # axolotl's `model_config` too
     tokenizer_config: Optional[str] = None
     tokenizer_type: Optional[str] = None  # a transformers tokenizer class name
+    # mistral-common's tokenizer (tekken.json) and chat encoding, as Mistral's models are trained (data/mistral_chat.py)
+    tokenizer_use_mistral_common: bool = False
     trust_remote_code: bool = False
     attn_implementation: Optional[str] = None
     flash_attention: bool = False
@@ -159,7 +162,16 @@ class TuneloopConfig(Strict):
     load_in_8bit: bool = False
     bnb_config_kwargs: Optional[dict[str, Any]] = None
     quantize_moe_experts: bool = False  # a MoE model's 3-D expert weights in 4-bit too (quantized_experts.py)
+    qat: Optional[QATBlock] = None  # quantization-aware training: fake-quantized Linear layers (qat.py)
+    # a transformers quantization config class the checkpoint loads through, with its settings: Mxfp4Config with
+    # `dequantize: true` only (gpt-oss's MXFP4 experts loaded as trainable weights: mxfp4.py)
+    model_quantization_config: Optional[str] = None
+    model_quantization_config_kwargs: Optional[dict[str, Any]] = None
     unfrozen_parameters: Optional[list[str]] = None  # full fine-tuning of only the parameters these regexes match
+    # vision-language models (data/images.py): the processor class loaded from the base model, and the vision tower
+    # and projector frozen
+    processor_type: Optional[str] = None
+    freeze_mm_modules: Optional[bool] = None
     # data
     datasets: list[DatasetConfig] = Field(default_factory=list)
     # read as a stream instead of prepared whole (axolotl's keys): raw text packed into full rows, for max_steps
@@ -207,8 +219,10 @@ class TuneloopConfig(Strict):
     lr_div_factor: Optional[float] = None  # one_cycle: it starts at learning_rate / lr_div_factor (default 6)
     optimizer: str = "adamw_torch_fused"  # a name in optim.py's OPTIMIZERS
     weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
+    # unset: AdamW's 0.9 and 0.999 (the `adamw_betas` property); axolotl's Muon takes its own (0.95, 0.95) unless
+    # both are given, so "unset" is kept as such (a recorded run_config.yml reruns with the same betas)
+    adam_beta1: Optional[float] = None
+    adam_beta2: Optional[float] = None
     adam_epsilon: float = 1e-8
     max_grad_norm: Optional[float] = 1.0  # 0 turns clipping off (a blank value means the default, as in axolotl)
     # precision and memory
@@ -224,6 +238,12 @@ class TuneloopConfig(Strict):
     fsdp_config: Optional[dict[str, Any]] = None
     fsdp_final_state_dict_type: Optional[str] = None
     deepspeed: Optional[Union[str, dict[str, Any]]] = None  # a path, beside the config, or a shipped name (zero2)
+    # axolotl's N-D parallel sizes (engines/mesh.py): the device mesh the engine runs on; unset or 1: not an axis
+    dp_replicate_size: Optional[int] = None
+    dp_shard_size: Optional[int] = None
+    tensor_parallel_size: Optional[int] = None
+    context_parallel_size: Optional[int] = None
+    sequence_parallel_degree: Optional[int] = None  # context_parallel_size's older name
     # seconds a collective may wait for the other ranks (torch's default: 10 min on NCCL, 30 on gloo); the ranks
     # that wait while rank 0 prepares the data wait without one
     ddp_timeout: Annotated[Optional[int], SPEED] = None
@@ -241,6 +261,11 @@ class TuneloopConfig(Strict):
     kto_undesirable_weight: float = 1.0
     precompute_ref_log_probs: bool = False  # reference log-probs computed once, before training, and cached
     trl: Optional[TRLBlock] = None  # online RL (rl: grpo, gdpo): generation, rewards and GRPO's loss
+    # a Bradley-Terry reward model (axolotl's keys): a sequence classifier's score trained to rank chosen above
+    # rejected (train/reward_model.py); num_labels: its scores per sequence (1: one reward)
+    reward_model: bool = False
+    num_labels: Optional[int] = None
+    center_rewards_coefficient: Optional[float] = None  # weight of mean((r_chosen + r_rejected)^2)
     # speed: torch.compile of the model's body (train/compiling.py), and the peak MFU is measured against
     # "auto": true, as in axolotl (torch ≥ 2.5.1 here)
     # auto: where the plan predicts the run repays compiling (plan/compile_choice.py)
@@ -442,6 +467,18 @@ class TuneloopConfig(Strict):
                          "only), and tuneloop's saved adapter is put back on the original weights; remove it "
                          "(`adapter: qlora` trains LoRA on 4-bit weights)")
 
+    @field_validator("model_quantization_config")
+    @classmethod
+    def _quantization_class(cls, value):
+        """Mxfp4Config is the one class tuneloop loads through (its settings are the `mxfp4` rule's to judge)."""
+        from tuneloop.mxfp4 import MXFP4_CLASS
+
+        if value is None or value == MXFP4_CLASS:
+            return value
+        raise ValueError(f"got {value!r}: loading through {value} asks for "
+                         f"{axolotl.FEATURES['quantization'][0]}, which tuneloop does not do yet; it loads through "
+                         f"{MXFP4_CLASS} (with `dequantize: true`) and bitsandbytes (`load_in_4bit`/`load_in_8bit`)")
+
     @field_validator("loraplus_lr_ratio")
     @classmethod
     def _loraplus_ratio(cls, value):
@@ -481,13 +518,19 @@ class TuneloopConfig(Strict):
     def _model_class(cls, value):
         if value is None or value in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM") or value.endswith("ForCausalLM"):
             return value
+        # a vision-language model's class (model.py's vision_language kind; its family is checked on loading)
+        if value == "AutoModelForImageTextToText" or value.endswith("ForConditionalGeneration"):
+            return value
+        if value.endswith("ForSequenceClassification"):  # a reward model's (rules.py: reward_model)
+            return value
         if is_seq2seq_class(value):
             return value
         feature = ("multimodal" if "ConditionalGeneration" in value or "ImageText" in value or "Vision" in value
                    else "preference" if "SequenceClassification" in value else "model_options")
         raise ValueError(f"got {value!r}: tuneloop trains causal language models (AutoModelForCausalLM or a "
                          f"*ForCausalLM class) and text-to-text models (AutoModelForSeq2SeqLM, "
-                         f"T5ForConditionalGeneration, ...); this needs {axolotl.FEATURES[feature][0]}")
+                         f"T5ForConditionalGeneration, ...) and vision-language models (AutoModelForImageTextToText, "
+                         f"a *ForConditionalGeneration class); this needs {axolotl.FEATURES[feature][0]}")
 
     @field_validator("hub_model_id")
     @classmethod
@@ -514,7 +557,7 @@ class TuneloopConfig(Strict):
         return value
 
     @field_validator("max_steps", "eval_batch_size", "batch_size", "dataset_processes", "ddp_timeout",
-                     "save_total_limit", "loss_watchdog_patience", "early_stopping_patience")
+                     "save_total_limit", "loss_watchdog_patience", "early_stopping_patience", "num_labels")
     @classmethod
     def _positive_or_none(cls, value):
         if value is not None and value < 1:
@@ -529,7 +572,7 @@ class TuneloopConfig(Strict):
         return value
 
     @field_validator("warmup_steps", "dataset_shard_idx", "weight_decay", "evals_per_epoch", "saves_per_epoch",
-                     "max_grad_norm", "min_sample_len")
+                     "max_grad_norm", "min_sample_len", "center_rewards_coefficient")
     @classmethod
     def _not_negative(cls, value, info):
         if value is not None and value < 0:
@@ -559,7 +602,7 @@ class TuneloopConfig(Strict):
     @field_validator("lora_dropout", "adam_beta1", "adam_beta2")
     @classmethod
     def _probability(cls, value):
-        if not 0 <= value < 1:
+        if value is not None and not 0 <= value < 1:
             raise ValueError("must be in [0, 1)")
         return value
 
@@ -641,6 +684,10 @@ class TuneloopConfig(Strict):
     @property
     def resolved_eval_batch_size(self) -> int:
         return self.eval_batch_size or self.micro_batch_size
+
+    @property
+    def adamw_betas(self) -> tuple[float, float]:
+        return (0.9 if self.adam_beta1 is None else self.adam_beta1, 0.999 if self.adam_beta2 is None else self.adam_beta2)
 
     @property
     def best_metric(self) -> tuple[str, bool]:

@@ -194,9 +194,38 @@ class Seq2SeqCollator:
                           targets, int((targets != IGNORE_INDEX).sum()), n_real)
 
 
+class ImageCollator:
+    """A vision-language model's micro-batch: the causal one (its image tokens already in the rows), plus the
+    images of its rows, decoded and processed now (the cache holds references only). An image whose size no
+    longer gives the tokens its row was prepared with (the file changed since) is refused."""
+
+    def __init__(self, text: Collator, images):
+        self.text, self.images = text, images  # images: data/images.py's ImageInputs
+
+    def __call__(self, units: list[list[int]]) -> MicroBatch:
+        from tuneloop.data.images import image_size
+        from tuneloop.errors import UserError
+
+        batch = self.text(units)
+        references = []
+        for index in (index for row in store_rows(units, self.text.rows, False) for index in row):
+            for reference, count in self.text.rows.images(index):
+                if self.images.tokens_for(*image_size(reference, f"row {index}")) != count:
+                    raise UserError(f"data: image {reference.partition(':')[2][:200]} changed since the data was "
+                                    "prepared (its size gives another number of image tokens); run `tuneloop "
+                                    "preprocess CONFIG --force`")
+                references.append(reference)
+        if references:
+            batch.inputs.update(self.images.pixel_inputs(references))
+        return batch
+
+
 def collator_for(store, pad_token_id: int, packed: bool, padding: Padding | None = None, reference=None,
-                 decoder_start_token_id: int | None = None):
-    """The collator of a store: an encoder-decoder's (its rows say so), else the causal one."""
+                 decoder_start_token_id: int | None = None, images=None):
+    """The collator of a store: an encoder-decoder's (its rows say so), a vision-language model's (`images`: its
+    ImageInputs), else the causal one."""
+    if images is not None and getattr(store, "has_images", False):
+        return ImageCollator(Collator(store, pad_token_id, packed, padding=padding, reference=reference), images)
     if store.encoder_decoder:
         start = pad_token_id if decoder_start_token_id is None else decoder_start_token_id
         return Seq2SeqCollator(store, pad_token_id, start, padding)

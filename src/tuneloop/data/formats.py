@@ -69,6 +69,7 @@ class RenderContext:
     tokenizer: object
     template: str | None = None  # the chat template text, for chat rows
     eot_tokens: tuple[str, ...] = ()  # axolotl's `eot_tokens`: the text that ends a turn
+    image_placeholder: str | None = None  # a vision-language model's text for an image part (data/images.py)
 
 
 @dataclass
@@ -77,6 +78,7 @@ class Rendered:
     trained_spans: list[tuple[int, int]] = field(default_factory=list)
     add_special_tokens: bool = True  # False when a chat template already wrote BOS and friends
     append_eos: bool = True  # instruction and completion rows end with a trained EOS, as in axolotl
+    images: list = field(default_factory=list)  # a chat row's image parts, in the order the text holds them
 
 
 def _field(row: SourceRow, name: str, required: bool = True) -> str:
@@ -141,7 +143,7 @@ def render_completion(row: SourceRow, entry, context: RenderContext) -> Rendered
     return Rendered(text, [(0, len(text))])
 
 
-def _messages(row: SourceRow, entry) -> list[dict]:
+def _messages(row: SourceRow, entry, context: RenderContext | None = None, images: list | None = None) -> list[dict]:
     """The row's conversation as template messages: dataset keys mapped (message_property_mappings, or
     message_field_role/content; sharegpt's from/value found by itself), roles mapped (`roles`, else
     human/gpt -> user/assistant), a first system message dropped on request."""
@@ -150,11 +152,14 @@ def _messages(row: SourceRow, entry) -> list[dict]:
     raw = row.values.get(name)
     if not isinstance(raw, list) or not raw:
         raise UserError(f"data: {row.where}: field `{name}` must be a non-empty list of messages")
-    return convert_messages(raw, row, entry, sharegpt)
+    placeholder = context.image_placeholder if context is not None else None
+    return convert_messages(raw, row, entry, sharegpt, placeholder, images)
 
 
-def convert_messages(raw: list, row: SourceRow, entry, sharegpt: bool = False) -> list[dict]:
-    """Messages as the row writes them -> template messages (the mapping rules of `_messages`)."""
+def convert_messages(raw: list, row: SourceRow, entry, sharegpt: bool = False, image_placeholder: str | None = None,
+                     images: list | None = None) -> list[dict]:
+    """Messages as the row writes them -> template messages (the mapping rules of `_messages`); with an
+    `image_placeholder` (a vision-language model), image parts become that text and are appended to `images`."""
     mapping = {"role": entry.message_field_role, "content": entry.message_field_content,
                **(entry.message_property_mappings or {})}
     if sharegpt or (not entry.message_property_mappings and isinstance(raw[0], dict)
@@ -172,7 +177,8 @@ def convert_messages(raw: list, row: SourceRow, entry, sharegpt: bool = False) -
         converted = {key: message[source] for key, source in mapping.items()
                      if key not in ("role", "content") and message.get(source) is not None}
         role = message[mapping["role"]]
-        converted.update(role=roles.get(role, role), content=_content_text(message[mapping["content"]], row, number))
+        converted.update(role=roles.get(role, role),
+                         content=_content_text(message[mapping["content"]], row, number, image_placeholder, images))
         messages.append(converted)
     if entry.drop_system_message and messages[0]["role"] == "system":
         messages = messages[1:]
@@ -186,9 +192,11 @@ def convert_messages(raw: list, row: SourceRow, entry, sharegpt: bool = False) -
     return messages
 
 
-def _content_text(content, row: SourceRow, number: int) -> str:
+def _content_text(content, row: SourceRow, number: int, image_placeholder: str | None = None,
+                  images: list | None = None) -> str:
     """A message's text; content given as parts ([{type: text, text: ...}], the OpenAI/HF multimodal form) is
-    joined. Other parts (images, audio) cannot be trained by a text model: refused, naming the row."""
+    joined. An image part is the model's placeholder text for a vision-language model (the part kept in
+    `images`); other parts (images for a text model, audio, video) are refused, naming the row."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -196,10 +204,14 @@ def _content_text(content, row: SourceRow, number: int) -> str:
         for part in content:
             if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
+            elif image_placeholder is not None and isinstance(part, dict) and part.get("type") == "image":
+                texts.append(image_placeholder)
+                images.append(part)
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise UserError(f"data: {row.where}: message {number} has a content part of type {kind!r}; "
-                                "tuneloop trains text: only parts of type 'text' can be used")
+                can = "'text' and 'image'" if image_placeholder is not None else "'text' (this is a text-only model)"
+                raise UserError(f"data: {row.where}: message {number} has a content part of type {kind!r}; this "
+                                f"model takes parts of type {can}")
         return "".join(texts)
     if content is None or isinstance(content, dict):
         raise UserError(f"data: {row.where}: message {number} has content {content!r}; expected text")
@@ -217,7 +229,8 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
     markers are trained: the trained turns' (`turn`, the default), every turn's (`all`), the last turn's
     (`last`) or none (`none`).
     """
-    messages = _messages(row, entry)
+    images = []
+    messages = _messages(row, entry, context, images)
     tokenizer, template = context.tokenizer, context.template
     if not (template or getattr(tokenizer, "chat_template", None)):
         raise UserError("config: `type: chat_template` needs a chat template, and this tokenizer has none: "
@@ -261,7 +274,7 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
         spans += [marker for marker, _ in markers]
     elif option == "last" and markers:
         spans.append(markers[-1][0])
-    return Rendered(full, spans, add_special_tokens=False, append_eos=False)
+    return Rendered(full, spans, add_special_tokens=False, append_eos=False, images=images)
 
 
 CONTENT_MARK = "\u27e6tuneloop-content\u27e7"  # stands in for a message's content to find where the template puts it

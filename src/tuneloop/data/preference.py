@@ -11,6 +11,9 @@ Names follow axolotl's `type:` under `rl:` — `chat_template.default` with fiel
 field_rejected, `chat_template.argilla` (whole conversations in chosen and rejected), the fixed chatml /
 llama3 prompt shapes (`chatml.ultra`, `llama3.prompt_pairs`, ...), and the user-defined mapping
 (field_prompt, field_system, field_chosen, field_rejected, prompt_format, chosen_format, rejected_format).
+A reward model's pairs (`reward_model: true`, REWARD_FORMATS: axolotl's `bradley_terry.chat_template`) are two
+whole conversations, scored whole. A pair longer than sequence_len is dropped and counted, as every pair is here
+(axolotl truncates such a sequence instead, which cuts off the end its score is read at).
 Like every module of data/, this one sits under the config and does not import it.
 """
 
@@ -57,12 +60,16 @@ def _reply_message(value, row: SourceRow, entry, field: str) -> dict:
     return convert_messages([value], row, entry)[0]
 
 
+def _check_has_template(context: RenderContext) -> None:
+    if not (context.template or getattr(context.tokenizer, "chat_template", None)):
+        raise UserError("config: a chat_template preference dataset needs a chat template, and this tokenizer has "
+                        "none: set `chat_template: chatml` (or another name)")
+
+
 def _template_pair(prompt_messages: list[dict], chosen: dict, rejected: dict, row: SourceRow,
                    context: RenderContext) -> PreferenceText:
     tokenizer, template = context.tokenizer, context.template
-    if not (template or getattr(tokenizer, "chat_template", None)):
-        raise UserError("config: a chat_template preference dataset needs a chat template, and this tokenizer has "
-                        "none: set `chat_template: chatml` (or another name)")
+    _check_has_template(context)
 
     def render(messages: list[dict], generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
@@ -285,7 +292,38 @@ for _family, _shape in (("chatml", CHATML), ("llama3", LLAMA3)):
 PREFERENCE_CHAT_TYPES = ("chat_template.argilla", "chat_template.argilla_chat")
 
 
+# ---- reward models (reward_model: true) ---------------------------------------------------------------------
+def _text(row: SourceRow, field: str) -> str:
+    value = _required(row, field)
+    if not isinstance(value, str):
+        raise UserError(f"data: {row.where}: field `{field}` must be text; got {type(value).__name__}")
+    return value
+
+
+def render_bradley_terry(row: SourceRow, entry, context: RenderContext) -> tuple[Rendered, Rendered]:
+    """axolotl's `bradley_terry.chat_template`: [system], user = `input`, assistant = `chosen` (`rejected`), each
+    conversation written whole by the chat template, as axolotl writes it. A reward model scores the whole
+    sequence, so all of it is marked trained (nothing is a prompt to mask)."""
+    _check_has_template(context)
+    prompt = [{"role": "system", "content": _text(row, "system")}] if row.values.get("system") else []
+    prompt.append({"role": "user", "content": _text(row, "input")})
+
+    def conversation(field: str) -> Rendered:
+        messages = [*prompt, {"role": "assistant", "content": _text(row, field)}]
+        text = context.tokenizer.apply_chat_template(messages, tokenize=False, chat_template=context.template)
+        return Rendered(text, [(0, len(text))], add_special_tokens=False, append_eos=False)
+
+    return conversation("chosen"), conversation("rejected")
+
+
+# dataset `type:` under `reward_model: true` -> (row, dataset entry, RenderContext) -> (chosen, rejected) rows
+REWARD_FORMATS: Registry[Callable] = Registry("reward model dataset type", "type")
+REWARD_FORMATS.add("bradley_terry.chat_template", render_bradley_terry)
+
+
 def render_preference(row: SourceRow, entry, context: RenderContext) -> tuple[Rendered, Rendered]:
     if not isinstance(entry.type, str):
         return as_pair(render_user_defined(row, entry.type))
+    if entry.type in REWARD_FORMATS:
+        return REWARD_FORMATS[entry.type](row, entry, context)
     return as_pair(PREFERENCE_FORMATS[entry.type](row, entry, context))

@@ -19,6 +19,7 @@ against formats.FORMATS): it takes the config's objects (`cfg`, dataset entries)
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -34,8 +35,10 @@ import numpy as np
 
 from tuneloop.data.chat_templates import resolve_template
 from tuneloop.data.formats import RenderContext, render_row
+from tuneloop.data.images import expand_images, image_inputs_of, image_reference, image_size, references_json
 from tuneloop.data.labels import IGNORE_INDEX, count_targets
 from tuneloop.data.load import RawRow, ReadProgress, data_files_of, is_hub_dataset, parse_row, stream_rows
+from tuneloop.data.mistral_chat import MistralChats, fingerprint, is_mistral_common
 from tuneloop.data.preference import render_preference, render_unpaired
 from tuneloop.data.source_target import pretokenized_pair, tokenize_source_target
 from tuneloop.data.token_store import TokenChunk, TokenRows, TokenStoreWriter
@@ -124,9 +127,15 @@ def limits_of(cfg, encoder_decoder: bool = False) -> Limits:
     from tuneloop.rl_methods import RL_METHODS
 
     labelled = bool(cfg.rl) and not RL_METHODS[cfg.rl].paired
+    two = two_sequences_a_row(cfg)
     packs = cfg.sample_packing or cfg.resolved_eval_sample_packing  # a pair packs whole, in train or eval rows
-    return Limits(cfg.sequence_len, cfg.train_on_inputs, bool(cfg.rl), bool(cfg.rl) and packs, labelled,
+    return Limits(cfg.sequence_len, cfg.train_on_inputs, two, two and packs, labelled,
                   encoder_decoder, cfg.min_sample_len or 0)
+
+
+def two_sequences_a_row(cfg) -> bool:
+    """Each source row becomes two sequences kept together: preference data (`rl:`) or a reward model's pairs."""
+    return bool(cfg.rl or cfg.reward_model)
 
 
 class ChunkTokenizer:
@@ -135,8 +144,12 @@ class ChunkTokenizer:
     def __init__(self, tokenizer, entries: list[EntryRules], limits: Limits):
         self.tokenizer, self.entries, self.limits = tokenizer, entries, limits
         self.sequence_len, self.train_on_inputs = limits.sequence_len, limits.train_on_inputs
-        self.contexts = [RenderContext(tokenizer, rules.template, rules.eot_tokens) for rules in entries]
-        self.encoder = plain_encoder(tokenizer)
+        self.vision = image_inputs_of(tokenizer)  # a vision-language model's image side, or None
+        placeholder = self.vision.family.placeholder if self.vision else None
+        self.contexts = [RenderContext(tokenizer, rules.template, rules.eot_tokens, placeholder) for rules in entries]
+        # a mistral-common tokenizer encodes chat rows itself (tokens, not text); it has no Rust backend
+        self.chats = MistralChats(tokenizer) if is_mistral_common(tokenizer) else None
+        self.encoder = None if self.chats else plain_encoder(tokenizer)
         self.vocabulary = len(tokenizer)
 
     def __call__(self, job: ChunkJob) -> ChunkResult:
@@ -154,11 +167,40 @@ class ChunkTokenizer:
             context = self.contexts[job.entry_index]
             rendered = [half for row in rows for half in render_preference(row, entry, context)]
             sequences = tokenize_rendered(rendered, self.tokenizer, self.encoder, False)
+        elif self.chats is not None:
+            sequences = [self.chats.tokens(row, entry, self.train_on_inputs) for row in rows]
+        elif self.vision is not None:
+            sequences, images = self.with_images(rows, entry, self.contexts[job.entry_index])
+            return self.kept(sequences, len(rows), images=images)
         else:
             context = self.contexts[job.entry_index]
             sequences = tokenize_rendered([render_row(row, entry, context) for row in rows], self.tokenizer,
                                           self.encoder, self.train_on_inputs)
         return self.kept(sequences, len(rows))
+
+    def with_images(self, rows: list, entry, context: RenderContext) -> tuple[list, list[str]]:
+        """A vision-language model's rows: each image's token repeated as many times as the processor makes it
+        (from the image's size: the row's length is final), those tokens and their framing never trained; and
+        each row's image references for the collator."""
+        from tuneloop.data.load import data_files_of
+
+        files = data_files_of(entry)
+        base_dir = files[0].parent if files else Path(".")
+        rendered, images = [], []
+        for row in rows:
+            text = render_row(row, entry, context)
+            references = [image_reference(part, row.where, base_dir) for part in text.images]
+            counts = [self.vision.tokens_for(*image_size(reference, row.where)) for reference in references]
+            token = self.vision.family.image_token
+            if text.text.count(token) != len(references):
+                raise UserError(f"data: {row.where}: the chat text holds {text.text.count(token)} image token(s) "
+                                f"{token} for {len(references)} image(s); the text must not write {token} itself")
+            expanded, spans = expand_images(text.text, text.trained_spans, token, counts)
+            rendered.append(dataclasses.replace(text, text=expanded, trained_spans=spans))
+            images.append(references_json(list(zip(references, counts))))
+        sequences = tokenize_rendered(rendered, self.tokenizer, self.encoder, self.train_on_inputs)
+        never = np.asarray(self.vision.never_trained)
+        return [(ids, np.where(np.isin(ids, never), IGNORE_INDEX, labels)) for ids, labels in sequences], images
 
     def source_target(self, rows: list, entry, entry_index: int) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """An encoder-decoder's rows: (encoder tokens then target tokens, their labels, how many are the encoder's)."""
@@ -193,7 +235,7 @@ class ChunkTokenizer:
                                                 dropped_too_short=int(too_short.sum())), os.getpid())
 
     def kept(self, sequences: list[tuple[np.ndarray, np.ndarray]], rows_read: int,
-             desirable: np.ndarray | None = None) -> ChunkResult:
+             desirable: np.ndarray | None = None, images: list[str] | None = None) -> ChunkResult:
         """The usable rows as a chunk; `desirable`: KTO's label of each source row (stored on both its sequences)."""
         lengths = np.fromiter((len(ids) for ids, _ in sequences), dtype=np.int64, count=len(sequences))
         n_targets = np.fromiter((count_targets(labels) for _, labels in sequences), dtype=np.int64,
@@ -222,7 +264,8 @@ class ChunkTokenizer:
             np.concatenate([ids for ids, _ in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
             np.concatenate([labels for _, labels in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
             lengths[per_sequence].astype(np.int32), n_targets[per_sequence].astype(np.int32),
-            np.repeat(desirable, 2)[per_sequence] if desirable is not None else None)
+            np.repeat(desirable, 2)[per_sequence] if desirable is not None else None,
+            images=None if images is None else [text for text, wanted in zip(images, per_sequence) if wanted])
         return ChunkResult(tokens, PrepareStats(rows_read=rows_read, dropped_too_long=int(too_long.sum()),
                                                 dropped_no_trained_tokens=int(untrained.sum()),
                                                 dropped_identical_pairs=int(identical.sum()),
@@ -323,12 +366,26 @@ def cache_key(cfg, tokenizer, encoder_decoder: bool = False) -> str:
         "chat_template": resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer),
         "eot_tokens": cfg.eot_tokens,
         "special_tokens": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        **({"images": image_settings(image_inputs_of(tokenizer))} if image_inputs_of(tokenizer) else {}),
     }
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
+    digest.update(vocabulary_bytes(tokenizer))
     digest.update(data_files_digest(cfg, cfg.datasets + cfg.test_datasets).encode())
     return digest.hexdigest()[:16]
+
+
+def image_settings(vision) -> dict:
+    """What changes a vision-language row's image tokens: the family and the image processor's settings."""
+    return {"family": vision.family.name, "image_processor": vision.image_processor.to_json_string(),
+            "processor": vision.processor.to_json_string() if vision.processor is not None else None}
+
+
+def vocabulary_bytes(tokenizer) -> bytes:
+    """The tokenizer's vocabulary and rules, for the cache key: the fast tokenizer's JSON, mistral-common's file."""
+    if is_mistral_common(tokenizer):
+        return fingerprint(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode()
 
 
 def data_files_digest(cfg, entries: list) -> str:
@@ -552,8 +609,8 @@ def split_store(source: Path, train_dir: Path, eval_dir: Path, held_out: np.ndar
     `held_out` has one value per unit."""
     rows = TokenRows(source)
     group = rows.group
-    train = TokenStoreWriter(train_dir, group, rows.labelled, rows.encoder_decoder)
-    evaluation = TokenStoreWriter(eval_dir, group, rows.labelled, rows.encoder_decoder)
+    train = TokenStoreWriter(train_dir, group, rows.labelled, rows.encoder_decoder, rows.has_images)
+    evaluation = TokenStoreWriter(eval_dir, group, rows.labelled, rows.encoder_decoder, rows.has_images)
     per_row = np.repeat(held_out, group)
     block_rows = SPLIT_BLOCK_ROWS * group  # whole units per block
     for start in range(0, len(rows), block_rows):
@@ -572,12 +629,13 @@ def _build(cfg, tokenizer, target: Path, report=None, notice=None, encoder_decod
     try:
         progress = ReadProgress(_bytes_to_read(cfg.datasets + cfg.test_datasets), report)
         shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
-        group, labelled = (2 if cfg.rl else 1), limits_of(cfg).labelled
-        usable = TokenStoreWriter(temp / "usable", group, labelled, encoder_decoder)
+        group, labelled = (2 if two_sequences_a_row(cfg) else 1), limits_of(cfg).labelled
+        images = image_inputs_of(tokenizer) is not None
+        usable = TokenStoreWriter(temp / "usable", group, labelled, encoder_decoder, images)
         pids = _tokenize_into(usable, cfg.datasets, cfg, tokenizer, stats, progress, notice, shard)
         total = usable.close()
         if cfg.test_datasets:
-            evaluation = TokenStoreWriter(temp / "eval", group, labelled, encoder_decoder)
+            evaluation = TokenStoreWriter(temp / "eval", group, labelled, encoder_decoder, images)
             pids |= _tokenize_into(evaluation, cfg.test_datasets, cfg, tokenizer, stats, progress, notice)
             stats.eval_rows = evaluation.close()
             (temp / "usable").rename(temp / "train")
@@ -700,8 +758,7 @@ def stream_key(cfg, tokenizer, encoder_decoder: bool, packed: bool) -> str:
                 "encoder_decoder": encoder_decoder,
                 "chat_template": resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)}
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    digest.update(backend.to_str().encode() if backend is not None else repr(tokenizer.get_vocab()).encode())
+    digest.update(vocabulary_bytes(tokenizer))
     for entry in cfg.train_entries:
         for file in data_files_of(entry):
             status = file.stat()

@@ -24,6 +24,7 @@ import numpy as np
 
 from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
 from tuneloop.data.collate import MicroBatch, Padding, collator_for
+from tuneloop.data.images import image_inputs_of
 from tuneloop.data.steps import Step, TrainingSteps
 from tuneloop.packed_attention import attention_work
 
@@ -226,7 +227,8 @@ class PreparedSteps(TrainingSteps):
         # what a step's loss is averaged over, per unit: its target tokens, or 1 (a pair)
         self.units_per_unit = self.targets_per_unit if unit == "tokens" else np.ones(len(self.lengths), np.int64)
         self.collator = collator_for(store, tokenizer.pad_token_id, plan.train_batching.mode == "packed",
-                                     plan.padding, reference.get("train"), decoder_start_token_id)
+                                     plan.padding, reference.get("train"), decoder_start_token_id,
+                                     images=image_inputs_of(tokenizer))
 
     def __iter__(self) -> Iterator[Step]:
         plan, accum = self.plan, self.plan.gradient_accumulation_steps

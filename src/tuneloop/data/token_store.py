@@ -8,6 +8,8 @@ A store is a folder of flat binary arrays (little-endian, no header):
     label.i32                   one value per row, in stores of labelled rows only (KTO: 1 desirable, 0 not)
     source_length.i32           one value per row, in encoder-decoder stores only: a row is its encoder tokens
                                 (this many, labels -100) followed by its decoder's target tokens
+    images.json, images.i64     in stores of vision-language rows only: each row's images as JSON text
+                                (data/images.py: references and their image tokens), and where each row's starts
     rows.json                   the row and token counts, and the group size (written last: a store without
                                 it is incomplete)
 
@@ -36,6 +38,7 @@ FILE_TYPES = {"input_ids": np.int32, "labels": np.int32, "length": np.int32, "n_
               "offsets": np.int64, LABEL: np.int32, SOURCE: np.int32}
 SUFFIX = {np.int32: ".i32", np.int64: ".i64"}
 ROWS_FILE = "rows.json"
+IMAGES, IMAGE_OFFSETS = "images.json", "images.i64"  # vision-language stores: each row's images (JSON text)
 
 
 def column_file(folder: Path, name: str) -> Path:
@@ -52,6 +55,7 @@ class TokenChunk:
     n_targets: np.ndarray  # int32, one per row
     label: np.ndarray | None = None  # int32, one per row, in labelled stores only
     source_length: np.ndarray | None = None  # int32, one per row, in encoder-decoder stores only
+    images: list[str] | None = None  # one JSON text per row (data/images.py), in vision-language stores only
 
     @classmethod
     def empty(cls) -> "TokenChunk":
@@ -66,13 +70,15 @@ class TokenChunk:
         per_token = np.repeat(keep, self.length)
         return TokenChunk(self.input_ids[per_token], self.labels[per_token], self.length[keep], self.n_targets[keep],
                           None if self.label is None else self.label[keep],
-                          None if self.source_length is None else self.source_length[keep])
+                          None if self.source_length is None else self.source_length[keep],
+                          None if self.images is None else [text for text, kept in zip(self.images, keep) if kept])
 
 
 class TokenStoreWriter:
     """Appends chunks to a new store in `folder`; `close()` writes rows.json and returns the row count."""
 
-    def __init__(self, folder: Path, group: int = 1, labelled: bool = False, encoder_decoder: bool = False):
+    def __init__(self, folder: Path, group: int = 1, labelled: bool = False, encoder_decoder: bool = False,
+                 images: bool = False):
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self.group = group  # rows per unit (2: a preference pair); chunks hold whole groups
@@ -84,6 +90,12 @@ class TokenStoreWriter:
         self.rows = 0
         self.tokens = 0
         np.zeros(1, dtype=np.int64).tofile(self.files["offsets"])
+        self.images = images  # rows carry image references (a vision-language model's)
+        self.image_bytes = 0
+        if images:
+            self.files[IMAGES] = open(folder / IMAGES, "wb")
+            self.files[IMAGE_OFFSETS] = open(folder / IMAGE_OFFSETS, "wb")
+            np.zeros(1, dtype=np.int64).tofile(self.files[IMAGE_OFFSETS])
 
     def write(self, chunk: TokenChunk) -> None:
         if not len(chunk):
@@ -92,6 +104,12 @@ class TokenStoreWriter:
             np.ascontiguousarray(getattr(chunk, name), dtype=FILE_TYPES[name]).tofile(self.files[name])
         ends = self.tokens + np.cumsum(chunk.length, dtype=np.int64)
         ends.tofile(self.files["offsets"])
+        if self.images:
+            encoded = [text.encode() for text in chunk.images]
+            self.files[IMAGES].write(b"".join(encoded))
+            (self.image_bytes + np.cumsum([len(text) for text in encoded], dtype=np.int64)).tofile(
+                self.files[IMAGE_OFFSETS])
+            self.image_bytes += sum(len(text) for text in encoded)
         self.rows += len(chunk)
         self.tokens = int(ends[-1])
 
@@ -101,7 +119,8 @@ class TokenStoreWriter:
             handle.close()
         counts = {"rows": self.rows, "tokens": self.tokens, **({"group": self.group} if self.group > 1 else {}),
                   **({"labelled": True} if self.labelled else {}),
-                  **({"encoder_decoder": True} if self.encoder_decoder else {})}
+                  **({"encoder_decoder": True} if self.encoder_decoder else {}),
+                  **({"images": True} if self.images else {})}
         (self.folder / ROWS_FILE).write_text(json.dumps(counts))
         return self.rows // self.group
 
@@ -132,6 +151,16 @@ class TokenRows:
                         for name in TOKEN_COLUMNS}
         self.columns.update({name: _mapped(column_file(self.folder, name), np.int32, self.count)
                              for name in (*ROW_COLUMNS, *self.optional)})
+        self.has_images = counts.get("images", False)
+        if self.has_images:
+            self.image_offsets = np.fromfile(self.folder / IMAGE_OFFSETS, dtype=np.int64)
+
+    def images(self, index: int) -> list:
+        """A row's images: [reference, image tokens] pairs (data/images.py), read from disk when asked."""
+        start, stop = int(self.image_offsets[index]), int(self.image_offsets[index + 1])
+        with open(self.folder / IMAGES, "rb") as handle:
+            handle.seek(start)
+            return json.loads(handle.read(stop - start))
 
     def __len__(self) -> int:
         return self.count
@@ -159,7 +188,8 @@ class TokenRows:
         return TokenChunk(*(self._read(name, first, last - first) for name in TOKEN_COLUMNS),
                           *(self._read(name, start, stop - start) for name in ROW_COLUMNS),
                           self._read(LABEL, start, stop - start) if self.labelled else None,
-                          self._read(SOURCE, start, stop - start) if self.encoder_decoder else None)
+                          self._read(SOURCE, start, stop - start) if self.encoder_decoder else None,
+                          [json.dumps(self.images(index)) for index in range(start, stop)] if self.has_images else None)
 
     def _read(self, name: str, start: int, count: int) -> np.ndarray:
         dtype = np.dtype(FILE_TYPES[name])

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from tuneloop.engines.mesh import Mesh, MeshKeys, resolve_mesh
+
 SHARDS = "shards"  # the checkpoint's sub-folder of engine shards (FSDP2, DeepSpeed)
 
 
@@ -60,6 +62,13 @@ class EngineSpec:
     offload_weights: bool = False
     offload_optimizer: bool = False
     activation_checkpointing: bool = False  # recompute each layer in the backward (FSDP's own key for it)
+    mesh_keys: MeshKeys = MeshKeys()  # axolotl's N-D parallel sizes as written (mesh.py)
+
+    def mesh(self, world_size: int) -> Mesh:
+        """The device mesh on `world_size` ranks; a UserError where the sizes cannot make it. An engine that
+        divides anything over the ranks fills dp_shard with the ranks no size names, DDP dp_replicate."""
+        divides = self.shards_weights or self.shards_gradients or self.shards_optimizer
+        return resolve_mesh(self.mesh_keys, world_size, fills_shard=divides)
 
     @property
     def sharded(self) -> bool:
@@ -142,6 +151,7 @@ class Engine:
     lockstep_eval = False  # a collective inside every forward: ranks must run as many eval batches as each other
     writes_shards = False  # a checkpoint holds the engine's own shards (each rank writes its piece)
     reshards = True  # its checkpoints resume on another number of ranks (with --force-resume)
+    built_mesh: str | None = None  # the DeviceMesh the engine built, in the plan's words (mesh.described)
 
     def __init__(self, spec: EngineSpec, cfg, plan, accelerator):
         self.spec, self.cfg, self.plan, self.accelerator = spec, cfg, plan, accelerator

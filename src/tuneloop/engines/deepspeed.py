@@ -129,6 +129,9 @@ def read_deepspeed_keys(value: Any, config_dir: Path | None = None) -> DeepSpeed
         if block in config:
             raise ValueError(f"`deepspeed: {value}` has a `{block}` block; tuneloop builds the {block} from the "
                              f"YAML (`optimizer:` / `lr_scheduler:`) so the plan holds: remove the block")
+    if (config.get("compile") or {}).get("deepcompile"):
+        raise ValueError(f"`deepspeed: {value}` turns on DeepCompile (compile.deepcompile), which asks for DeepSpeed's "
+                         "deepcompile, which tuneloop does not do yet: remove it")
     zero = config.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
@@ -186,8 +189,9 @@ def filled_config(spec: DeepSpeedSpec, micro_batch_size: int, accumulation: int,
                       "only changes speed, so it is turned off.", UserWarning, stacklevel=2)
         zero["overlap_comm"] = False
     compile_block = config.pop("compile", None)
-    if compile_block and not compile_block.get("disable", True):
-        # axolotl's zero*_torch_compile.json: torch.compile under DeepSpeed, which only changes speed
+    if compile_block:
+        # axolotl's zero*_torch_compile.json: torch.compile under DeepSpeed, which only changes speed (DeepCompile,
+        # which changes how ZeRO partitions, is refused where the file is read)
         warnings.warn(f"`deepspeed: {spec.file}` asks DeepSpeed to torch.compile the model (its `compile` block); "
                       "tuneloop compiles only models under its own DDP engine so far, so this runs uncompiled: the "
                       "same training, at eager speed.", UserWarning, stacklevel=2)

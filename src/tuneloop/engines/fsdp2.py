@@ -8,6 +8,10 @@ the gradients of a step are averaged over ranks like DDP's, so the loop's token-
 Clipping takes the norm of the sharded gradients (a DTensor reduced over ranks). Checkpoints are
 torch.distributed.checkpoint shards: each rank writes its own piece, and they reshard to another number of ranks.
 
+With `dp_replicate_size` > 1 (axolotl's N-D keys, mesh.py) it is HSDP: `fully_shard` on the 2-D mesh
+(dp_replicate, dp_shard) shards within each group of dp_shard ranks and keeps a replica per group; gradients are
+reduce-scattered within a group and all-reduced across groups, so the average is still over every rank.
+
 FSDP1 configs (axolotl's older spelling) run as FSDP2, with a warning; keys that only change speed under FSDP2
 are warned about; what FSDP2 here cannot do is refused naming the key.
 """
@@ -61,6 +65,9 @@ class FSDP2Spec(EngineSpec):
     def describe(self, world_size: int | None = None) -> str:
         over = f" over {world_size} rank(s)" if world_size else ""
         among = f"divided by {world_size}" if world_size else "divided over the ranks"
+        mesh = self.mesh(world_size) if world_size else None
+        if mesh is not None and mesh.dp_replicate > 1:
+            among = f"divided by {mesh.dp_shard} within each of {mesh.dp_replicate} replicas (HSDP)"
         parts = ["weights, gradients and optimizer state " + among]
         if not self.reshard_after_forward:
             parts.append("weights kept gathered from forward to backward (shard_grad_op)")
@@ -71,7 +78,8 @@ class FSDP2Spec(EngineSpec):
         return f"FSDP2{over}: " + "; ".join(parts)
 
     def per_rank(self, whole: WholeBytes, world_size: int, accumulation: int, precision: str) -> RankBytes:
-        share = sharded_share(self, whole, world_size, precision, self.reshard_after_forward)
+        # divided over the ranks of one shard group: under HSDP each replica holds the whole model in its group
+        share = sharded_share(self, whole, self.mesh(world_size).dp_shard, precision, self.reshard_after_forward)
         gradients = share.gradients
         if accumulation > 1:
             # FSDP2 skips the reduce-scatter in a step's non-final micro-batches, keeping each gradient whole (fp32)
@@ -125,8 +133,9 @@ def read_fsdp_keys(fsdp: Any, fsdp_version: Any, fsdp_config: dict) -> FSDP2Spec
         raise ValueError(f"`fsdp_config.sharding_strategy: {options['sharding_strategy']}`: one of "
                          f"{', '.join(NUMBERED_STRATEGIES.values())}")
     if "hybrid_shard" in words or "hybrid_shard_zero2" in words or strategy.startswith(("HYBRID", "_HYBRID")):
-        raise ValueError("`fsdp` hybrid sharding (shard within a node, replicate across nodes) needs a 2-D device "
-                         "mesh, which is tensor/context/expert parallelism tuneloop does not do yet; use full_shard")
+        # (FSDP1's spelling leaves the group size to the launcher's nodes; the mesh keys say it, plan-time checked)
+        raise ValueError("`fsdp` hybrid sharding (shard within a node, replicate across nodes): use full_shard and "
+                         "say the groups with `dp_shard_size` (ranks per group) and `dp_replicate_size` (groups)")
     if "no_shard" in words or strategy == "NO_SHARD":
         raise ValueError("`fsdp: no_shard` is DDP: remove the `fsdp` keys and launch the same ranks")
     if options.get("auto_wrap_policy") not in (None, "TRANSFORMER_BASED_WRAP"):
@@ -204,8 +213,7 @@ class FSDP2Engine(DDPEngine):
         precision = self.plan.resolved.precision.mixed
         if precision == "fp16":
             raise UserError("fsdp: fp16 needs a sharded gradient scaler tuneloop does not have; use `bf16: true`")
-        mesh = init_device_mesh(device.type, (accelerator.num_processes,))
-        options = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
+        options = {"mesh": self._shard_mesh(init_device_mesh), "reshard_after_forward": spec.reshard_after_forward}
         if precision == "bf16":  # gathered and computed in bf16, gradients reduced in fp32
             options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         on_meta = any(parameter.is_meta for parameter in module.parameters())  # (loads_on_rank_zero, not rank 0)
@@ -228,6 +236,20 @@ class FSDP2Engine(DDPEngine):
         self.module = self.runner = module
         self.optimizer = build_optimizer(self.cfg, module.model)  # over the sharded (DTensor) parameters
         return self.runner, self.optimizer
+
+    def _shard_mesh(self, init_device_mesh):
+        """The mesh fully_shard runs on: without the N-D keys, all ranks in one dimension (as before they
+        existed); with them, the engine's DeviceMesh (mesh.py), whose (dp_replicate, dp_shard) part is 2-D when
+        there are replicas (HSDP) and the dp_shard dimension alone otherwise."""
+        from tuneloop.engines.mesh import build_device_mesh, described
+
+        device_type = self.accelerator.device.type
+        if not self.spec.mesh_keys.written:
+            return init_device_mesh(device_type, (self.accelerator.num_processes,))
+        device_mesh = build_device_mesh(self.spec.mesh(self.accelerator.num_processes), device_type)
+        self.built_mesh = described(device_mesh)
+        return device_mesh["dp_replicate", "dp_shard"] if device_mesh["dp_replicate"].size() > 1 \
+            else device_mesh["dp_shard"]
 
     def accumulating(self, last: bool):
         import contextlib

@@ -2,11 +2,14 @@
 
 - no `fsdp`/`deepspeed` key: DDP (ddp.py), every rank a whole copy; one process is this engine too;
 - `fsdp` / `fsdp_version` / `fsdp_config`: FSDP2 (fsdp2.py reads its keys);
-- `deepspeed: path/to.json`: DeepSpeed ZeRO, stage 1/2/3 from that file (deepspeed.py reads it).
+- `deepspeed: path/to.json`: DeepSpeed ZeRO, stage 1/2/3 from that file (deepspeed.py reads it);
+- `dp_replicate_size` / `dp_shard_size` / `tensor_parallel_size` / `context_parallel_size`: the device mesh the
+  engine runs on (mesh.py resolves them against the world size); replicas of FSDP2 shards are HSDP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ from tuneloop.engines.base import EngineSpec
 from tuneloop.engines.ddp import DDPSpec
 from tuneloop.engines.deepspeed import DeepSpeedSpec, read_deepspeed_keys
 from tuneloop.engines.fsdp2 import FSDP2Spec, read_fsdp_keys
+from tuneloop.engines.mesh import MeshKeys
 from tuneloop.registry import Registry
 
 ENGINES: Registry[type[EngineSpec]] = Registry("engine", "fsdp/deepspeed")
@@ -23,12 +27,61 @@ ENGINES.add("deepspeed", DeepSpeedSpec)
 
 
 def read_engine(fsdp: Any, fsdp_version: Any, fsdp_config: dict | None, deepspeed: Any,
-                config_dir: Path | None = None) -> EngineSpec:
-    """The engine the keys ask for. A ValueError names the key and the fix (config/rules.py reports it)."""
+                config_dir: Path | None = None, mesh: MeshKeys = MeshKeys()) -> EngineSpec:
+    """The engine the keys ask for, on the mesh `mesh` asks for (read_mesh_keys). A ValueError names the key and the
+    fix (config/rules.py reports it)."""
     if deepspeed and (fsdp or fsdp_config):
         raise ValueError("`deepspeed` and `fsdp`/`fsdp_config` ask for two engines at once; keep one of them")
     if deepspeed:
-        return read_deepspeed_keys(deepspeed, config_dir)
-    if fsdp or fsdp_config or fsdp_version:
-        return read_fsdp_keys(fsdp, fsdp_version, fsdp_config or {})
-    return DDPSpec()
+        spec = read_deepspeed_keys(deepspeed, config_dir)
+    elif fsdp or fsdp_config or fsdp_version:
+        spec = read_fsdp_keys(fsdp, fsdp_version, fsdp_config or {})
+    else:
+        spec = DDPSpec()
+    check_mesh_for(spec, mesh)
+    return dataclasses.replace(spec, mesh_keys=mesh)
+
+
+def read_mesh_keys(dp_replicate_size: Any = None, dp_shard_size: Any = None, tensor_parallel_size: Any = None,
+                   context_parallel_size: Any = None, sequence_parallel_degree: Any = None) -> MeshKeys:
+    """axolotl's N-D parallel sizes as written. A size of 1 is axolotl's default and means the axis is not there
+    (its resolution treats it as unset); tensor and context parallelism (> 1) are refused naming the feature."""
+    from tuneloop.config.axolotl import FEATURES
+
+    written = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
+               "tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size,
+               "sequence_parallel_degree": sequence_parallel_degree}
+    for key, size in written.items():
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"`{key}: {size!r}`: a size is a number of ranks, 1 or more (1: the axis is not used)")
+    if context_parallel_size and sequence_parallel_degree and context_parallel_size != sequence_parallel_degree:
+        raise ValueError(f"`context_parallel_size: {context_parallel_size}` and `sequence_parallel_degree: "
+                         f"{sequence_parallel_degree}` (its older name) disagree; keep context_parallel_size")
+    context = context_parallel_size or sequence_parallel_degree
+    short = FEATURES["parallelism"][0]
+    for key, size, feature in (("tensor_parallel_size", tensor_parallel_size, "tensor parallelism"),
+                               ("context_parallel_size" if context_parallel_size else "sequence_parallel_degree",
+                                context, "context parallelism")):
+        if size and size > 1:
+            raise ValueError(f"`{key}: {size}` asks for {feature} ({short}), which tuneloop does not do yet, and "
+                             "ignoring it would change what each rank computes; set it to 1 (HSDP runs with "
+                             "dp_replicate_size × dp_shard_size)")
+
+    def axis(size):
+        return size if size and size > 1 else None
+
+    return MeshKeys(dp_replicate=axis(dp_replicate_size), dp_shard=axis(dp_shard_size), tp=None, cp=None,
+                    written=any(size is not None for size in written.values()))
+
+
+def check_mesh_for(spec: EngineSpec, mesh: MeshKeys) -> None:
+    """The data-parallel sizes the engine can run: sharding needs FSDP2 (as in axolotl), and DeepSpeed's ZeRO
+    partitions over every rank, with no replicate/shard split of its own."""
+    if spec.name == "ddp" and mesh.dp_shard:
+        raise ValueError(f"`dp_shard_size: {mesh.dp_shard}` shards the model over ranks, which needs FSDP2: add "
+                         "`fsdp_version: 2` and `fsdp_config`, as axolotl asks (or remove dp_shard_size for DDP)")
+    if spec.name == "deepspeed" and (mesh.dp_shard or mesh.dp_replicate):
+        given = " and ".join(f"`{key}: {size}`" for key, size in (("dp_replicate_size", mesh.dp_replicate),
+                                                                   ("dp_shard_size", mesh.dp_shard)) if size)
+        raise ValueError(f"{given} with `deepspeed`: ZeRO partitions over every rank and has no replicate/shard "
+                         "split; remove them, or use FSDP2 (`fsdp_version: 2`) for HSDP")

@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from tuneloop.data.batching import BatchingSpec
 from tuneloop.data.collate import Padding, padding_for
 from tuneloop.errors import UserError
-from tuneloop.optim import schedule_words
+from tuneloop.optim import optimizer_words, schedule_words
 from tuneloop.plan.schedule import run_schedule
 from tuneloop.use.hub import push_words
-from tuneloop.rl_methods import RL_METHODS, is_online, reference_source
+from tuneloop.rl_methods import RL_METHODS, is_online, objective_name, reference_source
 from tuneloop.resolved import slow_bf16_note
 
 FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a warning
@@ -68,6 +68,8 @@ class TrainingPlan:
     unit: str = "tokens"  # what a step's loss is averaged over: target tokens, or pairs (rows are then pairs)
     reference: str | None = None  # preference methods: where the reference log-probs come from
     learning_rate: float = 0.0
+    optimizer_steps: str | None = None  # how the optimizer steps, where its name does not say it
+    qat: str | None = None  # `qat:`: what is fake-quantized, how, and from which step (qat.py), in words
     lr_scheduler: str = ""
     optimizer: str = ""
     dropped_no_trained_tokens: int = 0
@@ -89,6 +91,7 @@ class TrainingPlan:
     estimated_memory_gb: float | None = None
     memory: dict | None = None  # the estimate's parts per rank: weights, gradients, optimizer, activations, device
     engine: str | None = None  # how the ranks share the model, in words (engines/)
+    mesh: str | None = None  # the device mesh of axolotl's N-D keys when any is set (engines/mesh.py)
     saved_dtype: str | None = None  # the dtype of the weights the run saves (the same under every engine)
     model: str | None = None  # the model trained: its class, and where its weights come from
     # save_strategy: best: the metric whose improvement saves (save_steps_at: the evals that may); the final model
@@ -159,6 +162,8 @@ def data_plan(cfg, resolved, rows, world_size: int) -> TrainingPlan:
 def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, tokenizer,
                compile_decision: tuple[bool, str] | None = None) -> TrainingPlan:
     batch = _batch(cfg, rows, world_size)
+    # resolved against the world size now: sizes that cannot make it stop `plan --world-size N` and `train` here
+    mesh = resolved.engine.mesh(world_size)
 
     def counted(resolved):
         padding = padding_for(cfg, resolved.compiled)
@@ -210,10 +215,12 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
         decoder_tokens=counts.decoder_tokens, encoder_padding_fraction=counts.encoder_padding_fraction,
         decoder_padding_fraction=counts.decoder_padding_fraction,
         learning_rate=cfg.learning_rate, lr_scheduler=schedule_words(cfg), optimizer=cfg.optimizer,
-        objective=cfg.rl or "language_model", unit=_unit(cfg), rollout=counts.rollout,
+        optimizer_steps=optimizer_words(cfg), qat=cfg.qat.words(counts.total_steps) if cfg.qat else None,
+        objective=objective_name(cfg), unit=_unit(cfg), rollout=counts.rollout,
         reference=reference_source(cfg), streamed=resolved.streamed, resolved=resolved,
         train_batching=train_spec(cfg, resolved, world_size), eval_batching=eval_spec(cfg, resolved, world_size),
-        padding=padding, first_epoch_batches=counts.first_epoch_batches, **model_part)
+        padding=padding, first_epoch_batches=counts.first_epoch_batches,
+        mesh=str(mesh) if resolved.engine.mesh_keys.written else None, **model_part)
     return replace(plan, warnings=plan_warnings(cfg, plan, counts) + notes)
 
 
@@ -225,6 +232,8 @@ def _best_words(cfg) -> str:
 def _unit(cfg) -> str:
     if is_online(cfg):
         return cfg.trl_settings.unit
+    if cfg.reward_model:
+        return "pairs"  # (train/reward_model.py: the Bradley-Terry loss is a mean over pairs)
     return RL_METHODS[cfg.rl].unit if cfg.rl else "tokens"
 
 
@@ -355,7 +364,17 @@ def model_line(cfg, facts) -> str:
         source = f"random weights (from scratch) from the config of {cfg.base_model_config or cfg.base_model}"
     else:
         source = f"weights of {cfg.base_model}"
-    return f"{name}, {facts.parameters:,} parameters; {source}"
+    return f"{name}, {facts.parameters:,} parameters; {source}{_dequantized_words(cfg, facts)}"
+
+
+def _dequantized_words(cfg, facts) -> str:
+    """How an MXFP4 checkpoint's experts load (mxfp4.py): unpacked into the run's weights dtype, which the memory
+    estimate counts them in."""
+    from tuneloop.mxfp4 import dequantizes_mxfp4, loaded_dtype_words
+
+    if not dequantizes_mxfp4(cfg, facts.config):
+        return ""
+    return f" (its MXFP4 experts dequantized to {loaded_dtype_words(cfg)} as they load)"
 
 
 def plan_warnings(cfg, plan: TrainingPlan, counts) -> list[str]:
@@ -371,8 +390,9 @@ def plan_warnings(cfg, plan: TrainingPlan, counts) -> list[str]:
                      "batches; one step here consumes a global batch from every rank.")
         found.append(text)
     if plan.padding_fraction is not None and plan.padding_fraction > 0.20 and not (
-            cfg.group_by_length and plan.encoder_tokens is not None):  # (nothing left to suggest)
-        remedy = ("`group_by_length: true` would reclaim most of it" if plan.encoder_tokens is not None
+            cfg.group_by_length and (plan.encoder_tokens is not None or cfg.reward_model)):  # (nothing left)
+        remedy = ("`group_by_length: true` would reclaim most of it"
+                  if plan.encoder_tokens is not None or cfg.reward_model  # (neither packs: rules.py)
                   else "`sample_packing: true` (or `group_by_length: true`) would reclaim most of it")
         found.append(f"{plan.padding_fraction:.0%} of the computed tokens are padding; {remedy}.")
     for name, count in (("eval", plan.eval_count), ("save", plan.save_count)):
@@ -399,6 +419,9 @@ def plan_warnings(cfg, plan: TrainingPlan, counts) -> list[str]:
                      f"({counts.batch_rows_per_epoch} {rows} in {plan.micro_batches_per_epoch} micro-batches per "
                      "rank): every step is a partial batch (still an exact mean over its tokens); lower "
                      "micro_batch_size or gradient_accumulation_steps.")
+    if cfg.qat is not None and cfg.qat.start_step() >= plan.total_steps:
+        found.append(f"qat.fake_quant_after_n_steps={cfg.qat.start_step()} is not below the run's {plan.total_steps} "
+                     "steps: no step trains fake-quantized, and the model is trained as without `qat`.")
     if plan.warmup_steps >= plan.total_steps:
         found.append(f"warm-up ({plan.warmup_steps} steps) is as long as the run ({plan.total_steps} steps) "
                      "or longer: the learning rate never reaches its peak.")

@@ -75,7 +75,8 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     (engines/masters.py)."""
     config = facts.text_config
     params, trainable = facts.parameters, facts.trainable_parameters
-    # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them; 4-bit NF4 or
+    # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them (an MXFP4
+    # checkpoint's experts too: they are dequantized into that dtype as they load, mxfp4.py); 4-bit NF4 or
     # 8-bit when quantized; an fp32 master copy where the engine's optimizer steps one (DeepSpeed)
     parameter_bytes, master_bytes = engine.held_widths(2 if cfg.bfloat16 or cfg.float16 else 4, precision)
     trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights
@@ -88,10 +89,13 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         held_weights += trainable * trained_bytes  # the adapter's own weights, beside the base
     weight_bytes = held_weights / max(params, 1)  # as held on average (the reference copy, the engines' shares)
     # the optimizer's states follow the weights it steps: the masters', where there are masters
-    state_bytes = OPTIMIZERS[cfg.optimizer].state_bytes_per_param * (1 if master_bytes else trained_bytes / 4)
+    kind, width = OPTIMIZERS[cfg.optimizer], (1 if master_bytes else trained_bytes / 4)
+    states = trainable * kind.state_bytes_per_param * width
+    if kind.hidden_matrix_state_bytes is not None:  # (Muon keeps less for the matrices it orthogonalises)
+        states -= facts.hidden_matrices_trained * (kind.state_bytes_per_param - kind.hidden_matrix_state_bytes) * width
     layers = getattr(config, "num_hidden_layers", 0)
     whole = WholeBytes(weights=held_weights, gradients=trainable * trained_bytes,
-                       optimizer=trainable * (state_bytes + master_bytes) + bf16_copies * 4, parameters=params,
+                       optimizer=states + trainable * master_bytes + bf16_copies * 4, parameters=params,
                        trainable=trainable,
                        weight_bytes=weight_bytes, layer_parameters=_layer_parameters(config), layers=layers,
                        unsharded_weights=quantized[1] if quantized else 0.0)

@@ -30,7 +30,7 @@ def describe(plan) -> str:
         + (" (a share of an epoch: its steps rounded up)" if plan.epochs_covered % 1 else ""),
         f"  tokens               {plan.tokens_per_step:.0f} trained tokens per step, "
         f"{plan.total_trainable_tokens} over the run",
-        f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
+        f"  optimizer            {_optimizer(plan)}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
     lines += _machine_lines(plan)
@@ -53,7 +53,7 @@ def _describe_streamed(plan) -> str:
         f"the data and trained tokens are counted as they come; {plan.eval_rows} eval rows",
         f"  steps                {plan.total_steps} (max_steps)",
         f"  tokens               {tokens}",
-        f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
+        f"  optimizer            {_optimizer(plan)}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
     return "\n".join(lines + _machine_lines(plan))
@@ -86,7 +86,7 @@ def _describe_online(plan) -> str:
         f"by {r['scale_rewards']} std",
         f"  objective            {plan.objective}, loss_type {r['loss_type']}: averaged over "
         f"{UNIT_WORDS[r['unit']]}; reference {reference}",
-        f"  optimizer            {plan.optimizer}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
+        f"  optimizer            {_optimizer(plan)}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
     return "\n".join(lines + _machine_lines(plan))
@@ -106,6 +106,8 @@ def _machine_lines(plan) -> list[str]:
                      f"({together} in one micro-batch); reference {plan.reference or 'none'}")
     if plan.precision is not None:
         lines.append(f"  precision            {plan.precision}; attention {plan.attention}")
+    if plan.qat is not None:
+        lines.append(f"  qat                  {plan.qat}")
     if plan.attention_split is not None:
         lines.append(f"  attention            {plan.attention_split}")
     if plan.host_allocator is not None:
@@ -119,6 +121,8 @@ def _machine_lines(plan) -> list[str]:
         lines.append(f"  compute              {_compute_line(plan)}")
     if plan.engine is not None:
         lines.append(f"  engine               {plan.engine}")
+    if plan.mesh is not None:
+        lines.append(f"  device mesh          {plan.mesh}")
     if plan.saved_dtype is not None:
         lines.append(f"  saved                the model's weights in {plan.saved_dtype} (safetensors), as trained: the same "
                      "under every engine")
@@ -181,3 +185,7 @@ def _short(steps: list[int]) -> str:
     if not steps:
         return "none"
     return ", ".join(map(str, steps)) if len(steps) <= 8 else f"{', '.join(map(str, steps[:6]))}, …, {steps[-1]}"
+
+
+def _optimizer(plan) -> str:
+    return plan.optimizer + (f" {plan.optimizer_steps}" if plan.optimizer_steps else "")

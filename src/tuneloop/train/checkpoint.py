@@ -167,12 +167,13 @@ def _looks_like_full_disk(error: Exception, folder: Path) -> bool:
     return shutil.disk_usage(folder).free < FULL_DISK_BYTES  # torch.save only says "unexpected pos"
 
 
-def prune_checkpoints(output_dir: Path, limit: int | None, keep: Path) -> None:
-    """Keep the newest `limit` complete checkpoints; never the one just written."""
+def prune_checkpoints(output_dir: Path, limit: int | None, keep: Path, protect: Path | None = None) -> None:
+    """Keep the newest `limit` complete checkpoints; never the one just written, nor `protect` (the best eval's,
+    under save_strategy: best: the Trainer keeps it too, one over the limit if need be)."""
     if not limit:
         return
     for old in complete_checkpoints(output_dir)[:-limit]:
-        if old != keep:
+        if old not in (keep, protect):
             shutil.rmtree(old, ignore_errors=True)
 
 

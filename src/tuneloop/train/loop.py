@@ -30,11 +30,13 @@ import torch
 from tuneloop import run_files
 from tuneloop.data.batching import epoch_micro_batches
 from tuneloop.data.collate import collator_for
+from tuneloop.data.images import image_inputs_of
 from tuneloop.engines.base import join_process_group
 from tuneloop.hardware import peak_host_rss_bytes
 from tuneloop.optim import build_scheduler
 from tuneloop.plan.build import TrainingPlan
 from tuneloop.plan.flops import mfu
+from tuneloop.qat import fake_quantization_of
 from tuneloop.train import checkpoint
 from tuneloop.train.compiling import compile_for_training, eager_for_eval
 from tuneloop.train.evaluate import evaluate
@@ -62,6 +64,7 @@ class RunOutcome:
     training_seconds: float = 0.0  # train_seconds without the evals and checkpoints inside the loop
     held_per_rank: list = field(default_factory=list)  # each rank's weights and optimizer bytes (engines.held_bytes)
     stream: dict | None = None  # a streamed run: its passes, and the rows every rank read and left out this session
+    mesh: str | None = None  # the DeviceMesh the engine built (N-D keys), in the plan's words
 
 
 class TrainingLoop:
@@ -97,8 +100,12 @@ class TrainingLoop:
             self.eval_rounds = max(len(batches) for batches in every_rank)
             self.eval_filler = next((batches[0] for batches in every_rank if batches), None)
             self.eval_collate = collator_for(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
-                                             plan.padding.unfixed(), reference.get("eval"), decoder_start)
+                                             plan.padding.unfixed(), reference.get("eval"), decoder_start,
+                                             images=image_inputs_of(tokenizer))
 
+        # `qat:` fake-quantized layers, on or off for the step the run starts from; swapped in before the model is
+        # compiled and wrapped (the same parameters under the same names: checkpoints stay plain)
+        self.fake_quantization = fake_quantization_of(cfg, model, self.state.step)
         if plan.resolved.compiled:  # before DDP wraps the model; in place: names and checkpoints stay the eager ones
             compile_for_training(cfg, model)
         # what the loop runs (the model and its loss, wrapped by the engine: DDP, FSDP2 or DeepSpeed), its
@@ -141,6 +148,7 @@ class TrainingLoop:
         steps = iter(self.steps)
         while state.step < plan.total_steps and not stopped_by:
             planned = next(steps)
+            self.fake_quantization.follow(state.step)  # `qat:` on from step fake_quant_after_n_steps (qat.py)
             lr, grad_norm = self.train_step(planned.window, planned.targets, planned.units)
             step = state.step
             if self.accelerator.is_main_process:
@@ -176,6 +184,7 @@ class TrainingLoop:
         training_seconds = train_seconds - (self.seconds["eval"] + self.seconds["save"] - outside_steps_before)
         held = self.engine.held_bytes()  # as the steps held them
         self.engine.training_ended()  # (the model holds the weights it is saved with: fp32 masters, under bf16)
+        self.fake_quantization.remove()  # the plain layers back, holding the trained weights: saved as a plain model
         self.hooks.loop_ended(self.language_model)
         if stopped_by != "signal":
             best_instead = stopped_by == "early_stopping" or self.cfg.load_best_model_at_end
@@ -193,7 +202,7 @@ class TrainingLoop:
             training_seconds=training_seconds,
             held_per_rank=[{"weights": held[i], "optimizer": held[i + 1], "peak_host_rss_at_start": held[i + 2]}
                            for i in range(0, len(held), 3)],
-            stream=self.steps.read_counts(self.gather_counts))
+            stream=self.steps.read_counts(self.gather_counts), mesh=self.engine.built_mesh)
 
     @contextlib.contextmanager
     def timed(self, what: str):
@@ -310,7 +319,9 @@ class TrainingLoop:
                 written = checkpoint.write_checkpoint(self.output_dir, step, marker, self.language_model,
                                                       engine.optimizer_state(), self.scheduler, self.world_size,
                                                       model_state=weights, weights=whole, tokenizer=self.tokenizer)
-                checkpoint.prune_checkpoints(self.output_dir, self.cfg.save_total_limit, keep=written)
+                best = self.state.best_step if self.plan.saves_at_best else None
+                checkpoint.prune_checkpoints(self.output_dir, self.cfg.save_total_limit, keep=written,
+                                             protect=best and self.output_dir / f"checkpoint-{best}")
 
             checkpoint.write_on_every_rank(
                 self.accelerator, self.output_dir, f"step {step}", on_main=write_on_main,

@@ -25,6 +25,10 @@ def save_hf_folder(model, tokenizer, folder: Path, weights: dict | None = None) 
     if weights:
         config_says_dtype_of(folder, weights)
     tokenizer.save_pretrained(folder)
+    from tuneloop.data.images import image_inputs_of
+
+    if image_inputs_of(tokenizer) is not None:  # a vision-language model's processor, for AutoProcessor
+        image_inputs_of(tokenizer).save(folder)
     make_readable(folder)
 
 

@@ -4,7 +4,8 @@ An objective runs the model on a micro-batch and returns a *summed* loss, and sa
 (its unit): the language-model loss sums cross-entropy over target tokens, so a step's loss is that sum
 divided by the target tokens of the whole step (all micro-batches, all ranks), which the host knows before
 the step. Preference objectives (RL_METHODS; their LOSSES in train/preference.py) sum over pairs (KTO: rows) and
-normalise by the pairs of the step, in the same loop.
+normalise by the pairs of the step, in the same loop; so does a reward model's Bradley-Terry loss
+(train/reward_model.py), on a sequence classifier's scores.
 
 The model and its objective are one module for the loop (`ObjectiveModule`), so DDP, FSDP2 and DeepSpeed
 wrap the loss computation too: the language-model loss meets the output projection in chunks
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.registry import Registry
-from tuneloop.rl_methods import ONLINE_METHODS, RL_METHODS
+from tuneloop.rl_methods import ONLINE_METHODS, REWARD_MODEL_OBJECTIVE, RL_METHODS, objective_name
 from tuneloop.output_head import output_head
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
 
@@ -129,8 +130,19 @@ def _online_rl(cfg, reference_model=None) -> Objective:
                      summarise=loss.summarise, name=cfg.rl)
 
 
-# `rl:` name -> (cfg, reference model or None) -> Objective; supervised fine-tuning is "language_model"
+def _reward_model(cfg, reference_model=None) -> Objective:
+    """A reward model's Bradley-Terry loss over pairs (train/reward_model.py); no reference."""
+    from tuneloop.train.reward_model import BradleyTerryLoss
+
+    loss = BradleyTerryLoss(cfg.center_rewards_coefficient or 0.0)
+    return Objective(loss, loss.eval_sums, loss.eval_metrics, unit="pairs", eval_width=2 + loss.stat_width,
+                     stat_width=loss.stat_width, summarise=loss.summarise, name=REWARD_MODEL_OBJECTIVE)
+
+
+# `rl:` name -> (cfg, reference model or None) -> Objective; supervised fine-tuning is "language_model", a reward
+# model (`reward_model: true`) "bradley_terry" (rl_methods.objective_name says which a config trains)
 OBJECTIVES: Registry[Callable] = Registry("training objective", "rl")
+OBJECTIVES.add(REWARD_MODEL_OBJECTIVE, _reward_model)
 OBJECTIVES.add("language_model", lambda cfg, reference_model=None: _language_model(cfg))
 for _method in RL_METHODS.names():  # every preference method the config accepts (rl_methods.py) is one loss here
     OBJECTIVES.add(_method, _preference)
@@ -141,7 +153,7 @@ for _method in ONLINE_METHODS:
 def objective_of(cfg, reference_model=None) -> Objective:
     """Supervised fine-tuning trains the language-model loss; `rl:` names a preference objective, which compares
     the policy with `reference_model` (None: LoRA's adapter switched off, or log-probs that came precomputed)."""
-    return OBJECTIVES[cfg.rl if cfg is not None and cfg.rl else "language_model"](cfg, reference_model)
+    return OBJECTIVES[objective_name(cfg)](cfg, reference_model)
 
 
 class ObjectiveModule(torch.nn.Module):

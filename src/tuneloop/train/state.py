@@ -25,6 +25,7 @@ class RunState:
     targets_collated: int = 0  # target tokens this rank's collator produced: the loss's denominators, summed
     evals: list[dict] = field(default_factory=list)  # every eval's metrics, with its step
     best_metric: float | None = None  # the best eval's metric_for_best_model (eval_loss unless the config says)
+    best_step: int | None = None  # the step of that eval (save_strategy: best keeps its checkpoint from pruning)
     evals_without_improvement: int = 0
     # the loss watchdog's streaks on this rank ([not finite, too high]): a streak that a checkpoint
     # interrupts goes on counting after the resume, so a patience of 3 means 3 steps however it was saved
@@ -32,11 +33,14 @@ class RunState:
 
     def record_eval(self, step: int, metrics: dict, metric: str = "eval_loss", greater_is_better: bool = False) -> bool:
         """Adds an eval; True when its `metric` is the best so far (what early stopping, save_strategy: best and
-        load_best_model_at_end keep). A tie is not an improvement, as in the Trainer."""
+        load_best_model_at_end keep). A tie is not an improvement, as in the Trainer; nor is the eval before the
+        first step (eval_on_start), which the Trainer leaves out too: the untrained model is never "the best"."""
         self.evals.append({"step": step, **metrics})
+        if step == 0:
+            return False
         value, best = metrics[metric], self.best_metric
         if best is None or (value > best if greater_is_better else value < best):
-            self.best_metric, self.evals_without_improvement = value, 0
+            self.best_metric, self.best_step, self.evals_without_improvement = value, step, 0
             return True
         self.evals_without_improvement += 1
         return False
@@ -47,7 +51,7 @@ class RunState:
     def to_json(self, targets_per_rank: list[int], streaks_per_rank: list[list[int]]) -> dict:
         """The counters as the checkpoint marker stores them (each rank's own counters, gathered)."""
         return {"step": self.step, "tokens_seen": self.tokens_seen, "targets_collated": targets_per_rank,
-                "evals": self.evals, "best_metric": self.best_metric,
+                "evals": self.evals, "best_metric": self.best_metric, "best_step": self.best_step,
                 "evals_without_improvement": self.evals_without_improvement,
                 "bad_steps_in_a_row": streaks_per_rank}
 
@@ -59,7 +63,7 @@ class RunState:
         return cls(step=data["step"], tokens_seen=data["tokens_seen"],
                    targets_collated=counts[rank] if same_ranks else 0, evals=list(data["evals"]),
                    # (checkpoints written before the metric could be chosen held eval_loss's as best_eval_loss)
-                   best_metric=data.get("best_metric", data.get("best_eval_loss")),
+                   best_metric=data.get("best_metric", data.get("best_eval_loss")), best_step=data.get("best_step"),
                    evals_without_improvement=data["evals_without_improvement"],
                    # with other ranks, the longest streak of any old rank carries on (the stricter reading)
                    bad_steps_in_a_row=(list(streaks[rank]) if same_ranks and len(streaks) == world_size

@@ -1,4 +1,4 @@
-"""The `infer`, `eval`, `merge-lora`, `export` and `push` (use/hub.py) subcommands. Light at import: torch,
+"""The `infer`, `eval`, `merge-lora`, `export`, `quantize` and `push` (use/hub.py) subcommands. Light at import: torch,
 transformers, peft and huggingface_hub are imported inside the handlers, so `tuneloop --help` stays instant."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from tuneloop.errors import UserError
 
 
 def add_use_commands(commands) -> None:
-    """Registers the five commands on the CLI's subparsers object."""
+    """Registers the six commands on the CLI's subparsers object."""
     from tuneloop.use.hub import add_push_command
 
     _add_infer(commands)
     _add_eval(commands)
     _add_merge(commands)
     _add_export(commands)
+    _add_quantize(commands)
     add_push_command(commands)
 
 
@@ -90,6 +91,17 @@ def _add_export(commands) -> None:
     export.add_argument("--overwrite", action="store_true",
                         help="replace an existing output that tuneloop exported (never another program's file)")
     export.set_defaults(handler=command_export)
+
+
+def _add_quantize(commands) -> None:
+    quantize = commands.add_parser("quantize", help="a QAT run's model quantized by torchao as its `qat:` block says "
+                                   "(int4/int8 weights): a folder from_pretrained reloads")
+    _add_config_arguments(quantize, optional=True)
+    quantize.add_argument("--model", metavar="DIR", help="a model folder a QAT run saved (its run_config.yml beside "
+                          "it says how), instead of CONFIG")
+    quantize.add_argument("--output", metavar="DIR", help="where the quantized model goes (default: "
+                          "OUTPUT_DIR/quantized, or DIR/quantized); it must not exist or be empty")
+    quantize.set_defaults(handler=command_quantize)
 
 
 def load_config(args):
@@ -246,3 +258,41 @@ def command_export(args) -> int:
     print(f"  llama-cli -m {done.gguf} -cnv        # llama.cpp", flush=True)
     print(f"  cd {done.gguf.parent} && ollama create NAME -f {done.modelfile.name} && ollama run NAME", flush=True)
     return 0
+
+
+# ---- quantize ------------------------------------------------------------------------------------
+
+def command_quantize(args) -> int:
+    from tuneloop.hardware import quiet_deepspeed_on_cpu
+    from tuneloop.run_files import QUANTIZED
+    from tuneloop.use.quantize import quantize_folder
+
+    quiet_deepspeed_on_cpu()
+    args.base = None  # (a QAT run saves a whole model: there is no adapter base to name)
+    folder, cfg = _source_folder(args, "quantize", "--model")
+    settings = _qat_settings(cfg, folder)
+    output = Path(args.output).expanduser() if args.output else folder.path / QUANTIZED
+    done = quantize_folder(folder, settings, output, _trusts_remote_code(cfg))
+    activations = ", int8 activations" if settings.activation_dtype else ""
+    print(f"quantized model ({settings.weight_dtype} weights in groups of {settings.group_size}{activations}) saved "
+          f"to {done}; from_pretrained loads it with torchao installed", flush=True)
+    return 0
+
+
+def _qat_settings(cfg, folder):
+    """The `qat:` block of CONFIG, or of the run_config.yml a tuneloop run leaves beside its model."""
+    from tuneloop.run_files import RUN_CONFIG
+
+    where = "CONFIG"
+    if cfg is None:
+        run_config = folder.path / RUN_CONFIG
+        if not run_config.is_file():
+            raise UserError(f"quantize: {folder.path} has no {RUN_CONFIG} to say how to quantize it; give the run's "
+                            "CONFIG instead of --model (its `qat:` block)")
+        from tuneloop.config import load_config as load_yaml
+
+        cfg, where = load_yaml(str(run_config)), str(run_config)
+    if cfg.qat is None:
+        raise UserError(f"quantize: {where} has no `qat:` block, which says how to quantize (weight_dtype, "
+                        "activation_dtype, group_size): add the one the model was trained with")
+    return cfg.qat

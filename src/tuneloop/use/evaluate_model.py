@@ -45,6 +45,7 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
 
     from tuneloop.data.batching import epoch_micro_batches
     from tuneloop.data.collate import collator_for
+    from tuneloop.model import SEQUENCE_CLASSIFICATION
     from tuneloop.plan.build import data_plan
     from tuneloop.resolved import resolve_run
     from tuneloop.run import _forget_accelerate_state, prepare_data
@@ -61,6 +62,8 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=resolved.precision.mixed)
     try:
         loaded = load_for_eval(cfg, resolved, folder, len(tokenizer)).to(accelerator.device)
+        if resolved.model_kind == SEQUENCE_CLASSIFICATION:  # an adapter's base config may lack the run's pad id,
+            loaded.config.get_text_config().pad_token_id = tokenizer.pad_token_id  # which finds the scored token
         spec = plan.eval_batching  # as TrainingLoop builds them: the run's own eval batches
         batches = epoch_micro_batches(np.asarray(prepared.eval.unit_column("length")), spec, 0, shuffle=False,
                                       even=False)[0]

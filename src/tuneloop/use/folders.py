@@ -63,12 +63,17 @@ def load_tokenizer_of(folder: ModelFolder):
     the weights or the adapter), else the base model's."""
     from transformers import AutoTokenizer
 
+    from tuneloop.data.mistral_chat import load_mistral_common_tokenizer, saved_with_mistral_common
+
     sources = [folder.path] + ([folder.base] if folder.is_adapter else [])
     if (folder.path / "tuneloop_state.json").is_file():  # a checkpoint of a run before checkpoints kept a tokenizer:
         sources.insert(1, folder.path.parent)  # the run's own, in its output_dir
     for source in sources:
+        if saved_with_mistral_common(source):  # a run with `tokenizer_use_mistral_common` saved its tekken.json
+            return load_mistral_common_tokenizer(str(source), "--model")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            # (with mistral-common installed, AutoTokenizer would pick it for a folder that also holds tekken.json)
+            tokenizer = AutoTokenizer.from_pretrained(source, mistral_format=False)
         except (OSError, ValueError, TypeError):
             continue
         if tokenizer.pad_token is None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from tuneloop.data.mistral_chat import is_mistral_common
 from tuneloop.errors import UserError
 
 # Turn-ending tokens of common chat formats. A chat model ends its reply with one of them, which is often not
@@ -97,14 +98,21 @@ def json_prompt(line: str, where: str) -> Prompt:
 
 # ---- prompts to token ids ------------------------------------------------------------------------
 
+def encodes_chats(tokenizer) -> bool:
+    """A chat template, or mistral-common's own chat encoding (a run with `tokenizer_use_mistral_common`)."""
+    return bool(tokenizer.chat_template) or is_mistral_common(tokenizer)
+
+
 def prompt_ids(tokenizer, prompt: Prompt, use_template: bool = True) -> list[int]:
     """The token ids the model continues: the chat template's rendering with the start of the assistant's turn
     where the tokenizer has a template (a plain prompt as one user message), the raw text otherwise."""
-    if isinstance(prompt, list) or (use_template and tokenizer.chat_template):
-        if not tokenizer.chat_template:
+    if isinstance(prompt, list) or (use_template and encodes_chats(tokenizer)):
+        if not encodes_chats(tokenizer):
             raise UserError("infer: a prompt is a list of messages, and this model's tokenizer has no chat template "
                             "to render it; give plain `prompt` text instead")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        if is_mistral_common(tokenizer):  # mistral-common encodes a chat to tokens itself, as the run trained it
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote BOS where it wants one
     return tokenizer(prompt)["input_ids"]
@@ -242,7 +250,7 @@ def chat(model, tokenizer, settings: GenerationSettings, lines: Iterable[str] | 
          reply: Callable[[str], None] | None = None) -> None:
     """A conversation: each line read is the user's turn (an empty line, `exit` or the end of input stops),
     each reply printed; the whole conversation so far goes to the model every turn."""
-    if not tokenizer.chat_template:
+    if not encodes_chats(tokenizer):
         raise UserError("infer: --chat needs a chat template, and this model's tokenizer has none; run without "
                         "--chat to complete plain prompts")
     interactive = lines is None and sys.stdin.isatty()

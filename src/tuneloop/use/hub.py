@@ -227,6 +227,18 @@ class HubPush(RunHooks):
                     f"intact; push it later with `{push_command(output_dir, self.full_id, self.revision)}`")
         return None
 
+    def abandon(self, output_dir: Path) -> None:
+        """A run stopped by a signal or an error does not wait for its queued pushes: those not started yet are
+        cancelled (huggingface_hub's worker thread would otherwise run every one of them before the process could
+        exit; one already under way ends first), and the command that pushes the folder later is said."""
+        dropped = sum(job.cancel() for _, job in self.queued)
+        self.queued = [(item, job) for item, job in self.queued if not job.cancelled()]
+        self._say_failed_pushes(wait=False)
+        if dropped:
+            self.notice(f"hub: the run stopped, so {dropped} queued checkpoint push(es) to {self.full_id} were "
+                        f"cancelled; push the folder later with "
+                        f"`{push_command(output_dir, self.full_id, self.revision)}`")
+
     def _say_failed_pushes(self, wait: bool) -> None:
         """The queued pushes that have ended (all of them, when `wait`): each failure said once, none raised (a
         checkpoint push is a copy; the run and its local checkpoints go on)."""
@@ -253,7 +265,7 @@ def add_push_command(commands) -> None:
     push.add_argument("--hub-model-id", metavar="ID", help="the repo (NAME or OWNER/NAME; created private if new); "
                       "default: the run's hub_model_id")
     push.add_argument("--revision", metavar="BRANCH", help="the branch (created if missing); default: the run's "
-                      "hub_revision, else main")
+                      "hub_revision when the repo is the run's own (no --hub-model-id), else main")
     push.set_defaults(handler=command_push)
 
 

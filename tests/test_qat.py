@@ -1,0 +1,147 @@
+"""Quantization-aware training (`qat:`, qat.py) and `tuneloop quantize` (use/quantize.py), on the tiny LLaMA:
+
+- the fake quantization is in the forward from step `fake_quant_after_n_steps` on and not before: each eval of the
+  run equals the plain model's eval (the same weights, from that step's checkpoint) up to that step, and the
+  torchao-quantized model's from then on (whose forward equals torchao's fake-quantized one);
+- the saved model is plain: the base's tensor names, no quantization config, from_pretrained loads it alone, and
+  its weights are the last step's trained fp32 weights;
+- `tuneloop quantize` writes a folder from_pretrained reloads, whose logits are the fake-quantized forward's;
+- what cannot run is refused at `check` in one line (NVFP4, an adapter, FSDP2), and a group size the layers do
+  not take by `plan`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import assert_user_error, base_config, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
+from safetensors.torch import load_file
+
+pytest.importorskip("torchao")
+
+QAT = {"weight_dtype": "int4", "activation_dtype": "int8", "group_size": 32, "fake_quant_after_n_steps": 2}
+STEPS = 4
+
+
+def config_keys(run_dir, model_dir, data, **keys) -> dict:
+    return base_config(run_dir, model_dir, data, **{
+        "qat": QAT, "max_steps": STEPS, "optimizer": "adamw_torch", "lr_scheduler": "constant", "val_set_size": 0.25,
+        "eval_steps": 1, "save_strategy": "steps", "save_steps": 1, **keys})
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("qat_data") / "train.jsonl", tiny_rows(48, seed=11))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_dir, data):
+    """Four steps, plain for the first two, fake-quantized after; an eval and a checkpoint after every step."""
+    run_dir = tmp_path_factory.mktemp("qat_run")
+    config = write_config(run_dir / "run.yml", **config_keys(run_dir, tiny_model_dir, data))
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return config, run_dir / "out", result
+
+
+def quantized_copy(folder, tmp_path):
+    """The folder's model quantized for real by `tuneloop quantize`'s code (QAT's settings)."""
+    from tuneloop.qat import QATBlock
+    from tuneloop.use.folders import ModelFolder
+    from tuneloop.use.quantize import quantize_folder
+
+    return quantize_folder(ModelFolder(folder), QATBlock(**QAT), tmp_path / f"quantized-{folder.name}")
+
+
+def test_fake_quantization_starts_at_its_step(run, tmp_path):
+    from tuneloop.config import load_config
+    from tuneloop.use.evaluate_model import evaluate_model
+
+    config, out, result = run
+    assert "qat                  int4 weights in groups of 32, int8 activations (per token); every Linear " \
+           "fake-quantized from step 3 on (after 2 plain steps)" in result.stdout
+    cfg = load_config(str(config))
+    evals = {line["step"]: line["eval_loss"] for line in read_metrics(out) if "eval_loss" in line}
+    assert sorted(evals) == [1, 2, 3, 4]
+    for step in range(1, STEPS + 1):
+        weights = out / f"checkpoint-{step}" if step < STEPS else out  # (the last step's: the final model)
+        plain = evaluate_model(cfg, str(weights))["eval_loss"]
+        fake = evaluate_model(cfg, str(quantized_copy(weights, tmp_path)))["eval_loss"]
+        assert abs(plain - fake) > 1e-4, (step, plain, fake)  # (the two are told apart, 20× the tolerance below)
+        # the eval after step s runs as step s did: steps 0 and 1 plain, steps 2 and 3 (counted from 0) fake
+        expected = fake if step > QAT["fake_quant_after_n_steps"] else plain
+        assert evals[step] == pytest.approx(expected, rel=1e-6, abs=1e-6), (step, evals[step], plain, fake)
+
+
+def test_saved_model_is_plain_and_trained(run, tiny_model_dir):
+    """(That they are the weights step 4 trained is test_fake_quantization_starts_at_its_step's last eval.)"""
+    from transformers import AutoModelForCausalLM
+
+    from tuneloop.qat import FakeQuantization, QATBlock
+
+    _, out, _ = run
+    saved, base = load_file(out / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    assert set(saved) == set(base)
+    assert all(tensor.dtype == torch.float32 for tensor in saved.values())
+    before = load_file(out / f"checkpoint-{STEPS - 1}" / "model.safetensors")
+    assert all(not torch.equal(saved[key], before[key]) for key in saved if key.endswith("proj.weight"))
+    fake = AutoModelForCausalLM.from_pretrained(out)
+    quantizers = FakeQuantization(fake, QATBlock(**QAT), step=STEPS)
+    layer = fake.model.layers[0].mlp.up_proj
+    rounded = layer.weight_fake_quantizer(layer.weight.detach())
+    assert quantizers.enabled and not torch.equal(rounded, saved["model.layers.0.mlp.up_proj.weight"])  # unrounded
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert {type(module).__module__.split(".")[0] for module in model.modules()} <= {"torch", "transformers"}
+
+
+def test_quantize_command_writes_a_reloadable_fake_quantized_model(run):
+    from transformers import AutoModelForCausalLM
+
+    from tuneloop.qat import FakeQuantization, QATBlock
+
+    config, out, _ = run
+    result = run_in_process("quantize", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert json.loads((out / "quantized" / "config.json").read_text())["quantization_config"]["quant_method"] == \
+        "torchao"
+    quantized = AutoModelForCausalLM.from_pretrained(out / "quantized")
+    assert type(quantized.model.layers[0].mlp.up_proj.weight).__name__ == "IntxUnpackedToInt8Tensor"
+    fake = AutoModelForCausalLM.from_pretrained(out)
+    FakeQuantization(fake, QATBlock(**QAT), step=STEPS)
+    plain = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, plain.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want, unquantized = quantized(ids).logits, fake(ids).logits, plain(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - unquantized).abs().max() > 1e-2
+    again = run_in_process("quantize", str(config))  # never over a folder that holds something
+    assert_user_error(again, "exists and is not empty")
+
+
+def test_nvfp4_is_refused_at_check(tmp_path, tiny_model_dir, data):
+    keys = config_keys(tmp_path, tiny_model_dir, data)
+    keys["qat"] = {"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 16}
+    result = run_in_process("check", str(write_config(tmp_path / "nvfp4.yml", **keys)))
+    assert_user_error(result, "`qat` weight_dtype: nvfp4, activation_dtype: nvfp4 asks for quantization beyond bitsandbytes",
+                      "NVFP4/MXFP4 QAT needs a GPU")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("keys, fragment", [
+    ({"adapter": "lora", "lora_target_linear": True}, "`qat` with `adapter: lora`"),
+    ({"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}}, "`qat` with fsdp2"),
+    ({"qat": {**QAT, "fake_quant_after_n_steps": 0}}, "qat.fake_quant_after_n_steps"),
+    ({"qat": {**QAT, "activation_dtype": "int4"}}, "int4 activations"),
+])
+def test_what_cannot_run_is_refused_at_check(tmp_path, tiny_model_dir, data, keys, fragment):
+    config = write_config(tmp_path / "run.yml", **{**config_keys(tmp_path, tiny_model_dir, data), **keys})
+    assert_user_error(run_in_process("check", str(config)), fragment)
+
+
+def test_a_group_size_the_layers_do_not_take_is_refused_by_the_plan(tmp_path, tiny_model_dir, data):
+    config = write_config(tmp_path / "run.yml", **config_keys(tmp_path, tiny_model_dir, data,
+                                                              qat={**QAT, "group_size": 48}))
+    assert_user_error(run_in_process("plan", str(config)), "`qat.group_size: 48` does not divide")

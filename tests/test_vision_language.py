@@ -1,0 +1,316 @@
+"""Vision-language fine-tuning (model kind vision_language, data/images.py): tiny LLaVA and Qwen2-VL models and
+processors built here from configs (nothing downloaded), coloured squares drawn with PIL, and a caption task the
+model can learn ("What colour is this?" -> "red")."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import assert_user_error, read_metrics, run_in_process, write_config, write_jsonl
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30)}
+QUESTION = "What colour is this?"
+CORPUS = [f"{QUESTION} " + " ".join(COLOURS) + " USER: ASSISTANT: system user assistant You are a helpful assistant."]
+
+
+def tiny_tokenizer(specials: list[str], eos: str, pad: str, **extra):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(CORPUS * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos, pad_token=pad, **extra)
+
+
+def save_llava(target: Path) -> Path:
+    """LLaVA: a 2-layer CLIP tower over 28×28 crops (4 patches -> 4 image tokens), a 2-layer LLaMA."""
+    import torch
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    from tuneloop.data.chat_template_texts import LLAVA
+
+    tokenizer = tiny_tokenizer(["<|endoftext|>", "<image>", "<pad>"], "<|endoftext|>", "<pad>",
+                               extra_special_tokens={"image_token": "<image>"})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=LLAVA, patch_size=14,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(target)
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+        vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(target)
+    return target
+
+
+def save_qwen2_vl(target: Path) -> Path:
+    """Qwen2-VL: one vision block, 28×28..56×56 pixels (1–4 image tokens after the 2×2 merge), a 2-layer decoder.
+    Its processor needs torchvision (videos), not installed here: the image processor and tokenizer are saved,
+    which is what a Qwen2-VL folder holds."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    from tuneloop.data.chat_template_texts import QWEN2_VL
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    tokenizer = tiny_tokenizer(specials, "<|im_end|>", "<|endoftext|>")
+    tokenizer.chat_template = QWEN2_VL
+    tokenizer.save_pretrained(target)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56).save_pretrained(target)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory) -> Path:
+    return save_llava(tmp_path_factory.mktemp("tiny_llava"))
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    return save_qwen2_vl(tmp_path_factory.mktemp("tiny_qwen2_vl"))
+
+
+def square(colour: str, size: tuple[int, int], seed: int):
+    """A square of the colour, its shade jittered (held-out images are not training images)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    shade = np.clip(np.asarray(COLOURS[colour]) + rng.integers(-25, 26, 3), 0, 255)
+    return Image.new("RGB", size, tuple(int(v) for v in shade))
+
+
+def caption_rows(folder: Path, count: int, seed: int, size=(32, 32), as_base64_every: int = 0) -> list[dict]:
+    """Chat rows: an image part (a file beside the data, or base64) and the question; the answer is its colour."""
+    rows, names = [], list(COLOURS)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        colour = names[(i + seed) % len(names)]
+        image = square(colour, size, seed * 1000 + i)
+        if as_base64_every and i % as_base64_every == 0:
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            part = {"type": "image", "base64": base64.b64encode(buffer.getvalue()).decode()}
+        else:
+            name = f"images/{seed}-{i}.png"
+            image.save(folder / name)
+            part = {"type": "image", "path": name}
+        rows.append({"messages": [
+            {"role": "user", "content": [part, {"type": "text", "text": QUESTION}]},
+            {"role": "assistant", "content": [{"type": "text", "text": colour}]}]})
+    return rows
+
+
+def vlm_config(tmp_path: Path, model_dir: Path, data: Path, **overrides) -> dict:
+    keys = {"base_model": str(model_dir), "processor_type": "AutoProcessor",
+            "datasets": [{"path": str(data), "type": "chat_template"}],
+            "dataset_prepared_path": str(tmp_path / "prepared"), "output_dir": str(tmp_path / "out"),
+            "sequence_len": 64, "micro_batch_size": 4, "gradient_accumulation_steps": 1, "num_epochs": 1,
+            "learning_rate": 3e-3, "logging_steps": 1, "save_strategy": "no", "seed": 7, "bf16": False,
+            "sample_packing": False, "dataset_processes": 1}
+    keys.update(overrides)
+    return keys
+
+
+def plan_of(config: Path) -> dict:
+    result = run_in_process("plan", str(config), "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_llava_rows_mask_image_tokens_and_train_the_answer(tmp_path, llava_dir):
+    from tuneloop.config import config_from_dict
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 6, seed=1, as_base64_every=3))
+    cfg = config_from_dict(vlm_config(tmp_path, llava_dir, data))
+    tokenizer, rows = prepare_data(cfg, resolve_run(cfg))
+    store = rows.store
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    for index in range(len(store)):
+        ids, labels = store.tokens("input_ids", index), store.tokens("labels", index)
+        assert (ids == image_id).sum() == 4  # 28×28 crop, 14-pixel patches, the CLS feature dropped
+        assert (labels[ids == image_id] == -100).all()
+        trained = tokenizer.decode(labels[labels != -100])
+        assert trained.strip() in COLOURS, trained  # the answer (and LLaVA's template writes no end marker)
+        (reference, count), = store.images(index)
+        assert count == 4 and reference.startswith(("path:", "base64:"))
+    # the collator's batch is what the processor makes of the same text and images
+    from transformers import AutoProcessor
+    from tuneloop.data.collate import collator_for
+    from tuneloop.data.images import image_inputs_of, open_image
+
+    batch = collator_for(store, tokenizer.pad_token_id, False, images=image_inputs_of(tokenizer))([[0], [1]])
+    processor = AutoProcessor.from_pretrained(llava_dir)
+    images = [open_image(store.images(i)[0][0]).convert("RGB") for i in (0, 1)]
+    expected = processor(images=images, text=["<image>"] * 2, return_tensors="pt")
+    assert (batch.inputs["pixel_values"] == expected["pixel_values"]).all()
+    for i in (0, 1):
+        n = int(batch.inputs["attention_mask"][i].sum())
+        assert (batch.inputs["input_ids"][i, :n].numpy() == store.tokens("input_ids", i)).all()
+
+
+def answer_accuracy(model_dir: Path, rows: list[dict], folder: Path) -> float:
+    """How often the saved model gives the right colour the lowest summed loss after the question, among the
+    four (the image tokens' and question's losses are the same for every candidate)."""
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    right = 0
+    for row in rows:
+        image = Image.open(folder / row["messages"][0]["content"][0]["path"]).convert("RGB")
+        truth = row["messages"][1]["content"][0]["text"]
+        losses = {}
+        for colour in COLOURS:
+            text = processor.apply_chat_template([{"role": "user", "content": "<image>\n" + QUESTION},
+                                                  {"role": "assistant", "content": colour}], tokenize=False)
+            inputs = processor(images=[image], text=[text], return_tensors="pt")
+            with torch.no_grad():
+                # summed, not averaged: the colours' words have different token counts
+                losses[colour] = model(**inputs, labels=inputs["input_ids"]).loss.item() * (inputs["input_ids"].shape[1] - 1)
+        right += min(losses, key=losses.get) == truth
+    return right / len(rows)
+
+
+def test_llava_learns_the_colour_of_held_out_images(tmp_path, llava_dir):
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 64, seed=1))
+    held_out = caption_rows(tmp_path, 16, seed=2)
+    config = write_config(tmp_path / "c.yml", **vlm_config(tmp_path, llava_dir, data, num_epochs=10,
+                                                          micro_batch_size=8, warmup_steps=2))
+    before = answer_accuracy(llava_dir, held_out, tmp_path)
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [line["loss"] for line in read_metrics(tmp_path / "out") if "loss" in line]
+    after = answer_accuracy(tmp_path / "out", held_out, tmp_path)
+    print(f"\nloss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; held-out colour accuracy "
+          f"{before:.2f} -> {after:.2f} (chance 0.25)")
+    assert losses[-1] < 0.5 * losses[0]
+    assert after >= 0.75  # 12 of 16 held-out squares; chance is 4 of 16
+
+
+def test_llava_plan_equals_run_and_accumulation_equals_one_batch(tmp_path, llava_dir):
+    """8 rows in one optimizer step: 8 rows × 1 micro-batch, or 2 micro-batches of 4 accumulated (fp32)."""
+    import torch
+    from safetensors.torch import load_file
+
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 8, seed=3))
+    weights = {}
+    for micro, accumulation in ((8, 1), (4, 2)):
+        out = tmp_path / f"out-{micro}"
+        config = write_config(tmp_path / f"c{micro}.yml", **vlm_config(
+            tmp_path, llava_dir, data, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
+            output_dir=str(out), max_steps=1, optimizer="sgd", learning_rate=0.5))
+        plan = plan_of(config)
+        result = run_in_process("train", str(config))
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert plan["total_steps"] == summary["steps"] == 1
+        assert plan["tokens_per_step"] == summary["tokens"]  # the trained tokens, exact
+        weights[micro] = load_file(out / "model.safetensors")
+    for name, value in weights[8].items():
+        torch.testing.assert_close(value, weights[4][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_qwen2_vl_plans_with_its_image_grid_and_frozen_tower(tmp_path, qwen_dir):
+    """A 56×56 image is 4 image tokens by Qwen2-VL's own grid arithmetic; the image and vision start/end tokens are
+    untrained; the plan's token count is the store's; freeze_mm_modules leaves the `visual` tower (merger included)
+    out of the trained count."""
+    from tuneloop.config import config_from_dict
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 8, seed=4, size=(56, 56)))
+    keys = vlm_config(tmp_path, qwen_dir, data, chat_template="qwen2_vl", freeze_mm_modules=True)
+    cfg = config_from_dict(keys)
+    tokenizer, rows = prepare_data(cfg, resolve_run(cfg))
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    framing = [tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>")]
+    ids, labels = rows.store.tokens("input_ids", 0), rows.store.tokens("labels", 0)
+    assert (ids == pad).sum() == 4  # 56×56 -> a 4×4 grid of 14-pixel patches, merged 2×2
+    assert (labels[np.isin(ids, [pad, *framing])] == -100).all()
+    assert tokenizer.decode(labels[labels != -100]).startswith(tuple(COLOURS))
+    plan = plan_of(write_config(tmp_path / "c.yml", **keys))
+    assert plan["train_tokens"] == int(np.asarray(rows.store["length"]).sum())
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(qwen_dir)
+    visual = sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}")
+    assert visual > 0
+    assert plan["memory"]["trainable_parameters"] == sum(p.numel() for p in model.parameters()) - visual
+
+
+@pytest.mark.parametrize("problem", ["missing file", "http", "text model", "not a processor", "packing"])
+def test_bad_vision_input_is_one_line(tmp_path, llava_dir, tiny_model_dir, problem):
+    rows = caption_rows(tmp_path, 4, seed=5)
+    model = llava_dir
+    extra = {}
+    if problem == "missing file":
+        rows[2]["messages"][0]["content"][0]["path"] = "images/nowhere.png"
+        expected = ("train.jsonl:3", "nowhere.png", "does not exist")
+    elif problem == "http":
+        rows[1]["messages"][0]["content"][0] = {"type": "image", "url": "https://example.com/cat.png"}
+        expected = ("train.jsonl:2", "https://example.com/cat.png", "no network")
+    elif problem == "text model":
+        model, extra = tiny_model_dir, {"processor_type": None, "chat_template": "chatml"}
+        expected = ("train.jsonl:1", "'image'", "text-only model")
+    elif problem == "not a processor":
+        extra = {"processor_type": "LlamaForCausalLM"}
+        expected = ("processor_type: LlamaForCausalLM", "not a processor")
+    else:
+        extra = {"sample_packing": True}
+        expected = ("sample_packing: True", "vision-language model")
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    config = write_config(tmp_path / "c.yml", **vlm_config(tmp_path, model, data, **extra))
+    result = run_in_process("preprocess", str(config))
+    assert_user_error(result, *expected)
+
+
+def test_check_refuses_a_vision_family_tuneloop_cannot_train_by_its_config_or_hub_id(tmp_path):
+    """`check` reads no model: the family comes from a local config.json, or from the hub id's name; the families
+    the trained list holds are the ones data/images.py expands."""
+    from tuneloop.config.load import config_from_dict
+    from tuneloop.config.vision_names import TRAINED_VISION_TYPES
+    from tuneloop.data.images import VISION_FAMILIES
+    from tuneloop.errors import UserError
+
+    assert set(TRAINED_VISION_TYPES) == set(VISION_FAMILIES)
+    keys = {"datasets": [{"path": "x", "type": "chat_template"}], "processor_type": "AutoProcessor"}
+    with pytest.raises(UserError, match="is a Gemma 3 vision-language model \\(by its hub id\\); tuneloop trains "
+                                        "LLaVA and Qwen2-VL / Qwen2.5-VL so far, and this family asks for multimodal"):
+        config_from_dict({**keys, "base_model": "google/gemma-3-4b-it"})
+    local = tmp_path / "tiny-idefics"
+    local.mkdir()
+    (local / "config.json").write_text('{"model_type": "idefics3"}')
+    with pytest.raises(UserError, match="is a idefics3 vision-language model \\(by .*config.json\\)"):
+        config_from_dict({**keys, "base_model": str(local)})
+    assert config_from_dict({**keys, "base_model": "Qwen/Qwen2.5-VL-7B-Instruct"}).processor_type == "AutoProcessor"
+    assert config_from_dict({**keys, "base_model": "someone/unknown-vlm"}).processor_type == "AutoProcessor"
