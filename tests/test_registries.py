@@ -158,17 +158,19 @@ def test_the_registries_name_exactly_the_things_their_tests_reach():
     canonical = {FORMATS.canonical(name) for name in FORMATS.names()}
     assert canonical == set(FORMAT_EXAMPLES)
     from tuneloop.online_rl.settings import LOSS_TYPES
-    from tuneloop.rl_methods import ONLINE_METHODS, REWARD_MODEL_OBJECTIVE
+    from tuneloop.rl_methods import ONLINE_METHODS, PROCESS_REWARD_OBJECTIVE, REWARD_MODEL_OBJECTIVE
 
+    # (the reward models': test_reward_model.py, test_process_reward_model.py)
     assert set(RL_METHODS.names()) == set(LOSSES.names()) == set(OBJECTIVES.names()) - {
-        "language_model", *ONLINE_METHODS, REWARD_MODEL_OBJECTIVE}  # (the reward model's: test_reward_model.py)
+        "language_model", *ONLINE_METHODS, REWARD_MODEL_OBJECTIVE, PROCESS_REWARD_OBJECTIVE}
     assert set(ONLINE_METHODS) <= set(OBJECTIVES.names())
     # every GRPO loss type is compared with TRL's (test_grpo_equivalence.py names them all)
     equivalence = (Path(__file__).parent / "test_grpo_equivalence.py").read_text()
     assert all(f'("{name}", ' in equivalence for name in LOSS_TYPES)
     assert set(ENGINES.names()) == set(ENGINE_KEYS)
     assert set(TRACKERS.names()) == set(TRACKER_KEYS)
-    assert set(MODEL_KINDS.names()) == {"causal", "seq2seq", "sequence_classification", "vision_language"}
+    assert set(MODEL_KINDS.names()) == {"causal", "seq2seq", "sequence_classification", "token_classification",
+                                       "vision_language"}
     assert CHAT_TEMPLATES.names()  # (walked one by one below)
 
 

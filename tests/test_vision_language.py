@@ -57,12 +57,14 @@ def save_llava(target: Path) -> Path:
     return target
 
 
-def save_qwen2_vl(target: Path) -> Path:
-    """Qwen2-VL: one vision block, 28×28..56×56 pixels (1–4 image tokens after the 2×2 merge), a 2-layer decoder.
-    Its processor needs torchvision (videos), not installed here: the image processor and tokenizer are saved,
-    which is what a Qwen2-VL folder holds."""
+def save_qwen2_vl(target: Path, version: str = "2") -> Path:
+    """Qwen2-VL (version "2.5": Qwen2.5-VL, its windowed vision blocks and gated MLP): one vision block,
+    28×28..56×56 pixels (1–4 image tokens after the 2×2 merge), a 2-layer decoder. Its processor needs torchvision
+    (videos), not installed here: the image processor and tokenizer are saved, which is what a Qwen2-VL folder
+    holds (Qwen2.5-VL's uses the same image processor)."""
     import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                              Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil)
 
     from tuneloop.data.chat_template_texts import QWEN2_VL
 
@@ -73,16 +75,23 @@ def save_qwen2_vl(target: Path) -> Path:
     tokenizer.save_pretrained(target)
     Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=56 * 56).save_pretrained(target)
     ids = tokenizer.convert_tokens_to_ids
-    config = Qwen2VLConfig(
+    if version == "2.5":
+        config_class, model_class = Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[0])
+    else:
+        config_class, model_class = Qwen2VLConfig, Qwen2VLForConditionalGeneration
+        vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2)
+    config = config_class(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2),
+        vision_config=vision,
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
         vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
     torch.manual_seed(0)
-    Qwen2VLForConditionalGeneration(config).save_pretrained(target)
+    model_class(config).save_pretrained(target)
     return target
 
 
@@ -314,3 +323,79 @@ def test_check_refuses_a_vision_family_tuneloop_cannot_train_by_its_config_or_hu
         config_from_dict({**keys, "base_model": str(local)})
     assert config_from_dict({**keys, "base_model": "Qwen/Qwen2.5-VL-7B-Instruct"}).processor_type == "AutoProcessor"
     assert config_from_dict({**keys, "base_model": "someone/unknown-vlm"}).processor_type == "AutoProcessor"
+
+
+def test_axolotls_qwen2_5_vl_example_is_accepted_plans_and_trains_on_a_tiny_qwen2_5_vl(tmp_path):
+    """axolotl's qwen2_5-vl/lora-7b.yaml with its keys as written (8-bit AdamW, bf16, flash attention, gradient
+    checkpointing, its LoRA pattern over the language model's layers), a tiny Qwen2.5-VL in place of the 7B and
+    local caption rows in place of the hub dataset: `check` accepts it, the plan trains exactly the LoRA weights the
+    pattern names (no vision module), each micro-batch carries its images' pixels and grids, and two steps run."""
+    import re
+
+    import torch
+    import yaml
+    from safetensors.torch import load_file
+    from test_axolotl_configs import EXAMPLES, swapped
+    from transformers import AutoModelForImageTextToText
+
+    if EXAMPLES is None:
+        pytest.skip("../shared/axolotl-examples is not on this machine")
+    model_dir = save_qwen2_vl(tmp_path / "tiny_qwen2_5_vl", version="2.5")
+    raw = swapped(yaml.safe_load((EXAMPLES / "qwen2_5-vl/lora-7b.yaml").read_text()), model_dir)
+    checked = run_in_process("check", str(write_config(tmp_path / "check.yml", **raw)))
+    assert checked.returncode == 0 and checked.stdout.startswith("tuneloop check: accepted"), checked.stderr[-3000:]
+
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 8, seed=6, size=(56, 56)))
+    raw["datasets"] = [{**raw["datasets"][0], "path": str(data), "split": "train"}]  # (train[:1%] of the hub's)
+    raw.update(output_dir=str(tmp_path / "out"), dataset_prepared_path=str(tmp_path / "prepared"), max_steps=2,
+               sequence_len=512)
+    config = write_config(tmp_path / "run.yml", **raw)
+    plan = plan_of(config)
+    assert plan["total_steps"] == 2 and plan["optimizer"] == "adamw_bnb_8bit" and plan["batching"] != "packed"
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    assert model.config.model_type == "qwen2_5_vl"
+    targets = {name: module for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear) and re.fullmatch(raw["lora_target_modules"], name)}
+    assert len(targets) == 2 * 7 and all(name.startswith("model.language_model.layers.") for name in targets)
+    lora = sum(raw["lora_r"] * (m.in_features + m.out_features) for m in targets.values())
+    assert plan["memory"]["trainable_parameters"] == lora
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.collate import collator_for
+    from tuneloop.data.images import image_inputs_of
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    cfg = config_from_dict(raw)
+    tokenizer, rows = prepare_data(cfg, resolve_run(cfg))
+    assert (rows.store.tokens("input_ids", 0) == tokenizer.convert_tokens_to_ids("<|image_pad|>")).sum() == 4
+    batch = collator_for(rows.store, tokenizer.pad_token_id, False, images=image_inputs_of(tokenizer))([[0, 1]])
+    assert batch.inputs["image_grid_thw"].tolist() == [[1, 4, 4]] * 2  # 56×56: 4×4 patches, merged 2×2 -> 4 tokens
+    assert batch.inputs["pixel_values"].shape[0] == 2 * 16
+
+    trained = run_in_process("train", str(config))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    out = tmp_path / "out"
+    assert [m["step"] for m in read_metrics(out) if "loss" in m] == [1, 2]
+    assert json.loads((out / "summary.json").read_text())["tokens"] == plan["total_trainable_tokens"]
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert len(adapter) == 2 * len(targets) and all(".language_model.layers." in key for key in adapter)
+    assert (out / "preprocessor_config.json").is_file()  # the image processor beside the adapter
+
+
+def test_exact_deduplication_keeps_the_same_text_about_another_image(tmp_path, llava_dir):
+    """Rows 0 and 4 of the caption rows ask the same question of two red squares (other shades, other files): the
+    same tokens, other images. Both stay; a repeat of row 0 (its image too) is dropped."""
+    from tuneloop.config import config_from_dict
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    rows = caption_rows(tmp_path, 5, seed=3)
+    assert rows[0]["messages"][1] == rows[4]["messages"][1] and rows[0] != rows[4]
+    data = write_jsonl(tmp_path / "train.jsonl", [rows[0], rows[4], rows[0]])
+    cfg = config_from_dict(vlm_config(tmp_path, llava_dir, data, dataset_exact_deduplication=True))
+    _, prepared = prepare_data(cfg, resolve_run(cfg))
+    store = prepared.store
+    assert len(store) == 2
+    assert (store.tokens("input_ids", 0) == store.tokens("input_ids", 1)).all()  # the same text, tokens and all
+    assert [Path(store.images(i)[0][0].removeprefix("path:")).name for i in (0, 1)] == ["3-0.png", "3-4.png"]

@@ -31,6 +31,11 @@ MODEL_KINDS.add("seq2seq", ModelKind("seq2seq", "AutoModelForSeq2SeqLM", peft_ta
 MODEL_KINDS.add("sequence_classification", ModelKind("sequence_classification", "AutoModelForSequenceClassification",
                                                      peft_task_type="SEQ_CLS"))
 SEQUENCE_CLASSIFICATION = MODEL_KINDS["sequence_classification"]
+# a decoder with a 2-label head on every token (a process reward model: `process_reward_model: true`, each
+# reasoning step's end token classified correct or not); built on a causal checkpoint, its head starts random
+MODEL_KINDS.add("token_classification", ModelKind("token_classification", "AutoModelForTokenClassification",
+                                                  peft_task_type="TOKEN_CLS"))
+TOKEN_CLASSIFICATION = MODEL_KINDS["token_classification"]
 # a decoder that also reads images (a vision tower and projector before it): chat rows with image parts, the
 # processor's image inputs per micro-batch (data/images.py), its loss the causal one over the text tokens
 MODEL_KINDS.add("vision_language", ModelKind("vision_language", "AutoModelForImageTextToText",
@@ -42,6 +47,8 @@ def kind_of_config(config) -> ModelKind:
     """What a transformers config says the model is (a saved reward model's config names its class)."""
     if any(name.endswith("ForSequenceClassification") for name in getattr(config, "architectures", None) or ()):
         return SEQUENCE_CLASSIFICATION
+    if any(name.endswith("ForTokenClassification") for name in getattr(config, "architectures", None) or ()):
+        return TOKEN_CLASSIFICATION
     if getattr(config, "vision_config", None) is not None:
         return VISION_LANGUAGE
     return MODEL_KINDS["seq2seq" if getattr(config, "is_encoder_decoder", False) else "causal"]
@@ -83,6 +90,8 @@ def named_kind(cfg: TuneloopConfig) -> ModelKind | None:
 
     if cfg.reward_model or (cfg.model_type or "").endswith("ForSequenceClassification"):
         return SEQUENCE_CLASSIFICATION
+    if cfg.process_reward_model or (cfg.model_type or "").endswith("ForTokenClassification"):
+        return TOKEN_CLASSIFICATION
     if not cfg.model_type:
         return None
     if cfg.model_type == "AutoModelForImageTextToText" or (cfg.model_type.endswith("ForConditionalGeneration")
@@ -198,12 +207,18 @@ def check_model_class(cfg: TuneloopConfig, config) -> None:
     model_class(cfg, kind_of_config(config))  # a class transformers has
     source = cfg.base_model_config or cfg.base_model
     named, actual = named_kind(cfg), kind_of_config(config)
-    if named == SEQUENCE_CLASSIFICATION and actual.name == "causal":
+    if named in (SEQUENCE_CLASSIFICATION, TOKEN_CLASSIFICATION) and actual.name == "causal":
         actual = named  # a causal checkpoint's body under a new score head (what a reward model starts from)
     if named is not None and named != actual:
         if actual == SEQUENCE_CLASSIFICATION:
             raise UserError(f"config: {source} is a sequence-classification model (a reward model's score head): set "
                             "`reward_model: true` to train it as one, or use its causal base model")
+        if actual == TOKEN_CLASSIFICATION:
+            raise UserError(f"config: {source} is a token-classification model (a process reward model's head): "
+                            "set `process_reward_model: true` to train it as one, or use its causal base model")
+        if named == TOKEN_CLASSIFICATION:
+            raise UserError(f"config: `process_reward_model: true` puts a token-classification head on a text "
+                            f"decoder, and {source} is a {actual.name} model: use a causal (decoder-only) base model")
         if named == SEQUENCE_CLASSIFICATION:
             raise UserError(f"config: `reward_model: true` puts a score head on a text decoder, and {source} is "
                             f"a {actual.name} model: use a causal (decoder-only) base model")
@@ -329,6 +344,8 @@ def model_config(cfg: TuneloopConfig, tokenizer=None):
     check_model_class(cfg, config)
     if named_kind(cfg) == SEQUENCE_CLASSIFICATION:
         score_last_real_token(cfg, config, tokenizer)
+    elif named_kind(cfg) == TOKEN_CLASSIFICATION:
+        config.num_labels = 2  # a step is correct or not (axolotl's process reward models)
     return config
 
 

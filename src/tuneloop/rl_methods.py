@@ -71,6 +71,10 @@ NOT_OFFERED = {
 REWARD_MODEL_OBJECTIVE = "bradley_terry"
 # its eval line (TRL's RewardTrainer's names, so that an axolotl config's metric_for_best_model reads the same)
 REWARD_MODEL_EVAL_METRICS = ("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward")
+# `process_reward_model: true`: a token classifier (correct / incorrect) trained at each reasoning step's end token
+# (train/process_reward_model.py); its eval line: the loss per labelled step and the steps classified right
+PROCESS_REWARD_OBJECTIVE = "token_classification"
+PROCESS_REWARD_EVAL_METRICS = ("eval_loss", "eval_step_accuracy")
 
 
 def objective_name(cfg) -> str:
@@ -78,6 +82,8 @@ def objective_name(cfg) -> str:
     method's, or the language model's."""
     if cfg is not None and cfg.reward_model:
         return REWARD_MODEL_OBJECTIVE
+    if cfg is not None and cfg.process_reward_model:
+        return PROCESS_REWARD_OBJECTIVE
     return cfg.rl if cfg is not None and cfg.rl else "language_model"
 
 
@@ -88,11 +94,14 @@ def trains_on_pairs(cfg) -> bool:
 
 def eval_metric_names(cfg) -> tuple[str, ...]:
     """What an eval line reports for the run's objective (train/objectives.py, train/preference.py,
-    train/reward_model.py): the names `metric_for_best_model` may take. Online RL has no eval set."""
+    train/reward_model.py, train/process_reward_model.py): the names `metric_for_best_model` may take. Online RL
+    has no eval set."""
     if is_online(cfg):
         return ()
     if cfg.reward_model:
         return REWARD_MODEL_EVAL_METRICS
+    if cfg.process_reward_model:
+        return PROCESS_REWARD_EVAL_METRICS
     if not cfg.rl:
         return ("eval_loss", "eval_perplexity", "eval_token_accuracy")
     rewards = ("eval_reward_chosen", "eval_reward_rejected", "eval_reward_margin")

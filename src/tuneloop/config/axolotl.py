@@ -20,8 +20,8 @@ from __future__ import annotations
 # feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
 FEATURES = {
     "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO, KTO, SimPO, "
-                   "GRPO, GDPO and Bradley-Terry reward models (rl: ebft; options such as rpo_alpha; "
-                   "process-reward models)"),
+                   "GRPO, GDPO, Bradley-Terry reward models and process reward models (rl: ebft; options such as "
+                   "rpo_alpha)"),
     "fsdp_deepspeed": ("DeepSpeed's deepcompile", "DeepSpeed's deepcompile"),
     "fsdp2_8bit": ("8-bit weights under FSDP2", "8-bit weights (`load_in_8bit`) sharded by FSDP2 (bitsandbytes keeps "
                    "an 8-bit weight's scales on the parameter FSDP2 replaces; QLoRA under FSDP2 or ZeRO-3, and 8-bit "
@@ -141,7 +141,7 @@ LAUNCHER = _keys("local_rank world_size ddp device axolotl_config_path is_prepro
 
 _REFUSED_BY_FEATURE = {
     "preference": """
-        ebft process_reward_model dpo_use_weighting
+        ebft dpo_use_weighting
         dpo_use_liger_kernel dpo_padding_free dpo_generate_during_eval dpo_norm_loss dpo_use_logits_to_keep rpo_alpha
         max_prompt_len
         nemo_gym_enabled nemo_gym_dir nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port
@@ -212,7 +212,6 @@ DATASET_REFUSED = {key: feature for feature, text in {
         input_transform shards shards_idx preprocess_shards conversation input_format field_human field_model
         field_tools split_thinking message_field_training message_field_training_detail skip length
         sequence_length min_input_id max_input_id seed train_on_split trust_remote_code""",
-    "preference": """step_separator max_completion_length train_on_last_step_only""",
     "training_methods": """logprobs_field temperature""",
     "pretraining": """text_column""",
 }.items() for key in _keys(text)}

@@ -16,6 +16,7 @@ from tuneloop.data.formats import FORMATS, TURN_END_OPTIONS
 from tuneloop.data.load import parse_split
 from tuneloop.online_rl.prompts import is_transform_type
 from tuneloop.data.preference import PREFERENCE_CHAT_TYPES, PREFERENCE_FORMATS, REWARD_FORMATS, UNPAIRED_FORMATS
+from tuneloop.data.stepwise import STEPWISE_TYPES
 
 
 class Strict(BaseModel):
@@ -121,6 +122,10 @@ class DatasetConfig(Strict):
     # preference data (rl:)
     field_chosen: Optional[str] = None  # the row's key for the chosen reply (default `chosen`)
     field_rejected: Optional[str] = None  # and for the rejected one (default `rejected`)
+    # a process reward model's rows (type: stepwise_supervised, data/stepwise.py)
+    step_separator: Optional[str] = None  # written after each step; its last token carries the label (default "\n")
+    max_completion_length: Optional[int] = None  # the steps' tokens cut to this many
+    train_on_last_step_only: Optional[bool] = None  # only the last step's label is trained
 
     @field_validator("split")
     @classmethod
@@ -137,7 +142,7 @@ class DatasetConfig(Strict):
     @classmethod
     def _known_type(cls, value):
         if isinstance(value, str) and not any(value in known for known in (FORMATS, PREFERENCE_FORMATS,
-                                                                            UNPAIRED_FORMATS, REWARD_FORMATS)):
+                                                                            UNPAIRED_FORMATS, REWARD_FORMATS, STEPWISE_TYPES)):
             if is_transform_type(value) and axolotl.dataset_type_feature(value) != "preference":
                 return value  # axolotl's `type: module.function` transform (online RL's prompts: rules.py)
             feature = axolotl.FEATURES[axolotl.dataset_type_feature(value)][0]

@@ -266,6 +266,9 @@ class TuneloopConfig(Strict):
     reward_model: bool = False
     num_labels: Optional[int] = None
     center_rewards_coefficient: Optional[float] = None  # weight of mean((r_chosen + r_rejected)^2)
+    # a process reward model (axolotl's key): a token classifier (2 labels) trained on each reasoning step's end
+    # token, correct or not (type: stepwise_supervised; train/process_reward_model.py)
+    process_reward_model: bool = False
     # speed: torch.compile of the model's body (train/compiling.py), and the peak MFU is measured against
     # "auto": true, as in axolotl (torch ≥ 2.5.1 here)
     # auto: where the plan predicts the run repays compiling (plan/compile_choice.py)
@@ -522,6 +525,8 @@ class TuneloopConfig(Strict):
         if value == "AutoModelForImageTextToText" or value.endswith("ForConditionalGeneration"):
             return value
         if value.endswith("ForSequenceClassification"):  # a reward model's (rules.py: reward_model)
+            return value
+        if value.endswith("ForTokenClassification"):  # a process reward model's (rules.py: process_reward_model)
             return value
         if is_seq2seq_class(value):
             return value

@@ -40,6 +40,7 @@ from tuneloop.data.labels import IGNORE_INDEX, count_targets
 from tuneloop.data.load import RawRow, ReadProgress, data_files_of, is_hub_dataset, parse_row, stream_rows
 from tuneloop.data.mistral_chat import MistralChats, fingerprint, is_mistral_common
 from tuneloop.data.preference import render_preference, render_unpaired
+from tuneloop.data.stepwise import STEPWISE_TYPES, stepwise_tokens
 from tuneloop.data.source_target import pretokenized_pair, tokenize_source_target
 from tuneloop.data.token_store import TokenChunk, TokenRows, TokenStoreWriter
 from tuneloop.errors import UserError
@@ -159,6 +160,8 @@ class ChunkTokenizer:
             return self.kept_source_target(self.source_target(rows, entry, job.entry_index), len(rows))
         if entry.type is None:
             sequences = [pretokenized(row, self.vocabulary) for row in rows]
+        elif entry.type in STEPWISE_TYPES:  # a process reward model's steps, labelled 0/1 at their ends
+            sequences = [stepwise_tokens(row, entry, self.tokenizer, self.sequence_len) for row in rows]
         elif self.limits.labelled:
             rendered, desirable = render_unpaired(rows, entry, self.contexts[job.entry_index])
             return self.kept(tokenize_rendered(rendered, self.tokenizer, self.encoder, False), len(rows),
@@ -536,7 +539,8 @@ def _can_spawn() -> bool:
 class RepeatedRows:
     """`dataset_exact_deduplication`: a unit (a row, or a preference pair's two) whose tokens and labels repeat
     an earlier unit's of the same store is dropped, as axolotl drops a row equal to an earlier one after
-    tokenization. Chunks arrive in the data's order, so the first of equal units is kept."""
+    tokenization; a vision-language row's image references are part of it (the same text about another image is
+    another row). Chunks arrive in the data's order, so the first of equal units is kept."""
 
     def __init__(self, group: int):
         self.group = group
@@ -554,6 +558,9 @@ class RepeatedRows:
                          *(() if tokens.label is None else (tokens.label[first:last + 1],)),
                          *(() if tokens.source_length is None else (tokens.source_length[first:last + 1],))):
                 digest.update(np.ascontiguousarray(part).tobytes())
+            for images in (() if tokens.images is None else tokens.images[first:last + 1]):
+                digest.update(images.encode())  # a vision-language row's image references: same text, other image
+                digest.update(b"\0")
             key = digest.digest()
             if key not in self.seen:
                 self.seen.add(key)

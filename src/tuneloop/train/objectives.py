@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.registry import Registry
-from tuneloop.rl_methods import ONLINE_METHODS, REWARD_MODEL_OBJECTIVE, RL_METHODS, objective_name
+from tuneloop.rl_methods import (ONLINE_METHODS, PROCESS_REWARD_OBJECTIVE, REWARD_MODEL_OBJECTIVE, RL_METHODS,
+                                   objective_name)
 from tuneloop.output_head import output_head
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
 
@@ -139,10 +140,21 @@ def _reward_model(cfg, reference_model=None) -> Objective:
                      stat_width=loss.stat_width, summarise=loss.summarise, name=REWARD_MODEL_OBJECTIVE)
 
 
+def _process_reward_model(cfg, reference_model=None) -> Objective:
+    """A process reward model's token-classification loss over the labelled step ends
+    (train/process_reward_model.py)."""
+    from tuneloop.train.process_reward_model import TokenClassificationLoss
+
+    loss = TokenClassificationLoss()
+    return Objective(loss, loss.eval_sums, loss.eval_metrics, unit="tokens", eval_width=3,
+                     stat_width=loss.stat_width, summarise=loss.summarise, name=PROCESS_REWARD_OBJECTIVE)
+
+
 # `rl:` name -> (cfg, reference model or None) -> Objective; supervised fine-tuning is "language_model", a reward
 # model (`reward_model: true`) "bradley_terry" (rl_methods.objective_name says which a config trains)
 OBJECTIVES: Registry[Callable] = Registry("training objective", "rl")
 OBJECTIVES.add(REWARD_MODEL_OBJECTIVE, _reward_model)
+OBJECTIVES.add(PROCESS_REWARD_OBJECTIVE, _process_reward_model)
 OBJECTIVES.add("language_model", lambda cfg, reference_model=None: _language_model(cfg))
 for _method in RL_METHODS.names():  # every preference method the config accepts (rl_methods.py) is one loss here
     OBJECTIVES.add(_method, _preference)
