@@ -30,6 +30,8 @@ def mesh_of(world: int, engine: str = "fsdp2", **sizes) -> Mesh:
 
 # ---- resolution, as axolotl's _get_parallel_config_kwargs: no processes ------------------------------------------
 @pytest.mark.parametrize("world, engine, sizes, expected", [
+    (4, "fsdp2", {"tensor_parallel_size": 2}, (1, 2)),  # tensor parallel takes its ranks first
+    (8, "fsdp2", {"tensor_parallel_size": 2, "dp_replicate_size": 2}, (2, 2)),
     (4, "fsdp2", {"dp_replicate_size": 2, "dp_shard_size": 2}, (2, 2)),
     (8, "fsdp2", {"dp_shard_size": 2}, (4, 2)),  # the rest are replicas (axolotl fills dp_replicate)
     (8, "fsdp2", {"dp_replicate_size": 2}, (2, 4)),  # the rest are shards
@@ -46,8 +48,9 @@ def mesh_of(world: int, engine: str = "fsdp2", **sizes) -> Mesh:
 ])
 def test_sizes_resolve_against_the_world_size_as_axolotl_does(world, engine, sizes, expected):
     mesh = mesh_of(world, engine, **sizes)
-    assert (mesh.dp_replicate, mesh.dp_shard) == expected and (mesh.tp, mesh.cp) == (1, 1)
-    assert mesh.dp_replicate * mesh.dp_shard == world
+    tp = sizes.get("tensor_parallel_size", 1)
+    assert (mesh.dp_replicate, mesh.dp_shard) == expected and (mesh.tp, mesh.cp) == (tp, 1)
+    assert mesh.dp_replicate * mesh.dp_shard * tp == world and mesh.data_ranks == world // tp
 
 
 def test_the_mesh_is_shown_in_the_plans_words():
@@ -76,9 +79,11 @@ def test_ddp_replicas_must_be_every_rank():
 
 
 @pytest.mark.parametrize("engine, sizes, fragments", [
-    ("fsdp2", {"tensor_parallel_size": 2}, ["`tensor_parallel_size: 2` asks for tensor parallelism",
-                                            "tensor/context/expert parallelism"]),
-    ("fsdp2", {"context_parallel_size": 2}, ["`context_parallel_size: 2` asks for context parallelism"]),
+    ("ddp", {"tensor_parallel_size": 2}, ["`tensor_parallel_size: 2` splits the layers over ranks on FSDP2",
+                                          "fsdp_version: 2"]),
+    ("zero2", {"tensor_parallel_size": 2}, ["`tensor_parallel_size: 2` splits", "asks for deepspeed"]),
+    ("fsdp2", {"context_parallel_size": 2}, ["`context_parallel_size: 2` asks for context parallelism",
+                                             "context/expert parallelism"]),
     ("fsdp2", {"sequence_parallel_degree": 4}, ["`sequence_parallel_degree: 4` asks for context parallelism"]),
     ("fsdp2", {"context_parallel_size": 1, "sequence_parallel_degree": 2}, ["disagree"]),
     ("fsdp2", {"dp_shard_size": 0}, ["`dp_shard_size: 0`", "1 or more"]),
@@ -126,8 +131,8 @@ def test_the_plan_shows_the_mesh_and_divides_over_dp_shard_only(tmp_path, tiny_m
 def test_a_product_that_is_not_the_world_size_stops_the_plan(tmp_path, tiny_model_dir, data):
     assert_user_error(planned(tmp_path, tiny_model_dir, data, 8, **HSDP),
                       "dp_replicate_size 2 × dp_shard_size 2 = 4 does not make the world size 8")
-    assert_user_error(planned(tmp_path, tiny_model_dir, data, 2, tensor_parallel_size=2, **FSDP),
-                      "`tensor_parallel_size: 2` asks for tensor parallelism")
+    assert_user_error(planned(tmp_path, tiny_model_dir, data, 2, context_parallel_size=2, **FSDP),
+                      "`context_parallel_size: 2` asks for context parallelism")
 
 
 def test_sizes_of_one_are_accepted_and_shown(tmp_path, tiny_model_dir, data):

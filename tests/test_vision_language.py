@@ -313,14 +313,18 @@ def test_check_refuses_a_vision_family_tuneloop_cannot_train_by_its_config_or_hu
 
     assert set(TRAINED_VISION_TYPES) == set(VISION_FAMILIES)
     keys = {"datasets": [{"path": "x", "type": "chat_template"}], "processor_type": "AutoProcessor"}
-    with pytest.raises(UserError, match="is a Gemma 3 vision-language model \\(by its hub id\\); tuneloop trains "
-                                        "LLaVA and Qwen2-VL / Qwen2.5-VL so far, and this family asks for multimodal"):
-        config_from_dict({**keys, "base_model": "google/gemma-3-4b-it"})
-    local = tmp_path / "tiny-idefics"
+    with pytest.raises(UserError, match="is a Gemma 3n vision-language model \\(by its hub id\\); tuneloop trains "
+                                        "LLaVA, Qwen2-VL / Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM and Llama 3.2 "
+                                        "Vision \\(Mllama\\) so far, and this family asks for multimodal"):
+        config_from_dict({**keys, "base_model": "google/gemma-3n-E4B-it"})
+    local = tmp_path / "tiny-internvl"
     local.mkdir()
-    (local / "config.json").write_text('{"model_type": "idefics3"}')
-    with pytest.raises(UserError, match="is a idefics3 vision-language model \\(by .*config.json\\)"):
+    (local / "config.json").write_text('{"model_type": "internvl"}')
+    with pytest.raises(UserError, match="is a internvl vision-language model \\(by .*config.json\\)"):
         config_from_dict({**keys, "base_model": str(local)})
+    for trained in ("google/gemma-3-4b-it", "HuggingFaceTB/SmolVLM2-2.2B-Instruct", "HuggingFaceM4/Idefics3-8B-Llama3",
+                    "meta-llama/Llama-3.2-11B-Vision-Instruct"):
+        assert config_from_dict({**keys, "base_model": trained}).processor_type == "AutoProcessor"
     assert config_from_dict({**keys, "base_model": "Qwen/Qwen2.5-VL-7B-Instruct"}).processor_type == "AutoProcessor"
     assert config_from_dict({**keys, "base_model": "someone/unknown-vlm"}).processor_type == "AutoProcessor"
 

@@ -103,14 +103,44 @@ def command_preprocess(args) -> int:
             label = f", {'desirable' if row['label'] else 'undesirable'}" if store.labelled and position == 0 else ""
             print(f"\n--- row {index}{part}{label} ({row['length']} tokens, {row['n_targets']} trained; trained text "
                   f"between {TRAINED_OPEN} {TRAINED_CLOSE}) ---")
-            print(marked_text(row["input_ids"], row["labels"], tokenizer))
+            images = _image_runs(tokenizer, store, store_index)
+            print(marked_text(row["input_ids"], row["labels"], tokenizer, images))
     return 0
 
 
-def marked_text(input_ids: list[int], labels: list[int], tokenizer) -> str:
-    """The row's text with each run of trained tokens wrapped in ⟦ ⟧."""
+def _image_runs(tokenizer, store, index: int) -> tuple[int, list[int]] | None:
+    """A vision-language row's image token id and each of its images' token counts (data/images.py), or None."""
+    from tuneloop.data.images import image_inputs_of
+
+    vision = image_inputs_of(tokenizer)
+    if vision is None or not getattr(store, "has_images", False):
+        return None
+    return vision.never_trained[0], [int(count) for _, count in store.images(index)]
+
+
+def marked_text(input_ids: list[int], labels: list[int], tokenizer,
+                images: tuple[int, list[int]] | None = None) -> str:
+    """The row's text with each run of trained tokens wrapped in ⟦ ⟧; `images` (the image token's id, each image's
+    token count): each image's tokens shown as ⟨image 1: 256 tokens⟩ (tile tags between them included)."""
     from tuneloop.data.labels import IGNORE_INDEX
 
+    if images is not None:
+        image_id, counts = images
+        pieces, start, at, number = [], 0, 0, 0
+        while at < len(input_ids):
+            if input_ids[at] != image_id or number == len(counts):
+                at += 1
+                continue
+            pieces.append(marked_text(input_ids[start:at], labels[start:at], tokenizer))
+            seen = 0
+            while at < len(input_ids) and seen < counts[number]:
+                seen += int(input_ids[at] == image_id)
+                at += 1
+            number += 1
+            pieces.append(f"⟨image {number}: {counts[number - 1]} token{'s' if counts[number - 1] != 1 else ''}⟩")
+            start = at
+        pieces.append(marked_text(input_ids[start:], labels[start:], tokenizer))
+        return "".join(pieces)
     pieces, start = [], 0
     for end in range(1, len(input_ids) + 1):
         if end == len(input_ids) or (labels[end] != IGNORE_INDEX) != (labels[start] != IGNORE_INDEX):

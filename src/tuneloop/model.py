@@ -130,7 +130,7 @@ def check_vision_settings(cfg: TuneloopConfig, kind: ModelKind | None) -> None:
     a text-only model (accepted and ignored, they would say the run does what it does not)."""
     source = cfg.base_model or cfg.base_model_config
     if kind != VISION_LANGUAGE:
-        for key in ("processor_type", "freeze_mm_modules"):
+        for key in ("processor_type", "freeze_mm_modules", "processor_kwargs", "image_size", "image_resize_algorithm"):
             if getattr(cfg, key):
                 raise UserError(f"config: `{key}: {getattr(cfg, key)}` is for vision-language models, and {source} "
                                 "is a text-only model: remove it")
@@ -148,6 +148,10 @@ def check_vision_settings(cfg: TuneloopConfig, kind: ModelKind | None) -> None:
     for key, why in refused.items():
         if getattr(cfg, key, None):
             raise UserError(f"config: `{key}: {getattr(cfg, key)}` {why} ({source} is a vision-language model)")
+    if cfg.image_resize_algorithm and cfg.image_size is None:  # (axolotl then takes the vision config's image_size)
+        raise UserError(f"config: `image_resize_algorithm: {cfg.image_resize_algorithm}` is the filter `image_size` "
+                        "resizes with, and image_size is not set: set it (an int pads each image to that square, "
+                        "[width, height] stretches it), or remove image_resize_algorithm")
 
 
 def attach_image_inputs(cfg: TuneloopConfig, kind: ModelKind | None, tokenizer) -> None:
@@ -411,6 +415,7 @@ class ModelFacts:
     layer_classes: tuple = ()  # the model's decoder-layer classes (transformers' _no_split_modules)
     quantizable: tuple[int, int, int] = (0, 0, 0)  # (weights, rows, layers) of the linears 4/8-bit loading quantizes
     experts: tuple[int, int] = (0, 0)  # (weights, tensors) of the 3-D expert weights (quantize_moe_experts)
+    vision: object = None  # a vision-language model's image side as plan/flops.py counts it (VisionWeights)
 
     @property
     def text_config(self):
@@ -497,7 +502,18 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                       embeddings_trained=embeddings_trained,
                       matmul_only_trained=sum(p.numel() for p in matmul_only_weights(model, cfg)),
                       hidden_matrices_trained=hidden_matrices_trained(model),
-                      module_classes=classes, layer_classes=layer_classes, quantizable=quantizable, experts=experts)
+                      module_classes=classes, layer_classes=layer_classes, quantizable=quantizable, experts=experts,
+                      vision=_vision_weights(cfg, kind, model, config))
+
+
+def _vision_weights(cfg: TuneloopConfig, kind: ModelKind, model, config):
+    """A vision-language model's image side, stage by stage, for the plan's FLOPs (plan/flops.py)."""
+    if kind != VISION_LANGUAGE:
+        return None
+    from tuneloop.data.images import vision_family
+    from tuneloop.plan.flops import vision_weights
+
+    return vision_weights(model, config, vision_family(config, cfg.base_model or cfg.base_model_config))
 
 
 def hidden_matrices_trained(model) -> int:

@@ -37,7 +37,9 @@ def output_head(model):
         # an encoder-decoder's decoder needs the encoder's states, and T5 scales them before a tied head: its
         # loss is computed from the model's own logits (the decoder side is short: targets only)
         return None
-    if any(getattr(config, key, None) not in (None, 1, 1.0) for key in LOGIT_STEPS):
+    # a vision-language model keeps them in its text config (its top-level config does not pass them on)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(where, key, None) not in (None, 1, 1.0) for key in LOGIT_STEPS for where in (config, text)):
         return None
     return decoder, head.weight
 

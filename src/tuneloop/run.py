@@ -117,7 +117,7 @@ class TrainingSession:
         quiet_deepspeed_on_cpu()  # (before Accelerate is imported)
         import torch
         from accelerate import Accelerator
-        from accelerate.utils import InitProcessGroupKwargs, set_seed
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, set_seed
 
         from tuneloop.engines.base import join_process_group
         from tuneloop.resolved import resolve_run
@@ -125,8 +125,15 @@ class TrainingSession:
         self.resolved = resolve_run(self.cfg)
         timeout = timedelta(seconds=self.cfg.ddp_timeout) if self.cfg.ddp_timeout else None
         join_process_group(self.resolved.engine, timeout)  # (before Accelerate's, which then uses it)
+        handlers = [InitProcessGroupKwargs(timeout=timeout)] if timeout else []
+        kind = self.resolved.model_kind
+        if kind is not None and kind.name == "vision_language":
+            # DDP wants a gradient for every trainable parameter on every rank; a VLM leaves some without one (the
+            # vision tower's layers after `vision_feature_layer`, CLIP's post_layernorm; the whole tower in a
+            # micro-batch of text-only rows), so DDP must look for the unused ones each step
+            handlers.append(DistributedDataParallelKwargs(find_unused_parameters=True))
         self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=self.resolved.precision.mixed,
-                                       kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)] if timeout else None)
+                                       kwargs_handlers=handlers or None)
         if self.cfg.tf32 and torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = True
         set_seed(self.cfg.seed)

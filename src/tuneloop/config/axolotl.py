@@ -26,13 +26,16 @@ FEATURES = {
     "fsdp2_8bit": ("8-bit weights under FSDP2", "8-bit weights (`load_in_8bit`) sharded by FSDP2 (bitsandbytes keeps "
                    "an 8-bit weight's scales on the parameter FSDP2 replaces; QLoRA under FSDP2 or ZeRO-3, and 8-bit "
                    "under DeepSpeed or DDP, work)"),
-    "parallelism": ("tensor/context/expert parallelism", "tensor, context (sequence) and expert parallelism, and "
-                    "Ray (the data-parallel axes of axolotl's device mesh work: `dp_shard_size` and "
-                    "`dp_replicate_size`, HSDP under FSDP2; sizes of 1 are accepted)"),
-    "multimodal": ("multimodal models", "multimodal models beyond LLaVA and Qwen2-VL/Qwen2.5-VL (Gemma 3/3n/4, "
-                   "Mllama, Llama 4, Mistral 3/Pixtral, Idefics3/SmolVLM, InternVL, LFM2-VL, ...), audio and video "
-                   "parts, the `images` column, processor_kwargs/image_size/image_resize_algorithm, and packing, "
-                   "streaming or preference training of vision-language models"),
+    "parallelism": ("context/expert parallelism", "context (sequence) and expert parallelism, tensor parallel "
+                    "of adapters, 4/8-bit weights or streams (axolotl's device mesh otherwise works: "
+                    "`dp_shard_size`, `dp_replicate_size` (HSDP) and `tensor_parallel_size` of a whole model under "
+                    "FSDP2; sizes of 1 are accepted)"),
+    "ray": ("launching on a Ray cluster", "launching on a Ray cluster (`use_ray`, `ray_num_workers`, "
+            "`resources_per_worker`): tuneloop is launched with torchrun on each node (examples/slurm/ on Slurm)"),
+    "multimodal": ("multimodal models", "multimodal models beyond LLaVA, Qwen2-VL/Qwen2.5-VL, Gemma 3, Mllama and "
+                   "Idefics3/SmolVLM (Gemma 3n/4, Llama 4, Mistral 3/Pixtral, InternVL, LFM2-VL, ...), audio and "
+                   "video parts, the `images` column, and packing, streaming or preference training of "
+                   "vision-language models (the example configs are counted here on a text-only twin)"),
     "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading, "
                      "MXFP4 dequantized at load and int4/int8 QAT (GPTQ, torchao loading, fp8, NVFP4/MXFP4 QAT, QAT "
                      "under FSDP2 or DeepSpeed, 1-bit models)"),
@@ -150,13 +153,13 @@ _REFUSED_BY_FEATURE = {
     "fsdp_deepspeed": """deepcompile""",
     "parallelism": """
         heads_k_stride ring_attn_func expert_parallel_size expert_parallel_backend expert_parallel_num_nvl_bytes
-        expert_parallel_num_rdma_bytes expert_parallel_token_capacity expert_parallel_fallback_on_unsupported
-        use_ray ray_run_name ray_num_workers resources_per_worker""",
-    # (processor_type and freeze_mm_modules are schema fields now: vision-language models, data/images.py)
-    "multimodal": """processor_kwargs image_size image_resize_algorithm""",
+        expert_parallel_num_rdma_bytes expert_parallel_token_capacity expert_parallel_fallback_on_unsupported""",
+    "ray": """use_ray ray_run_name ray_num_workers resources_per_worker""",
+    # (processor_type, freeze_mm_modules, processor_kwargs, image_size and image_resize_algorithm are schema fields
+    # now: vision-language models, data/images.py)
+    "multimodal": "",
     # (dp_shard_size, dp_replicate_size, tensor_parallel_size, context_parallel_size and sequence_parallel_degree
-    # are schema fields now: engines/keys.py reads them, refusing tensor and context parallelism > 1 under
-    # this feature)
+    # are schema fields now: engines/keys.py reads them, refusing context parallelism > 1 under this feature)
     # (model_quantization_config and its kwargs are schema fields now: Mxfp4Config loads, and other classes are
     # refused there under this feature)
     # (`qat` is a schema field now: int4/int8 QAT through torchao, qat.py; its GPU-only dtypes are refused there)
@@ -231,4 +234,12 @@ def refusal(key: str, value, where: str = "") -> str:
         return f"{where}`{key}: {value!r}` is a key axolotl itself has removed; remove it (or leave it blank)"
     feature = REFUSED.get(key) or DATASET_REFUSED.get(key)
     return (f"{where}`{key}: {value!r}` asks for {FEATURES[feature][0]}, which tuneloop does not do yet, and ignoring "
-            "it would change what is trained; remove it (or leave it blank)")
+            "it would change what is trained; remove it (or leave it blank)" + ALTERNATIVES.get(feature, ""))
+
+
+# what to do instead, where there is a way to get what the refused key is for
+ALTERNATIVES = {
+    "ray": ", and launch the same config with torchrun on each node (`torchrun --nnodes N --nproc-per-node G "
+           "--rdzv-backend c10d --rdzv-endpoint FIRST_NODE:29500 -m tuneloop train run.yml`), or on a Slurm cluster "
+           "with examples/slurm/train.sbatch",
+}

@@ -239,7 +239,8 @@ def eval_set_and_shards(cfg) -> Problems:
 def vision_family(cfg) -> Problems:
     """A vision-language config whose family tuneloop cannot train yet is refused by `check` already, naming the
     family (config/vision_names.py reads it from the local config.json or the hub id)."""
-    from tuneloop.config.vision_names import TRAINED_VISION_TYPES, asks_for_vision, named_vision_family
+    from tuneloop.config.vision_names import (TRAINED_VISION_TYPES, TRAINED_VISION_WORDS, asks_for_vision,
+                                              named_vision_family)
 
     if not asks_for_vision(cfg):
         return
@@ -247,7 +248,7 @@ def vision_family(cfg) -> Problems:
     if named is not None and named[0] not in TRAINED_VISION_TYPES:
         model_type, words, found = named
         yield (f"`base_model: {cfg.base_model or cfg.base_model_config}` is a {words} vision-language model (by "
-               f"{found}); tuneloop trains LLaVA and Qwen2-VL / Qwen2.5-VL so far, and this family asks for "
+               f"{found}); tuneloop trains {TRAINED_VISION_WORDS} so far, and this family asks for "
                "multimodal models, which tuneloop does not do yet")
 
 
@@ -553,6 +554,8 @@ def sharding(cfg) -> Problems:
                       "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
         cfg.torch_compile = False
     yield from sharded_quantized_weights(cfg, engine)
+    if mesh.tp:
+        yield from tensor_parallel(cfg, mesh.tp)
     if cfg.optimizer == "muon" and engine.name != "ddp":
         yield (f"`optimizer: muon` orthogonalises whole weight matrices, and {engine.name} hands the optimizer shards "
                "of them: use muon on DDP ranks (no `fsdp`/`deepspeed`), or an AdamW")
@@ -565,6 +568,26 @@ def sharding(cfg) -> Problems:
         cfg._engine = dataclasses.replace(cfg._engine, loads_on_rank_zero=False)
     if engine.activation_checkpointing and not cfg.gradient_checkpointing:
         cfg.gradient_checkpointing = True  # fsdp_config.activation_checkpointing is the same recomputation
+
+
+def tensor_parallel(cfg, tp: int) -> Problems:
+    """What tensor parallel (engines/tensor_parallel.py) runs with: a whole model's projections split by torch's
+    parallelize_module. An adapter wraps them (peft's layers are no nn.Linear the split knows), 4/8-bit weights
+    have no split, and online RL's generation and a stream's per-rank counts are not arranged for ranks that share
+    their rows."""
+    key = f"`tensor_parallel_size: {tp}`"
+    if cfg.adapter:
+        yield (f"{key} with `adapter: {cfg.adapter}`: tuneloop splits a whole model's projections, and the "
+               "adapter's layers wrap them; fine-tune the whole model, or set tensor_parallel_size to 1 and "
+               "shard with dp_shard_size")
+    elif cfg.load_in_4bit or cfg.load_in_8bit:
+        yield f"{key} with 4/8-bit weights: quantized weights are not split; set tensor_parallel_size to 1"
+    if is_online(cfg):
+        yield (f"{key} with `rl: {cfg.rl}`: online generation is not arranged for ranks that share their prompts; "
+               "set tensor_parallel_size to 1")
+    if cfg.streams:
+        yield (f"{key} with a streamed dataset: a stream's per-rank counts are not arranged for ranks that share "
+               "their rows; prepare the data (remove `streaming`), or set tensor_parallel_size to 1")
 
 
 def sharded_quantized_weights(cfg, engine) -> Problems:

@@ -172,6 +172,12 @@ class TuneloopConfig(Strict):
     # and projector frozen
     processor_type: Optional[str] = None
     freeze_mm_modules: Optional[bool] = None
+    # axolotl's: settings given to the processor's from_pretrained (max_pixels, crop_size, ...), and each image
+    # resized before the processor (an int: kept in proportion and padded black to that square; [width, height]:
+    # stretched to it), with PIL's bilinear (the default), bicubic or lanczos filter
+    processor_kwargs: Optional[dict[str, Any]] = None
+    image_size: Optional[Union[int, tuple[int, int]]] = None
+    image_resize_algorithm: Optional[str] = None
     # data
     datasets: list[DatasetConfig] = Field(default_factory=list)
     # read as a stream instead of prepared whole (axolotl's keys): raw text packed into full rows, for max_steps
@@ -336,6 +342,29 @@ class TuneloopConfig(Strict):
     @classmethod
     def _home(cls, value):
         return home_expanded(value)
+
+    @field_validator("processor_kwargs")
+    @classmethod
+    def _processor_kwargs(cls, value):
+        reserved = sorted({"revision", "trust_remote_code"} & set(value or ()))
+        if reserved:  # (as axolotl refuses them)
+            raise ValueError(f"{', '.join(reserved)} must not be set inside processor_kwargs: use the top-level "
+                             "`revision_of_model` / `trust_remote_code` keys")
+        return value
+
+    @field_validator("image_size")
+    @classmethod
+    def _image_size(cls, value):
+        if value is not None and min((value,) if isinstance(value, int) else value) < 1:
+            raise ValueError("must be a side in pixels (an int: padded to that square) or [width, height], above 0")
+        return value
+
+    @field_validator("image_resize_algorithm")
+    @classmethod
+    def _resize_algorithm(cls, value):
+        if value is not None and value.lower() not in ("bilinear", "bicubic", "lanczos"):
+            raise ValueError(f"`{value}` is not one of bilinear, bicubic, lanczos (PIL's filters, as axolotl takes)")
+        return value.lower() if value is not None else None
 
     @field_validator("rl")
     @classmethod

@@ -15,7 +15,8 @@ from pathlib import Path
 
 # model types tuneloop trains (data/images.py's VISION_FAMILIES; kept here too so `check` stays torch-free: a test
 # holds the two equal)
-TRAINED_VISION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl")
+TRAINED_VISION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm", "mllama")
+TRAINED_VISION_WORDS = "LLaVA, Qwen2-VL / Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM and Llama 3.2 Vision (Mllama)"
 
 # hub-id patterns (case-insensitive) -> (model type, family in words); the first match wins
 FAMILY_NAMES = (
@@ -30,7 +31,9 @@ FAMILY_NAMES = (
     (r"llama-3\.2-\d+b-vision", "mllama", "Llama 3.2 Vision (Mllama)"),
     (r"llama-4", "llama4", "Llama 4"),
     (r"internvl", "internvl", "InternVL"),
-    (r"smolvlm|idefics", "idefics3", "Idefics3 / SmolVLM"),
+    (r"smolvlm", "smolvlm", "SmolVLM"),
+    (r"idefics3", "idefics3", "Idefics3"),
+    (r"idefics", "idefics2", "Idefics / Idefics2"),
     (r"ministral-3|mistral-small-3|mistral-medium|pixtral|magistral", "mistral3", "Mistral 3 / Pixtral"),
     (r"lfm2-vl", "lfm2_vl", "LFM2-VL"),
     (r"paddleocr-vl", "paddleocr_vl", "PaddleOCR-VL"),

@@ -207,16 +207,18 @@ class ImageCollator:
         from tuneloop.errors import UserError
 
         batch = self.text(units)
-        references = []
-        for index in (index for row in store_rows(units, self.text.rows, False) for index in row):
-            for reference, count in self.text.rows.images(index):
-                if self.images.tokens_for(*image_size(reference, f"row {index}")) != count:
-                    raise UserError(f"data: image {reference.partition(':')[2][:200]} changed since the data was "
-                                    "prepared (its size gives another number of image tokens); run `tuneloop "
-                                    "preprocess CONFIG --force`")
-                references.append(reference)
-        if references:
-            batch.inputs.update(self.images.pixel_inputs(references))
+        references = []  # per row of the batch: its images, in the order its text holds them
+        for row in store_rows(units, self.text.rows, False):
+            references.append([])
+            for index in row:
+                for reference, count in self.text.rows.images(index):
+                    seen = self.images.seen_size(*image_size(reference, f"row {index}"))  # (image_size)
+                    if self.images.tokens_for(*seen) != count:
+                        raise UserError(f"data: image {reference.partition(':')[2][:200]} changed since the data was "
+                                        "prepared (its size gives another number of image tokens); run `tuneloop "
+                                        "preprocess CONFIG --force`")
+                    references[-1].append(reference)
+        batch.inputs.update(self.images.batch_inputs(batch.inputs["input_ids"], references))
         return batch
 
 

@@ -2,13 +2,15 @@
 
 A row's image parts (`{"type": "image", "path" | "url" | "base64" | "image": ...}`) become references
 (`path:/abs/file.png`, `base64:...`): the token cache keeps those, never pixels. Preparing reads each image's
-size from its header (PIL opens lazily: no pixels decoded) and asks the model's processor how many image tokens
-that size becomes, so the cached rows hold their final length and the plan's counts are exact. The collator
-decodes and processes a micro-batch's images only when it needs them (ImageInputs.pixel_inputs).
+size from its header (PIL opens lazily: no pixels decoded) and asks the model's processor what text that size
+becomes (image tokens, and for some families tile tags, start/end tokens and newlines), so the cached rows hold
+their final length and the plan's counts are exact. The collator decodes and processes a micro-batch's images only
+when it needs them (ImageInputs.batch_inputs), with the tensors a family reads beside the pixels (Gemma 3's token
+types, Mllama's cross-attention mask).
 
-A family (VisionFamily) says what the chat text writes for an image, which token the processor repeats for it,
-which tokens frame it (never trained), and which modules are the vision tower and projector
-(`freeze_mm_modules`). Families not listed are refused by name.
+A family (VisionFamily) says what the chat text writes for an image, how the processor expands it (`layout`),
+which token it repeats, which tokens frame it (never trained, nor is any of an image's text), and which modules are
+the vision tower and projector (`freeze_mm_modules`). Families not listed are refused by name.
 """
 
 from __future__ import annotations
@@ -32,14 +34,36 @@ class VisionFamily:
     image_token: str  # the token the processor repeats once per image token
     framing: tuple[str, ...]  # tokens around an image (vision start/end): never trained either
     vision_modules: tuple[str, ...]  # module-name parts of the vision tower and projector (`freeze_mm_modules`)
+    # how the processor writes one image's text in place of the marker (`layout`): "repeat" (the image token, as
+    # many times as the image has tokens), "gemma3" (start/end of image around its soft tokens, blank lines
+    # either side), "tiles" (Idefics3/SmolVLM: a row-col tag and tokens per tile, then the global image) or
+    # "cross" (Mllama: the one token stays; the decoder reads the image through cross-attention)
+    layout: str = "repeat"
+    marker: str = ""  # the token the chat text holds per image, which the processor replaces ("": image_token)
+    nested: bool = False  # the image processor takes each row's images as one list (its tensors are per row)
+
+    @property
+    def text_marker(self) -> str:
+        return self.marker or self.image_token
 
 
 _QWEN_VL = dict(placeholder="<|vision_start|><|image_pad|><|vision_end|>", image_token="<|image_pad|>",
                 framing=("<|vision_start|>", "<|vision_end|>"), vision_modules=("visual",))  # (the merger is in it)
+_IDEFICS3 = dict(placeholder="<image>", image_token="<image>",
+                 framing=("<fake_token_around_image>", "<global-img>",
+                          *(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7))),
+                 vision_modules=("vision_model", "connector"), layout="tiles", nested=True)
 VISION_FAMILIES = {
     "llava": VisionFamily("llava", "<image>\n", "<image>", (), ("vision_tower", "multi_modal_projector")),
     "qwen2_vl": VisionFamily("qwen2_vl", **_QWEN_VL),
     "qwen2_5_vl": VisionFamily("qwen2_5_vl", **_QWEN_VL),
+    # Gemma 3: its template writes <start_of_image> for an image; the processor writes soft tokens after it
+    "gemma3": VisionFamily("gemma3", "<start_of_image>", "<image_soft_token>", ("<start_of_image>", "<end_of_image>"),
+                           ("vision_tower", "multi_modal_projector"), layout="gemma3", marker="<start_of_image>"),
+    "idefics3": VisionFamily("idefics3", **_IDEFICS3),
+    "smolvlm": VisionFamily("smolvlm", **_IDEFICS3),
+    "mllama": VisionFamily("mllama", "<|image|>", "<|image|>", (), ("vision_model", "multi_modal_projector"),
+                           layout="cross", nested=True),
 }
 
 
@@ -101,22 +125,74 @@ def image_size(reference: str, where: str) -> tuple[int, int]:
         return image.height, image.width
 
 
-def expand_images(text: str, spans: list[tuple[int, int]], image_token: str,
-                  counts: list[int]) -> tuple[str, list[tuple[int, int]]]:
-    """The text with its i-th image token repeated counts[i] times (what the processor does), the trained
-    character spans moved to match."""
-    pieces, shifts, at = [], [], 0
-    for count in counts:
-        found = text.index(image_token, at)
-        pieces += [text[at:found], image_token * count]
-        shifts.append((found + len(image_token), len(image_token) * (count - 1)))
-        at = found + len(image_token)
+def checked_size(reference: str, where: str) -> tuple[int, int]:
+    """image_size, for preparing: the file's structure checked too (PIL's verify: a PNG's chunks and checksums, no
+    pixels decoded; a JPEG decoded at 1/8 scale, which finds one cut short), so a broken image is refused naming
+    its row now, not when a micro-batch meets it."""
+    from PIL import Image
+
+    with open_image(reference, where) as image:
+        size = image.height, image.width
+        try:
+            if image.format == "JPEG":
+                image.draft("RGB", (max(1, image.width // 8), max(1, image.height // 8)))
+                image.load()
+            else:
+                image.verify()
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+            shown = reference.partition(":")[2] if reference.startswith("path:") else "(base64 data)"
+            raise UserError(f"data: {where}: cannot decode image {shown}: {error}") from None
+    return size
+
+
+# the processor settings that make an image fewer tokens, per family (an image alone longer than sequence_len)
+SHRINKS = {"qwen2_vl": "processor_kwargs: {{max_pixels: {pixels}}} (an image is about max_pixels / 784 tokens) or "
+                       "image_size",
+           "idefics3": "processor_kwargs: {{do_image_splitting: false}} (one tile per image) or image_size",
+           "gemma3": None, "llava": None, "mllama": None}
+SHRINKS.update(qwen2_5_vl=SHRINKS["qwen2_vl"], smolvlm=SHRINKS["idefics3"])
+
+
+def check_images_fit(counts: list[int], references: list[str], sizes: list[tuple[int, int]], sequence_len: int,
+                     family: str, where: str) -> None:
+    """An image whose tokens alone fill sequence_len can never train: refused naming it, its tokens and the
+    processor setting that makes it fewer (the row's other images and text are the ordinary length check's)."""
+    for number, (count, reference, (height, width)) in enumerate(zip(counts, references, sizes), start=1):
+        if count < sequence_len:
+            continue
+        shown = reference.partition(":")[2] if reference.startswith("path:") else "(base64 data)"
+        shrink = SHRINKS.get(family)
+        fix = (f"shrink it with {shrink.format(pixels=784 * (sequence_len // 2))}, or raise sequence_len" if shrink
+               else f"{family} makes every image this many tokens: raise sequence_len")
+        raise UserError(f"data: {where}: image {number} ({shown}, {width}×{height}) becomes {count} image tokens, "
+                        f"which do not fit in sequence_len={sequence_len}; {fix}")
+
+
+def expand_images(text: str, spans: list[tuple[int, int]], marker: str,
+                  replacements: list[str]) -> tuple[str, list[tuple[int, int]]]:
+    """The text with its i-th image marker replaced by replacements[i] (what the processor writes for that image),
+    the trained character spans moved to match; an image's text is never trained, so it is cut out of them."""
+    pieces, markers, at = [], [], 0
+    for replacement in replacements:
+        found = text.index(marker, at)
+        pieces += [text[at:found], replacement]
+        markers.append((found, found + len(marker), len(replacement) - len(marker)))
+        at = found + len(marker)
     pieces.append(text[at:])
 
     def moved(position: int) -> int:
-        return position + sum(extra for after, extra in shifts if position >= after)
+        return position + sum(extra for _, after, extra in markers if position >= after)
 
-    return "".join(pieces), [(moved(start), moved(end)) for start, end in spans]
+    kept = []
+    for start, end in spans:
+        for found, after, _ in markers:
+            if start < after and found < end:  # the span holds this image's marker: split around it
+                if start < found:
+                    kept.append((start, found))
+                start = max(start, after)
+        if start < end:
+            kept.append((start, end))
+    return "".join(pieces), [(moved(start), moved(end)) for start, end in kept]
 
 
 # ---- the model's processor, as preparing and collating use it ----------------------------------------------
@@ -130,26 +206,128 @@ class ImageInputs:
     image_processor: object
     processor: object | None  # the whole processor, saved with the model
     never_trained: tuple[int, ...]  # the image token's and the framing tokens' ids
+    tile_tokens: int = 0  # Idefics3/SmolVLM without their processor: image tokens per tile (the model config's)
+    # axolotl's `image_size` (an int: in proportion, padded black to that square; (width, height): stretched) and
+    # `image_resize_algorithm`: each image resized so before the processor sees it, and its tokens counted so
+    image_size: int | tuple[int, int] | None = None
+    resample: str = "bilinear"
+
+    def seen_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) of an image of this size as the processor gets it (after `image_size`)."""
+        if self.image_size is None:
+            return height, width
+        if isinstance(self.image_size, int):
+            return self.image_size, self.image_size
+        return self.image_size[1], self.image_size[0]
+
+    def resized(self, image):
+        """The image as the processor gets it: resized as `image_size` says (axolotl's way), or as it is."""
+        from PIL import Image, ImageOps
+
+        if self.image_size is None:
+            return image
+        method = getattr(Image.Resampling, self.resample.upper())
+        if isinstance(self.image_size, int):
+            return ImageOps.pad(image, (self.image_size, self.image_size), method=method, color=(0, 0, 0))
+        return image.resize(tuple(self.image_size), method)
+
+    def opened(self, references: list[str]) -> list:
+        return [self.resized(image) for image in _opened(references)]
 
     def tokens_for(self, height: int, width: int) -> int:
         """How many image tokens an image of this size becomes: the processor's own arithmetic."""
+        if self.family.layout != "repeat":
+            return self.expansion(height, width).count(self.family.image_token)
         if self.processor is not None and hasattr(self.processor, "_get_num_multimodal_tokens"):
             return int(self.processor._get_num_multimodal_tokens(image_sizes=[(height, width)])["num_image_tokens"][0])
         # Qwen2-VL's image processor alone: its patch grid, merge_size × merge_size patches to a token
         patches = self.image_processor.get_number_of_image_patches(height, width, {})
         return patches // self.image_processor.merge_size ** 2
 
+    def expansion(self, height: int, width: int) -> str:
+        """The text the processor writes in place of the marker for an image of this size (from its size alone)."""
+        family = self.family
+        if family.layout == "repeat":
+            return family.image_token * self.tokens_for(height, width)
+        if family.layout == "cross":  # Mllama: the token stays one token
+            return family.image_token
+        if family.layout == "gemma3":  # no pan-and-scan crops (refused when the image processor asks for them)
+            return self.processor.replace_image_token({"num_crops": [0]}, 0)
+        # tiles: rows × columns of the resized image (0 × 0 when it is not split), then the global image
+        _, rows, cols = self.image_processor.get_number_of_image_patches(height, width, {})
+        if self.processor is not None:
+            return self.processor.replace_image_token({"rows": [[rows]], "cols": [[cols]]}, 0)
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        return get_image_prompt_string(rows, cols, self.tile_tokens, "<fake_token_around_image>", family.image_token,
+                                       "<global-img>")
+
+    def expanded(self, text: str, spans: list[tuple[int, int]], sizes: list[tuple[int, int]],
+                 where: str) -> tuple[str, list[tuple[int, int]], list[int]]:
+        """A rendered row with each image's marker replaced by the processor's text for it (the row's length is
+        final), its trained spans moved, and each image's token count (kept with the cached row)."""
+        marker = self.family.text_marker
+        sizes = [self.seen_size(height, width) for height, width in sizes]
+        if text.count(marker) != len(sizes):
+            why = ("the chat template dropped image markers (a template that reads message content as a list of "
+                   "parts gets text here: use one that writes the content as text)" if text.count(marker) < len(sizes)
+                   else f"the text must not write {marker} itself")
+            raise UserError(f"data: {where}: the chat text holds {text.count(marker)} image marker(s) {marker} for "
+                            f"{len(sizes)} image(s); {why}")
+        replacements = [self.expansion(height, width) for height, width in sizes]
+        expanded, moved = expand_images(text, spans, marker, replacements)
+        return expanded, moved, [replacement.count(self.family.image_token) for replacement in replacements]
+
     def pixel_inputs(self, references: list[str]) -> dict:
         """The model's image inputs (pixel_values, and the grid where the family has one) for these images."""
-        images = []
-        for reference in references:
-            with open_image(reference) as image:
-                images.append(image.convert("RGB"))
-        return dict(self.image_processor(images=images, return_tensors="pt"))
+        return dict(self.image_processor(images=self.opened(references), return_tensors="pt"))
+
+    def batch_inputs(self, input_ids, references: list[list[str]]) -> dict:
+        """A micro-batch's image inputs: its rows' images (as one list per row where the family's tensors are per
+        row), and what the family reads beside them: Gemma 3's token types (image tokens attend to each other both
+        ways), Mllama's cross-attention mask (each text token reads the images before it, every tile of them)."""
+        import torch
+
+        if not any(references):
+            return {}
+        if not self.family.nested:
+            inputs = self.pixel_inputs([reference for row in references for reference in row])
+        else:
+            inputs = dict(self.image_processor(images=[self.opened(row) for row in references], return_tensors="pt"))
+        for unused in ("num_crops", "rows", "cols"):
+            inputs.pop(unused, None)
+        if self.family.layout == "gemma3":
+            inputs["token_type_ids"] = (input_ids == self.never_trained[0]).long()
+        if "image_grid_thw" in inputs:  # Qwen2-VL/2.5-VL's M-RoPE finds the image tokens by these types (transformers
+            # 5.24: without them Qwen2-VL raises, and Qwen2.5-VL silently gives the image tokens text positions)
+            inputs["mm_token_type_ids"] = (input_ids == self.never_trained[0]).long()
+        if self.family.layout == "cross":
+            from transformers.models.mllama.processing_mllama import (convert_sparse_cross_attention_mask_to_dense,
+                                                                      get_cross_attention_token_mask)
+
+            num_tiles = inputs.pop("num_tiles")
+            spans = [get_cross_attention_token_mask(row.tolist(), self.never_trained[0]) for row in input_ids]
+            inputs["cross_attention_mask"] = torch.from_numpy(convert_sparse_cross_attention_mask_to_dense(
+                spans, num_tiles=num_tiles, max_num_tiles=self.image_processor.max_image_tiles,
+                length=input_ids.shape[1]))
+        return inputs
 
     def save(self, folder: Path) -> None:
         """The processor beside the model, so AutoProcessor reloads it (the image processor where only it loaded)."""
         (self.processor or self.image_processor).save_pretrained(folder)
+
+
+def _opened(references: list[str]) -> list:
+    images = []
+    for reference in references:
+        with open_image(reference) as image:
+            try:
+                images.append(image.convert("RGB"))
+            except (OSError, SyntaxError, ValueError) as error:  # (a JPEG cut short passes checked_size)
+                shown = reference.partition(":")[2][:200] if reference.startswith("path:") else "(base64 data)"
+                raise UserError(f"data: cannot decode image {shown}: {error}; replace the file, then run `tuneloop "
+                                "preprocess CONFIG --force`") from None
+    return images
 
 
 def load_image_inputs(cfg, config, tokenizer) -> ImageInputs:
@@ -167,7 +345,8 @@ def load_image_inputs(cfg, config, tokenizer) -> ImageInputs:
                         "AutoProcessor (or leave it out)")
     processor = None
     try:
-        processor = processor_class.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        processor = processor_class.from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
+                                                    **(cfg.processor_kwargs or {}))
         image_processor = processor.image_processor
     except (AttributeError, ImportError) as error:  # a video processor transformers cannot build without torchvision
         image_processor = _image_processor_alone(source, cfg, error)
@@ -179,14 +358,55 @@ def load_image_inputs(cfg, config, tokenizer) -> ImageInputs:
     if tokenizer.unk_token_id in ids or None in ids:
         raise UserError(f"model: the tokenizer of {source} lacks the {family.name} image tokens "
                         f"({family.image_token} {' '.join(family.framing)}); use the model's own tokenizer")
-    return ImageInputs(family, image_processor, processor, tuple(ids))
+    if family.layout == "gemma3" and (processor is None or getattr(image_processor, "do_pan_and_scan", False)):
+        raise UserError(f"model: {source}: " + ("Gemma 3's image processor asks for pan-and-scan crops, which tuneloop "
+                                               "does not make yet; set do_pan_and_scan to false in its "
+                                               "preprocessor_config.json" if processor is not None else
+                                               "Gemma 3 needs its processor (processor_config.json), which did not "
+                                               "load"))
+    check_processor_kwargs(cfg, processor, image_processor)
+    return ImageInputs(family, image_processor, processor, tuple(ids), _tile_tokens(config, family),
+                       cfg.image_size, cfg.image_resize_algorithm or "bilinear")
+
+
+def _tile_tokens(config, family: VisionFamily) -> int:
+    """Idefics3/SmolVLM: image tokens per tile, (image_size / patch_size)² patches pixel-shuffled scale_factor² to
+    one (the processor's image_seq_len; the model config's arithmetic, for when the processor cannot load)."""
+    if family.layout != "tiles":
+        return 0
+    vision = config.vision_config
+    return (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
+
+
+def check_processor_kwargs(cfg, processor, image_processor) -> None:
+    """`processor_kwargs` go to the processor's from_pretrained, as axolotl gives them; transformers drops a name
+    neither the processor nor its image processor takes without a word, so such a name is refused here."""
+    if not cfg.processor_kwargs:
+        return
+    import inspect
+
+    known = set(image_processor.to_dict())
+    for holder in (processor, image_processor):
+        if holder is None:
+            continue
+        known |= set(holder.to_dict()) if holder is processor else set()
+        known |= set(inspect.signature(type(holder).__init__).parameters) - {"self", "args", "kwargs"}
+        kinds = getattr(holder, "valid_kwargs", None)  # (a TypedDict of the kwargs it takes)
+        for kind in kinds.__mro__ if isinstance(kinds, type) else ():
+            known |= set(getattr(kind, "__annotations__", {}))
+    unknown = sorted(set(cfg.processor_kwargs) - known - {"tokenizer", "image_processor", "chat_template"})
+    if unknown:
+        names = " or ".join(type(holder).__name__ for holder in (processor, image_processor) if holder is not None)
+        raise UserError(f"config: processor_kwargs: {', '.join(unknown)} is not a setting of {names} (transformers "
+                        f"would drop it without a word); its settings include {', '.join(sorted(known)[:40])}")
 
 
 def _image_processor_alone(source: str, cfg, error: Exception):
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        return AutoImageProcessor.from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
+                                                  **(cfg.processor_kwargs or {}))
     except (OSError, ValueError, TypeError) as second:
         raise UserError(f"model: cannot load the processor of {source!r} ({type(error).__name__}: {error}) nor its "
                         f"image processor ({second})") from None

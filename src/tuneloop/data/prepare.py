@@ -35,7 +35,7 @@ import numpy as np
 
 from tuneloop.data.chat_templates import resolve_template
 from tuneloop.data.formats import RenderContext, render_row
-from tuneloop.data.images import expand_images, image_inputs_of, image_reference, image_size, references_json
+from tuneloop.data.images import check_images_fit, checked_size, image_inputs_of, image_reference, references_json
 from tuneloop.data.labels import IGNORE_INDEX, count_targets
 from tuneloop.data.load import RawRow, ReadProgress, data_files_of, is_hub_dataset, parse_row, stream_rows
 from tuneloop.data.mistral_chat import MistralChats, fingerprint, is_mistral_common
@@ -182,9 +182,9 @@ class ChunkTokenizer:
         return self.kept(sequences, len(rows))
 
     def with_images(self, rows: list, entry, context: RenderContext) -> tuple[list, list[str]]:
-        """A vision-language model's rows: each image's token repeated as many times as the processor makes it
-        (from the image's size: the row's length is final), those tokens and their framing never trained; and
-        each row's image references for the collator."""
+        """A vision-language model's rows: each image's marker replaced by the text the processor writes for it
+        (from the image's size: the row's length is final), that text never trained; and each row's image
+        references for the collator."""
         from tuneloop.data.load import data_files_of
 
         files = data_files_of(entry)
@@ -193,15 +193,14 @@ class ChunkTokenizer:
         for row in rows:
             text = render_row(row, entry, context)
             references = [image_reference(part, row.where, base_dir) for part in text.images]
-            counts = [self.vision.tokens_for(*image_size(reference, row.where)) for reference in references]
-            token = self.vision.family.image_token
-            if text.text.count(token) != len(references):
-                raise UserError(f"data: {row.where}: the chat text holds {text.text.count(token)} image token(s) "
-                                f"{token} for {len(references)} image(s); the text must not write {token} itself")
-            expanded, spans = expand_images(text.text, text.trained_spans, token, counts)
+            sizes = [checked_size(reference, row.where) for reference in references]
+            spans = [(0, len(text.text))] if self.train_on_inputs else text.trained_spans
+            expanded, spans, counts = self.vision.expanded(text.text, spans, sizes, row.where)
+            check_images_fit(counts, references, sizes, self.sequence_len, self.vision.family.name, row.where)
             rendered.append(dataclasses.replace(text, text=expanded, trained_spans=spans))
             images.append(references_json(list(zip(references, counts))))
-        sequences = tokenize_rendered(rendered, self.tokenizer, self.encoder, self.train_on_inputs)
+        # (train_on_inputs is in the spans already: the whole text but its images' text, newlines between tiles too)
+        sequences = tokenize_rendered(rendered, self.tokenizer, self.encoder, False)
         never = np.asarray(self.vision.never_trained)
         return [(ids, np.where(np.isin(ids, never), IGNORE_INDEX, labels)) for ids, labels in sequences], images
 
@@ -378,9 +377,11 @@ def cache_key(cfg, tokenizer, encoder_decoder: bool = False) -> str:
 
 
 def image_settings(vision) -> dict:
-    """What changes a vision-language row's image tokens: the family and the image processor's settings."""
+    """What changes a vision-language row's image tokens: the family, the image processor's settings (with
+    `processor_kwargs` applied) and the resize before it (`image_size`, `image_resize_algorithm`)."""
     return {"family": vision.family.name, "image_processor": vision.image_processor.to_json_string(),
-            "processor": vision.processor.to_json_string() if vision.processor is not None else None}
+            "processor": vision.processor.to_json_string() if vision.processor is not None else None,
+            **({"resize": [vision.image_size, vision.resample]} if vision.image_size is not None else {})}
 
 
 def vocabulary_bytes(tokenizer) -> bytes:

@@ -154,8 +154,8 @@ class PreparedRows:
     def steps(self, plan, tokenizer, accelerator, hooks, *, start_step: int, resume_from=None,
               reference: dict | None = None, decoder_start_token_id: int | None = None,
               unit: str = "tokens", **online) -> TrainingSteps:
-        return PreparedSteps(self, plan, tokenizer, accelerator.process_index, hooks, start_step, reference or {},
-                             decoder_start_token_id, unit)
+        return PreparedSteps(self, plan, tokenizer, plan.data_rank(accelerator.process_index), hooks, start_step,
+                             reference or {}, decoder_start_token_id, unit)
 
 
 def steps_for_epochs(steps_per_epoch: int, num_epochs: float) -> int:

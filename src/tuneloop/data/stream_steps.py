@@ -75,8 +75,8 @@ class StreamedSteps(TrainingSteps):
                         encoder_decoder=encoder_decoder)
         tokenize = ChunkTokenizer(tokenizer, entry_rules(cfg, entries, tokenizer), limits)
         # (shuffle_merged_datasets is always true: a stream shuffles each chunk of rows, by seed)
-        self.stream = TokenStream(entries, tokenize, cfg.sequence_len, accelerator.process_index, plan.world_size,
-                                  packed, position, shuffle_seed=cfg.seed)
+        self.stream = TokenStream(entries, tokenize, cfg.sequence_len, plan.data_rank(accelerator.process_index),
+                                  plan.data_ranks, packed, position, shuffle_seed=cfg.seed)
         self.pad_token_id, self.packed, self.padding = tokenizer.pad_token_id, packed, plan.padding
         self.decoder_start_token_id = decoder_start_token_id
         self.rows_trained = 0  # the rows (packed: full rows) this session's steps trained on this rank

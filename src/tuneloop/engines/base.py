@@ -35,6 +35,10 @@ class WholeBytes:
     # of `weights`, what every rank keeps whole even when the weights are sharded: the scales and code books of
     # 4/8-bit weights, which bitsandbytes keeps on the layer beside the packed values the engine divides
     unsharded_weights: float = 0.0
+    # what tensor parallel's activation traffic is counted from (plan/comm.py): the largest micro-batch's tokens
+    # and the hidden size
+    micro_batch_tokens: int = 0
+    hidden_size: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -68,7 +68,12 @@ class FSDP2Spec(EngineSpec):
         mesh = self.mesh(world_size) if world_size else None
         if mesh is not None and mesh.dp_replicate > 1:
             among = f"divided by {mesh.dp_shard} within each of {mesh.dp_replicate} replicas (HSDP)"
+        elif mesh is not None and mesh.tp > 1:
+            among = f"divided by {mesh.dp_shard}"
         parts = ["weights, gradients and optimizer state " + among]
+        if mesh is not None and mesh.tp > 1:
+            parts.insert(0, f"each layer's projections split over {mesh.tp} tensor-parallel ranks (the embeddings, "
+                            "norms and head whole on each), which read the same rows")
         if not self.reshard_after_forward:
             parts.append("weights kept gathered from forward to backward (shard_grad_op)")
         if self.offload_weights:
@@ -78,8 +83,12 @@ class FSDP2Spec(EngineSpec):
         return f"FSDP2{over}: " + "; ".join(parts)
 
     def per_rank(self, whole: WholeBytes, world_size: int, accumulation: int, precision: str) -> RankBytes:
-        # divided over the ranks of one shard group: under HSDP each replica holds the whole model in its group
-        share = sharded_share(self, whole, self.mesh(world_size).dp_shard, precision, self.reshard_after_forward)
+        # divided over the ranks of one shard group: under HSDP each replica holds the whole model in its group;
+        # tensor parallel first divides the layers' projections over the tp ranks
+        mesh = self.mesh(world_size)
+        if mesh.tp > 1:
+            whole = tensor_parallel_share(whole, mesh.tp)
+        share = sharded_share(self, whole, mesh.dp_shard, precision, self.reshard_after_forward)
         gradients = share.gradients
         if accumulation > 1:
             # FSDP2 skips the reduce-scatter in a step's non-final micro-batches, keeping each gradient whole (fp32)
@@ -103,6 +112,10 @@ class FSDP2Spec(EngineSpec):
         wanted = set(self.layer_classes) or set(facts.layer_classes)
         if not wanted & facts.module_classes:
             raise UserError(missing_layers(wanted, facts.module_classes, type(facts.config).__name__))
+        if self.mesh_keys.tp:  # (tensor_parallel.py: the model's own table, and sizes the tp ranks divide)
+            from tuneloop.engines.tensor_parallel import check_tensor_parallel
+
+            check_tensor_parallel(facts.config, self.mesh_keys.tp)
 
     def build(self, cfg, plan, accelerator) -> Engine:
         return FSDP2Engine(self, cfg, plan, accelerator)
@@ -224,6 +237,10 @@ class FSDP2Engine(DDPEngine):
         elif not on_meta and (device.type != "cpu" or not spec.offload_weights):
             module.to(device)
         layers = shard_groups(module.model, spec.layer_classes)
+        if self.tp_mesh is not None:  # the layers' projections split over the tp ranks first, then sharded (2-D)
+            from tuneloop.engines.tensor_parallel import parallelize
+
+            self.partial_gradients = parallelize(module.model, self.tp_mesh)
         for layer in layers:
             fully_shard(layer, **options)
         if "mp_policy" in options:  # the root's inputs stay as they are: DPO's precomputed fp32 log-probs ride in them
@@ -237,10 +254,14 @@ class FSDP2Engine(DDPEngine):
         self.optimizer = build_optimizer(self.cfg, module.model)  # over the sharded (DTensor) parameters
         return self.runner, self.optimizer
 
+    tp_mesh = None  # the tensor-parallel dimension of the mesh, when tensor_parallel_size > 1
+    partial_gradients: list = []  # parameters whose gradients each tp rank holds a part of (tensor_parallel.py)
+
     def _shard_mesh(self, init_device_mesh):
         """The mesh fully_shard runs on: without the N-D keys, all ranks in one dimension (as before they
         existed); with them, the engine's DeviceMesh (mesh.py), whose (dp_replicate, dp_shard) part is 2-D when
-        there are replicas (HSDP) and the dp_shard dimension alone otherwise."""
+        there are replicas (HSDP) and the dp_shard dimension alone otherwise. Its tp dimension, when it has
+        ranks, is kept for tensor parallel."""
         from tuneloop.engines.mesh import build_device_mesh, described
 
         device_type = self.accelerator.device.type
@@ -248,6 +269,8 @@ class FSDP2Engine(DDPEngine):
             return init_device_mesh(device_type, (self.accelerator.num_processes,))
         device_mesh = build_device_mesh(self.spec.mesh(self.accelerator.num_processes), device_type)
         self.built_mesh = described(device_mesh)
+        if device_mesh["tp"].size() > 1:
+            self.tp_mesh = device_mesh["tp"]
         return device_mesh["dp_replicate", "dp_shard"] if device_mesh["dp_replicate"].size() > 1 \
             else device_mesh["dp_shard"]
 
@@ -263,6 +286,11 @@ class FSDP2Engine(DDPEngine):
     def clip_grad_norm(self, max_norm: float | None):
         import torch
 
+        if self.tp_mesh is not None:  # (after the step's last backward: the per-head norms' parts summed first)
+            from tuneloop.engines.tensor_parallel import clip_grad_norm_over_meshes, sum_partial_gradients
+
+            sum_partial_gradients(self.partial_gradients, self.tp_mesh.get_group())
+            return clip_grad_norm_over_meshes(self.runner.parameters(), max_norm or float("inf"))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.runner.parameters(), max_norm or float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # the norm of sharded gradients, reduced over ranks
             grad_norm = grad_norm.full_tensor()
@@ -308,6 +336,18 @@ class FSDP2Engine(DDPEngine):
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.module.model, options=options)
+
+
+def tensor_parallel_share(whole: WholeBytes, tp: int) -> WholeBytes:
+    """What one tp rank holds before FSDP2 shards it (tensor_parallel.split_share)."""
+    from dataclasses import replace
+
+    from tuneloop.engines.tensor_parallel import split_share
+
+    share = split_share(whole, tp)
+    return replace(whole, weights=whole.weights * share, gradients=whole.gradients * share,
+                   optimizer=whole.optimizer * share, layer_parameters=whole.layer_parameters // tp,
+                   parameters=int(whole.parameters * share))
 
 
 def receive_weights_from_rank_zero(module, whole: dict | None, device) -> None:

@@ -49,6 +49,17 @@ class Mesh:
         return tuple(getattr(self, axis) for axis in AXES)
 
     @property
+    def data_ranks(self) -> int:
+        """The ranks that read different rows: tensor- and context-parallel ranks of one data coordinate read the
+        same rows (they split the model's or the sequence's work on them)."""
+        return self.dp_replicate * self.dp_shard
+
+    def data_rank(self, process_index: int) -> int:
+        """Which rows a process reads. init_device_mesh lays ranks out row-major over (dp_replicate, dp_shard, tp,
+        cp), so the tp × cp ranks of one data coordinate are consecutive."""
+        return process_index // (self.tp * self.cp)
+
+    @property
     def hybrid(self) -> bool:
         """HSDP: replicated across groups, sharded within each."""
         return self.dp_replicate > 1 and self.dp_shard > 1

@@ -22,6 +22,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 
+import numpy as np
+
 from tuneloop.data.batching import BatchingSpec
 from tuneloop.data.collate import Padding, padding_for
 from tuneloop.errors import UserError
@@ -36,7 +38,10 @@ FREQUENT_FRACTION = 0.02  # evals or saves closer than 2% of the run are worth a
 
 @dataclass(kw_only=True)
 class TrainingPlan:
-    world_size: int
+    world_size: int  # the processes launched
+    # the ranks that read different rows (the world size without its tensor- and context-parallel factor); the
+    # batch arithmetic, the samplers and the loss's averaging count these
+    data_ranks: int
     micro_batch_size: int
     gradient_accumulation_steps: int
     global_batch_size: int
@@ -85,6 +90,9 @@ class TrainingPlan:
     compile_decision: tuple | None = None  # the same as (on, why), which rank 0 hands the other ranks (run.py)
     compile_key: str | None = None  # what this run's compile measurements are recorded under (compile_choice.py)
     flops_per_token: float | None = None  # model FLOPs per real token of a training step (flops.py)
+    flops_per_step: float | None = None  # the same per optimizer step, on average over the run (every rank's)
+    # a vision-language model: the image side's share of the FLOPs, its images and tower positions (flops.py)
+    vision_flops: dict | None = None
     attention_context: float | None = None  # positions a token attends to, on average over the data
     peak_flops: float | None = None  # one device's peak at the run's precision, per second
     peak_source: str | None = None  # where that figure comes from, or why MFU is not counted
@@ -92,6 +100,12 @@ class TrainingPlan:
     memory: dict | None = None  # the estimate's parts per rank: weights, gradients, optimizer, activations, device
     engine: str | None = None  # how the ranks share the model, in words (engines/)
     mesh: str | None = None  # the device mesh of axolotl's N-D keys when any is set (engines/mesh.py)
+    # bytes each rank sends per optimizer step, in total and by collective (plan/comm.py); None: no model
+    communication: dict | None = None
+
+    def data_rank(self, process_index: int) -> int:
+        """Which of the data ranks' rows process `process_index` reads (engines/mesh.py lays the mesh out)."""
+        return process_index // (self.world_size // self.data_ranks)
     saved_dtype: str | None = None  # the dtype of the weights the run saves (the same under every engine)
     model: str | None = None  # the model trained: its class, and where its weights come from
     # save_strategy: best: the metric whose improvement saves (save_steps_at: the evals that may); the final model
@@ -161,15 +175,17 @@ def data_plan(cfg, resolved, rows, world_size: int) -> TrainingPlan:
 
 def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, tokenizer,
                compile_decision: tuple[bool, str] | None = None) -> TrainingPlan:
-    batch = _batch(cfg, rows, world_size)
     # resolved against the world size now: sizes that cannot make it stop `plan --world-size N` and `train` here
     mesh = resolved.engine.mesh(world_size)
+    batch = _batch(cfg, rows, world_size, mesh.data_ranks)
 
     def counted(resolved):
         padding = padding_for(cfg, resolved.compiled)
-        counts = rows.count_steps(train_spec(cfg, resolved, world_size), cfg.gradient_accumulation_steps, padding,
+        counts = rows.count_steps(train_spec(cfg, resolved, mesh.data_ranks), cfg.gradient_accumulation_steps,
+                                  padding,
                                   cfg.max_steps, cfg.num_epochs)
-        model_part, notes = (_model_part(cfg, resolved, facts, counts, world_size, device_memory_gb, tokenizer)
+        model_part, notes = (_model_part(cfg, resolved, facts, counts, world_size, device_memory_gb, tokenizer,
+                                         getattr(rows, "store", None))
                              if facts is not None else ({}, []))
         return padding, counts, model_part, notes
 
@@ -218,7 +234,8 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
         optimizer_steps=optimizer_words(cfg), qat=cfg.qat.words(counts.total_steps) if cfg.qat else None,
         objective=objective_name(cfg), unit=_unit(cfg), rollout=counts.rollout,
         reference=reference_source(cfg), streamed=resolved.streamed, resolved=resolved,
-        train_batching=train_spec(cfg, resolved, world_size), eval_batching=eval_spec(cfg, resolved, world_size),
+        train_batching=train_spec(cfg, resolved, mesh.data_ranks),
+        eval_batching=eval_spec(cfg, resolved, mesh.data_ranks),
         padding=padding, first_epoch_batches=counts.first_epoch_batches,
         mesh=str(mesh) if resolved.engine.mesh_keys.written else None, **model_part)
     return replace(plan, warnings=plan_warnings(cfg, plan, counts) + notes)
@@ -237,15 +254,16 @@ def _unit(cfg) -> str:
     return RL_METHODS[cfg.rl].unit if cfg.rl else "tokens"
 
 
-def _batch(cfg, rows, world_size: int) -> dict:
-    """The batch settings, checked against each other and against the data."""
-    cfg.check_batch_size(world_size)
+def _batch(cfg, rows, world_size: int, data_ranks: int) -> dict:
+    """The batch settings, checked against each other and against the data. Ranks that split one batch's work
+    (tensor and context parallel) add no rows to it: the global batch counts the data ranks."""
+    cfg.check_batch_size(data_ranks)
     accumulation = cfg.gradient_accumulation_steps
-    global_batch = cfg.micro_batch_size * accumulation * world_size
+    global_batch = cfg.micro_batch_size * accumulation * data_ranks
     if cfg.val_set_size and rows.units is not None and rows.units < global_batch:
         raise UserError(f"config: `val_set_size: {cfg.val_set_size:g}` leaves {rows.units} train rows, fewer "
                         f"than one global batch ({global_batch} rows): lower val_set_size or the batch")
-    return {"world_size": world_size, "micro_batch_size": cfg.micro_batch_size,
+    return {"world_size": world_size, "data_ranks": data_ranks, "micro_batch_size": cfg.micro_batch_size,
             "gradient_accumulation_steps": accumulation, "global_batch_size": global_batch}
 
 
@@ -263,7 +281,8 @@ def _auto_compile(cfg, resolved, facts, counts, model_part: dict, world_size: in
                   model_part.get("flops_per_token"), model_part.get("peak_flops"))
 
 
-def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb, tokenizer) -> tuple[dict, list]:
+def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb, tokenizer,
+                store=None) -> tuple[dict, list]:
     """What the model and the machine add: the model's line, precision and attention, the engine (its settings
     checked against the plan), the memory per rank, the compute per token and the peak MFU is taken against;
     and their warnings (a sequence_len past the model's positions, an attention kernel that cannot run here, a
@@ -296,13 +315,23 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
             "saved_dtype": "fp32" if cfg.adapter else {"bf16": "bf16", "fp16": "fp16"}.get(
                 "bf16" if cfg.bfloat16 else "fp16" if cfg.float16 else "", "fp32"),
             "attention": resolved.attention.used, "engine": resolved.engine.describe(world_size),
-            "estimated_memory_gb": estimate.total_gb, "memory": asdict(estimate)}
+            "estimated_memory_gb": estimate.total_gb, "memory": asdict(estimate),
+            "communication": _communication(cfg, resolved, facts, world_size,
+                                           counts.max_micro_batch_tokens)}
     if resolved.attention.used == PER_SEQUENCE_SDPA and counts.packed_attention_work:
         part["attention_split"] = split_summary(counts.packed_attention_work, "bf16" if precision == "bf16" else "fp32")
     # (the preference losses' log-probs, log_probs.py, also meet the head only at target positions)
     skipped = head_flops_skipped(facts.head_weights, counts.total_real_tokens, counts.total_trainable_tokens)
-    count = count_flops(facts.text_config, *facts.matmul_weights, counts.sequence_lengths, skipped)
+    count = count_flops(facts.text_config, *_text_matmul_weights(facts), counts.sequence_lengths, skipped)
+    if facts.vision is not None:  # the image side per image, from the store's image token counts (flops.py)
+        from tuneloop.plan.flops import image_token_counts, with_images
+
+        count, split = with_images(count, facts.vision, image_token_counts(store),
+                                   float(np.asarray(counts.sequence_lengths).sum()))
+        part["vision_flops"] = split or None
     part.update(flops_per_token=count.per_token, attention_context=count.attention_context)
+    if count.per_token is not None and counts.total_real_tokens and counts.total_steps:
+        part["flops_per_step"] = count.per_token * counts.total_real_tokens / counts.total_steps
     if count.per_token is None:
         part["peak_source"] = count.why_not
     else:
@@ -316,6 +345,31 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     notes = [note for note in (too_long, grown, resolved.packing_note, resolved.attention.note,
                                 slow_bf16_note(cfg, resolved.precision), memory_warning(estimate)) if note]
     return part, notes
+
+
+def _text_matmul_weights(facts) -> tuple[int, int]:
+    """(frozen, trained) weights a token meets: a vision-language model's image side is counted per image."""
+    frozen, trained = facts.matmul_weights
+    if facts.vision is None:
+        return frozen, trained
+    vision_frozen, vision_trained = facts.vision.in_text_count
+    return frozen - vision_frozen, trained - vision_trained
+
+
+def _communication(cfg, resolved, facts, world_size: int, micro_batch_tokens: int) -> dict:
+    """What each rank sends per optimizer step (plan/comm.py), with the line the plan prints."""
+    from tuneloop.plan.comm import communication_per_step
+    from tuneloop.plan.memory import whole_bytes
+
+    import torch
+
+    precision, masters = resolved.precision.mixed, resolved.precision.masters
+    whole = replace(whole_bytes(cfg, facts, precision, resolved.engine, masters),  # (+ tensor parallel's activations)
+                    micro_batch_tokens=micro_batch_tokens, hidden_size=getattr(facts.text_config, "hidden_size", 0) or 0)
+    sent = communication_per_step(resolved.engine, whole,
+                                  world_size, cfg.gradient_accumulation_steps, precision, masters,
+                                  backend="nccl" if torch.cuda.is_available() else "gloo")
+    return {**sent.to_json(), "words": sent.words()}
 
 
 def _grown_embeddings(cfg, facts, tokenizer) -> str | None:

@@ -13,6 +13,9 @@ model.count_matmul_weights):
 - recomputation (gradient checkpointing) is not counted: MFU counts the model's work, not what the hardware redid;
 - the output head is counted for the positions it meets: under the chunked loss only those with a target
   (train/chunked_loss.py), every position otherwise.
+- a vision-language model's language model is counted so per token, image tokens included; its vision tower and
+  projector per image, from the positions they run (with_images; the notes above VisionWeights), and the plan
+  says their share of a step's FLOPs.
 
 The peak: the vendor's dense bf16/fp16 tensor-core figure for GPUs this table knows, one per rank; otherwise,
 and on every CPU, the best of a few square matmuls at the run's precision on this machine. On a CPU the ranks
@@ -241,3 +244,216 @@ def mfu(real_tokens_per_second: float | None, per_token: float | None, peak: flo
     if not (real_tokens_per_second and per_token and peak):
         return None
     return real_tokens_per_second * per_token / peak
+
+
+# ---- vision-language models: the image side, per image -----------------------------------------------------
+# A vision-language model's language model is counted per token as above, image tokens included (they are rows'
+# tokens). Its vision tower and projector are counted per image, from the positions they process, which the
+# processor's arithmetic gives from the image's token count (the cache keeps it with each image reference):
+#
+# - the tower runs every position of the image (LLaVA's CLIP: every patch of its crop and the class position;
+#   Qwen2-VL: the patch grid before the 2×2 merge, merge² positions per image token; Idefics3: scale_factor²
+#   positions per token, tile by tile; Gemma 3's SigLIP: every patch before the pooling); its patch embedding (a
+#   convolution whose stride is its kernel) meets each patch once, 2 FLOPs per weight;
+# - the projector (LLaVA's multi_modal_projector, Qwen's merger, Idefics3's connector) runs once per image token;
+# - the tower's attention is bidirectional within an image (a tile for Idefics3): 4 FLOPs per layer, width and
+#   position attended to, forward. Qwen2.5-VL's windowed blocks attend within windows of (window_size /
+#   patch_size)² positions: counted as that many (or the image's, when smaller), an upper bound where a window
+#   at an image's edge is cut short;
+# - the backward runs only as far into the image side as a trained weight needs it: a weight's gradient (2 per
+#   weight) where it is trained, its input's gradient (2 per weight, and twice the forward of a layer's attention)
+#   where a trained weight comes before it. A frozen tower and projector (`freeze_mm_modules`, or LoRA on the
+#   language model only) cost their forward alone; LLaVA's layers after `vision_feature_layer` run forward only.
+PROJECTOR_PARTS = ("multi_modal_projector", "connector", "merger")
+
+
+@dataclass(frozen=True)
+class VisionWeights:
+    """The image side of a vision-language model, as the plan counts it (vision_weights)."""
+
+    family: str
+    # every matmul of the image side in forward order: (stage, tower layer or -1, weights, trained); stage is
+    # "patch" (the patch embedding), "layer", "other" (the tower's matmuls outside its layers, per position),
+    # "pooling" (SigLIP's pooling head: one position) or "projector"
+    matmuls: tuple[tuple[str, int, int, bool], ...]
+    layers: int
+    width: int  # the tower's attention width (heads × head size)
+    gradient_layers: int  # the tower layers the loss's gradient can reach (LLaVA: up to vision_feature_layer)
+    in_text_count: tuple[int, int]  # what model.count_matmul_weights counted of these (frozen, trained): the text
+    # model's weights per token are the rest
+    # positions the tower runs per image: fixed (per image, `cls` of them without a patch) or per image token
+    fixed_positions: int = 0
+    cls: int = 0
+    positions_per_token: int = 0
+    context: int = 0  # positions one attends to within a tile (Idefics3); 0: the whole image
+    window: int = 0  # Qwen2.5-VL: positions of a window in its windowed layers
+    full_layers: tuple[int, ...] = ()  # Qwen2.5-VL: the layers that attend over the whole image
+    why_not: str | None = None  # where the image side is not counted
+
+    def weights(self, stage: str | None = None) -> tuple[int, int]:
+        """(frozen, trained) weights of a stage, or of the whole image side."""
+        chosen = [(weights, trained) for where, _, weights, trained in self.matmuls if stage in (None, where)]
+        return (sum(w for w, t in chosen if not t), sum(w for w, t in chosen if t))
+
+
+def vision_weights(model, config, family) -> VisionWeights:
+    """The image side's matmuls in forward order (the modules' order), from the model as it is built (adapter and
+    freezing included: the meta-device copy of model.model_facts)."""
+    import torch
+
+    def as_counted(module) -> bool:  # model.count_matmul_weights's rule
+        return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+    tower_parts = [part for part in family.vision_modules if part not in PROJECTOR_PARTS]
+    modules = dict(model.named_modules())
+    layer_lists = [(name, module) for name, module in modules.items()
+                   if isinstance(module, torch.nn.ModuleList) and len(module)
+                   and any(part in name.split(".") for part in tower_parts)
+                   and not any(part in name.split(".") for part in PROJECTOR_PARTS)]
+    # the tower's layers: its largest list of blocks (CLIP's encoder.layers, Qwen's blocks)
+    layers_name, layer_list = max(layer_lists, key=lambda item: sum(p.numel() for p in item[1].parameters()),
+                                  default=(None, ()))
+    matmuls, counted = [], [0, 0]
+    for name, module in modules.items():
+        parts = name.split(".")
+        if not any(part in parts for part in family.vision_modules):
+            continue
+        conv = isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d))
+        in_projector = any(part in parts for part in PROJECTOR_PARTS)
+        if as_counted(module) or conv:
+            own = [module.weight]
+        elif in_projector and not isinstance(module, torch.nn.Embedding):  # (Gemma 3's projection is a bare matrix)
+            own = [p for p in module.parameters(recurse=False) if p.ndim >= 2]
+        else:
+            continue
+        for weight in own:
+            if as_counted(module):
+                counted[int(weight.requires_grad)] += weight.numel()
+            if in_projector:
+                stage, layer = "projector", -1
+            elif conv:
+                stage, layer = "patch", -1
+            elif layers_name is not None and name.startswith(layers_name + "."):
+                stage, layer = "layer", int(name[len(layers_name) + 1:].split(".")[0])
+            elif "head" in parts:  # SigLIP's attention-pooling head: one probe position per image
+                stage, layer = "pooling", -1
+            else:
+                stage, layer = "other", -1
+            matmuls.append((stage, layer, weight.numel(), weight.requires_grad))
+    order = {"patch": 0, "layer": 1, "other": 2, "pooling": 2, "projector": 3}  # (a stage's modules may be listed out of order)
+    matmuls.sort(key=lambda item: order[item[0]])  # (stable: the modules' order within a stage)
+    vision = config.vision_config
+    width = getattr(vision, "embed_dim", None) or vision.hidden_size
+    return VisionWeights(family.name, tuple(matmuls), len(layer_list), width,
+                         gradient_layers=_gradient_layers(config, len(layer_list)), in_text_count=tuple(counted),
+                         **_vision_shape(config, family.name, len(layer_list)))
+
+
+def _vision_shape(config, family: str, layers: int) -> dict:
+    """How many positions the tower runs per image, and how far each attends (see the notes above)."""
+    vision = config.vision_config
+    if family in ("llava", "gemma3"):
+        patches = (vision.image_size // vision.patch_size) ** 2
+        cls = 1 if vision.model_type == "clip_vision_model" else 0  # (CLIP's class position; SigLIP has none)
+        return {"fixed_positions": patches + cls, "cls": cls}
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        merge = vision.spatial_merge_size
+        if family == "qwen2_vl":
+            return {"positions_per_token": merge ** 2}
+        side = (vision.window_size // merge // vision.patch_size) * merge  # patches along a window's side
+        return {"positions_per_token": merge ** 2, "window": side ** 2,
+                "full_layers": tuple(vision.fullatt_block_indexes or range(layers))}
+    if family in ("idefics3", "smolvlm"):
+        return {"positions_per_token": config.scale_factor ** 2,
+                "context": (vision.image_size // vision.patch_size) ** 2}
+    return {"why_not": f"not counted for {family}'s vision tower yet"}
+
+
+def _gradient_layers(config, layers: int) -> int:
+    """LLaVA reads the hidden states of `vision_feature_layer` (-2: the layer before the last): the layers after it
+    run forward, and no gradient reaches them."""
+    chosen = getattr(config, "vision_feature_layer", None)
+    if chosen is None:
+        return layers
+    indexes = [chosen] if isinstance(chosen, int) else list(chosen)
+    # hidden_states[0] is the embeddings' output, hidden_states[k] the k-th layer's
+    return max(index if index >= 0 else layers + 1 + index for index in indexes)
+
+
+@dataclass
+class VisionFlops:
+    total: float  # FLOPs of the image side over the images counted (one pass over the training rows)
+    images: int
+    positions: int  # tower positions over those images
+
+
+def count_vision_flops(vision: VisionWeights, image_tokens) -> VisionFlops:
+    """The image side's FLOPs (forward and backward) for images of these token counts (see the notes above)."""
+    tokens, repeats = np.unique(np.asarray(image_tokens, dtype=np.int64), return_counts=True)
+    total = positions_all = 0.0
+    for count, times in zip(tokens.tolist(), repeats.tolist()):
+        flops, positions = image_flops(vision, count)
+        total += flops * times
+        positions_all += positions * times
+    return VisionFlops(float(total), int(repeats.sum()), int(positions_all))
+
+
+def image_flops(vision: VisionWeights, tokens: int) -> tuple[float, int]:
+    """(FLOPs, tower positions) of one image of `tokens` image tokens. A matmul's input gradient is counted where
+    a trained weight comes before it; a layer's attention backward where a trained weight comes before or in it;
+    a weight's gradient where it is trained and the gradient reaches its layer."""
+    positions = vision.fixed_positions or tokens * vision.positions_per_token
+    at = {"patch": positions - vision.cls, "layer": positions, "other": positions, "pooling": 1, "projector": tokens}
+    flops, trained_before = 0.0, False
+    for layer in range(vision.layers):  # the attention, per layer
+        attends = (min(vision.context, positions) if vision.context else positions) if (
+            not vision.window or layer in vision.full_layers) else min(vision.window, positions)
+        before = any(trained for stage, index, _, trained in vision.matmuls
+                     if stage == "patch" or stage == "layer" and index <= layer)
+        backward = before and layer < vision.gradient_layers
+        flops += positions * 4 * vision.width * attends * (3 if backward else 1)
+    for stage, layer, weights, trained in vision.matmuls:
+        # (the pooling head's output is never read by these families: no gradient reaches it)
+        reached = stage not in ("layer", "pooling") or layer < vision.gradient_layers
+        flops += at[stage] * weights * (2 + (2 if trained and reached else 0)
+                                        + (2 if trained_before and reached and stage != "patch" else 0))
+        trained_before = trained_before or (trained and reached)
+    return flops, positions
+
+
+def image_token_counts(store, block: int = 50_000) -> np.ndarray:
+    """Every image's token count over a vision-language store's rows (data/token_store.py keeps each row's
+    [reference, tokens] pairs as JSON text), read in blocks of rows."""
+    from tuneloop.data.token_store import IMAGES
+
+    if store is None or not getattr(store, "has_images", False):
+        return np.zeros(0, dtype=np.int64)
+    offsets, counts = store.image_offsets, []
+    with open(store.folder / IMAGES, "rb") as handle:
+        for start in range(0, len(store), block):
+            stop = min(start + block, len(store))
+            handle.seek(int(offsets[start]))
+            text = handle.read(int(offsets[stop]) - int(offsets[start]))
+            for first, last in zip(offsets[start:stop], offsets[start + 1:stop + 1]):
+                begin = int(first - offsets[start])
+                counts += [count for _, count in json.loads(text[begin:begin + int(last - first)])]
+    return np.asarray(counts, dtype=np.int64)
+
+
+def with_images(text: FlopsCount, vision: VisionWeights, image_tokens: np.ndarray,
+                real_tokens: float) -> tuple[FlopsCount, dict]:
+    """The text model's count per token (every token, image tokens too) and the image side's, per real token
+    over the training rows (`real_tokens`: theirs), and the split in words for the plan."""
+    if text.per_token is None:
+        return text, {}
+    if vision.why_not:
+        return FlopsCount(None, vision.why_not), {}
+    images = count_vision_flops(vision, image_tokens)
+    text_total = text.per_token * real_tokens
+    share = images.total / (text_total + images.total) if text_total + images.total else 0.0
+    split = {"share": share, "images": images.images, "tower_positions": images.positions,
+             "flops_per_image": images.total / images.images if images.images else 0.0,
+             "words": f"vision tower and projector {share:.1%} of a step's FLOPs ({images.images:,} images, "
+                      f"{images.positions / max(images.images, 1):,.0f} tower positions per image on average)"}
+    return FlopsCount(text.per_token + images.total / real_tokens if real_tokens else text.per_token, None,
+                      text.attention_context), split

@@ -73,6 +73,34 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     cache is held while it generates, when the training activations are not. `masters`: the trained weights only
     matmuls read are held in bf16 for the model and in fp32 for the optimizer; every gradient is fp32
     (engines/masters.py)."""
+    params = facts.parameters
+    whole = whole_bytes(cfg, facts, precision, engine, masters)
+    weight_bytes = whole.weight_bytes
+    share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
+    activations = _activations(cfg, facts, tokens_per_micro_batch, precision)
+    gb = 1e9
+    device, here_gb = device_memory_gb()
+    if device_gb is not None:
+        device = "each device (--device-memory)"
+    # (a reference model is loaded as the config loads weights: fp32 beside a model with masters)
+    reference = params * (4 if masters else weight_bytes) / gb if keeps_reference_copy(cfg) else 0.0
+    generation = kv_cache_bytes(facts.text_config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 else 4)
+    total = (share.weights + share.gradients + share.optimizer + max(activations, generation) + share.gathered) / gb \
+        + reference
+    device_total = device_gb if device_gb is not None else here_gb
+    return MemoryEstimate(
+        parameters=params, trainable_parameters=whole.trainable, weights_gb=round(share.weights / gb, 3),
+        gradients_gb=round(share.gradients / gb, 3), optimizer_gb=round(share.optimizer / gb, 3),
+        activations_gb=round(activations / gb, 3), total_gb=round(total, 3), device=device,
+        device_gb=round(device_total, 2) if device_total else None, reference_gb=round(reference, 3),
+        engine=engine.describe(world_size), world_size=world_size, gathered_gb=round(share.gathered / gb, 3),
+        host_gb=round(share.host / gb, 3), generation_gb=round(generation / gb, 3),
+        per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer)})
+
+
+def whole_bytes(cfg, facts: ModelFacts, precision: str, engine, masters: bool = False) -> WholeBytes:
+    """One whole copy of what training holds, before the engine divides it (the memory estimate's and the
+    communication's starting point: plan/comm.py)."""
     config = facts.text_config
     params, trainable = facts.parameters, facts.trainable_parameters
     # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them (an MXFP4
@@ -99,26 +127,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
                        trainable=trainable,
                        weight_bytes=weight_bytes, layer_parameters=_layer_parameters(config), layers=layers,
                        unsharded_weights=quantized[1] if quantized else 0.0)
-    share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
-    activations = _activations(cfg, facts, tokens_per_micro_batch, precision)
-    gb = 1e9
-    device, here_gb = device_memory_gb()
-    if device_gb is not None:
-        device = "each device (--device-memory)"
-    # (a reference model is loaded as the config loads weights: fp32 beside a model with masters)
-    reference = params * (4 if masters else weight_bytes) / gb if keeps_reference_copy(cfg) else 0.0
-    generation = kv_cache_bytes(facts.text_config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 else 4)
-    total = (share.weights + share.gradients + share.optimizer + max(activations, generation) + share.gathered) / gb \
-        + reference
-    device_total = device_gb if device_gb is not None else here_gb
-    return MemoryEstimate(
-        parameters=params, trainable_parameters=trainable, weights_gb=round(share.weights / gb, 3),
-        gradients_gb=round(share.gradients / gb, 3), optimizer_gb=round(share.optimizer / gb, 3),
-        activations_gb=round(activations / gb, 3), total_gb=round(total, 3), device=device,
-        device_gb=round(device_total, 2) if device_total else None, reference_gb=round(reference, 3),
-        engine=engine.describe(world_size), world_size=world_size, gathered_gb=round(share.gathered / gb, 3),
-        host_gb=round(share.host / gb, 3), generation_gb=round(generation / gb, 3),
-        per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer)})
+    return whole
 
 
 def kv_cache_bytes(config, positions: int, value_bytes: int) -> float:

@@ -20,7 +20,7 @@ def describe(plan) -> str:
         *([f"  model                {plan.model}"] if plan.model else []),
         f"  world size           {plan.world_size}",
         f"  batch                {plan.micro_batch_size} {batch_rows}/micro-batch × {plan.gradient_accumulation_steps} "
-        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} {batch_rows} per optimizer step"
+        f"accumulation × {data_ranks_words(plan)} = {plan.global_batch_size} {batch_rows} per optimizer step"
         + per_step,
         f"  batching             {plan.batching} (sequence_len {plan.sequence_len}; {density})",
         f"  data                 {plan.train_rows} train {rows}, {plan.train_tokens} tokens, "
@@ -47,7 +47,7 @@ def _describe_streamed(plan) -> str:
         *([f"  model                {plan.model}"] if plan.model else []),
         f"  world size           {plan.world_size}",
         f"  batch                {plan.micro_batch_size} {rows}/micro-batch × {plan.gradient_accumulation_steps} "
-        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} {rows} per optimizer step",
+        f"accumulation × {data_ranks_words(plan)} = {plan.global_batch_size} {rows} per optimizer step",
         f"  batching             {plan.batching} (sequence_len {plan.sequence_len})",
         "  data                 streamed: each rank reads its own share of the rows as the run goes; passes over "
         f"the data and trained tokens are counted as they come; {plan.eval_rows} eval rows",
@@ -73,7 +73,7 @@ def _describe_online(plan) -> str:
         *([f"  model                {plan.model}"] if plan.model else []),
         f"  world size           {plan.world_size}",
         f"  batch                {plan.micro_batch_size} completions/micro-batch × {plan.gradient_accumulation_steps} "
-        f"accumulation × {plural(plan.world_size, 'rank')} = {plan.global_batch_size} completions per optimizer step "
+        f"accumulation × {data_ranks_words(plan)} = {plan.global_batch_size} completions per optimizer step "
         f"= {r['prompts_per_step']} prompts × {r['num_generations']} generations",
         f"  prompts              {plan.train_rows} ({plan.train_tokens} tokens), in a seeded shuffle per epoch; "
         f"{plan.rows_cut_per_epoch} per epoch fill no whole step and wait for the next",
@@ -123,6 +123,8 @@ def _machine_lines(plan) -> list[str]:
         lines.append(f"  engine               {plan.engine}")
     if plan.mesh is not None:
         lines.append(f"  device mesh          {plan.mesh}")
+    if plan.communication is not None and plan.world_size > 1:
+        lines.append(f"  communication        per rank per step: {plan.communication['words']}")
     if plan.saved_dtype is not None:
         lines.append(f"  saved                the model's weights in {plan.saved_dtype} (safetensors), as trained: the same "
                      "under every engine")
@@ -156,8 +158,9 @@ def _machine_lines(plan) -> list[str]:
 def _compute_line(plan) -> str:
     if plan.flops_per_token is None:
         return f"MFU {plan.peak_source}"
+    vision = f"; {plan.vision_flops['words']}" if plan.vision_flops else ""
     return (f"{plan.flops_per_token / 1e9:.3g} GFLOP per real token (attention over {plan.attention_context:g} "
-            f"positions on average); MFU against {plan.peak_source}")
+            f"positions on average){vision}; MFU against {plan.peak_source}")
 
 
 def _memory_line(plan) -> str:
@@ -175,6 +178,13 @@ def _memory_line(plan) -> str:
             + (f"; {m['host_gb']:.2f} GB offloaded to host memory" if m.get("host_gb") else "") + "; "
             f"{m['trainable_parameters']:,} of "
             f"{m['parameters']:,} parameters trained)")
+
+
+def data_ranks_words(plan) -> str:
+    """The ranks that read rows, as the batch line multiplies by them: every rank, or (tensor parallel) fewer."""
+    if plan.data_ranks == plan.world_size:
+        return plural(plan.world_size, "rank")
+    return f"{plural(plan.data_ranks, 'data rank')} (of {plan.world_size}: tensor-parallel ranks share their rows)"
 
 
 def plural(count: float, word: str) -> str:

@@ -77,6 +77,8 @@ class TrainingLoop:
         self.objective, self.identity, self.stop, self.hooks = objective, identity, stop, hooks
         self.output_dir = Path(cfg.output_dir)
         self.rank, self.world_size = accelerator.process_index, plan.world_size
+        # the rows this process reads, of how many readers (tensor/context-parallel ranks share their rows)
+        self.data_rank, self.data_ranks = plan.data_rank(self.rank), plan.data_ranks
         reference = reference or {}  # precomputed reference log-probs per store row: {"train": ..., "eval": ...}
         decoder_start = getattr(model.config, "decoder_start_token_id", None)  # encoder-decoders only
         self.resume_from = resume_from
@@ -96,7 +98,7 @@ class TrainingLoop:
             spec = plan.eval_batching
             every_rank = epoch_micro_batches(np.asarray(prepared.eval.unit_column("length")), spec, 0,
                                              shuffle=False, even=False)
-            self.eval_batches = every_rank[self.rank]
+            self.eval_batches = every_rank[self.data_rank]
             self.eval_rounds = max(len(batches) for batches in every_rank)
             self.eval_filler = next((batches[0] for batches in every_rank if batches), None)
             self.eval_collate = collator_for(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed",
@@ -126,7 +128,8 @@ class TrainingLoop:
         self.metrics = MetricsLog(self.output_dir / run_files.METRICS, accelerator.is_main_process)
         self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device,
                                      streaks=self.state.bad_steps_in_a_row)
-        self.loss_window = LossWindow(accelerator.device, objective.stat_width, objective.summarise)
+        self.loss_window = LossWindow(accelerator.device, objective.stat_width, objective.summarise,
+                                      copies=self.world_size // self.data_ranks)
         self.real_tokens = 0  # this session's, on this rank: for throughput, not part of the run state
         self.seconds = {"eval": 0.0, "save": 0.0}  # this session's wall time in evals and saves
 
@@ -191,12 +194,13 @@ class TrainingLoop:
             self.publish_model(best_instead=best_instead and has_best(self.output_dir))
         # counted on each rank (real tokens this session; targets over the whole run): reduced once, here
         device = self.accelerator.device
-        real_total, first_real = (int(v) for v in self.accelerator.reduce(
+        copies = self.world_size // self.data_ranks  # ranks that computed the same rows (tensor parallel)
+        real_total, first_real = (int(v) // copies for v in self.accelerator.reduce(
             torch.tensor([self.real_tokens, first_step[1] if first_step else 0], device=device), reduction="sum"))
         held = self.gather_counts([held["weights"], held["optimizer"], self.peak_rss_at_start])
         return RunOutcome(
             steps=state.step, tokens=state.tokens_seen, train_seconds=train_seconds, real_tokens=real_total,
-            targets_collated=sum(self.gather_counts(state.targets_collated)), evals=state.evals,
+            targets_collated=sum(self.gather_counts(state.targets_collated)) // copies, evals=state.evals,
             stopped_by=stopped_by, first_step_seconds=first_step[0] if first_step else None,
             first_step_real_tokens=first_real, eval_seconds=self.seconds["eval"], save_seconds=self.seconds["save"],
             training_seconds=training_seconds,
@@ -227,7 +231,8 @@ class TrainingLoop:
         """One optimizer step over this rank's micro-batches `window`; returns the rate it used and the grad norm.
         `step_units`: what the step's loss is a mean over (its target tokens, or its pairs), on every rank."""
         accelerator, hooks, model, engine = self.accelerator, self.hooks, self.model, self.engine
-        scale = self.world_size / step_units  # every engine averages over ranks; the step's loss is a mean per unit
+        # every engine averages over the data ranks; the step's loss is a mean per unit
+        scale = self.data_ranks / step_units
         step_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
         step_stats = None  # the objective's per-unit sums (rewards, ...), when it has some
         for index, micro in enumerate(window):
@@ -263,7 +268,7 @@ class TrainingLoop:
         self.state.step += 1
         self.state.tokens_seen += step_tokens
         self.loss_window.add_step(step_loss, step_units, step_tokens, step_stats)
-        self.watchdog.observe(self.state.step, step_loss * self.world_size / step_units, grad_norm)
+        self.watchdog.observe(self.state.step, step_loss * self.data_ranks / step_units, grad_norm)
         return lr, grad_norm
 
     # ---- what happens at some steps ------------------------------------------------------------

@@ -48,8 +48,11 @@ class LossWindow:
     preference loss's rewards) stay on the device, so a step that is not logged costs no host sync; units
     and real tokens are counted on the host."""
 
-    def __init__(self, device, stat_width: int = 0, summarise=None):
+    def __init__(self, device, stat_width: int = 0, summarise=None, copies: int = 1):
         self.loss = torch.zeros((), device=device, dtype=torch.float64)
+        # how many ranks compute the same rows (tensor-parallel ranks): their sums over ranks count each row that
+        # many times
+        self.copies = copies
         self.summarise = summarise  # (the window's stats, its units) -> numbers for the train line
         self.stats = torch.zeros(stat_width, device=device, dtype=torch.float64)
         self.units = 0  # units (target tokens, or pairs) of the window's steps: the loss's denominator
@@ -76,12 +79,14 @@ class LossWindow:
     def close(self, accelerator) -> dict:
         """Loss per token and throughput over the window, summed over ranks (collectives: every rank
         calls it at the same step); the next window starts now."""
-        loss = float(accelerator.reduce(self.loss, reduction="sum")) / self.units
+        loss = float(accelerator.reduce(self.loss, reduction="sum")) / self.copies / self.units
         stats = {}
         if self.summarise is not None:  # a preference objective's rewards (and the fraction of pairs ranked right)
-            stats = self.summarise(accelerator.reduce(self.stats, reduction="sum").tolist(), self.units)
+            summed = accelerator.reduce(self.stats, reduction="sum") / self.copies
+            stats = self.summarise(summed.tolist(), self.units)
             self.stats.zero_()
-        real = int(accelerator.reduce(torch.tensor(self.real_tokens, device=self.loss.device), reduction="sum"))
+        real = int(accelerator.reduce(torch.tensor(self.real_tokens, device=self.loss.device),
+                                      reduction="sum")) // self.copies
         elapsed = time.perf_counter() - self.start
         clocked = self.clock_tokens > 0  # nothing since the clock restarted: no throughput to tell
         closed = {"loss": loss, "stats": stats,

@@ -47,6 +47,9 @@ def _add_infer(commands) -> None:
     infer.add_argument("--raw", action="store_true",
                        help="plain prompts as raw text, without the tokenizer's chat template")
     infer.add_argument("--chat", action="store_true", help="a conversation: one user turn a line on stdin")
+    infer.add_argument("--image", action="append", default=[], metavar="FILE",
+                       help="an image for the prompt (a vision-language model; one prompt); repeatable, in order. "
+                            "jsonl prompts hold theirs as parts: {\"type\": \"image\", \"path\": ...}")
     infer.set_defaults(handler=command_infer)
 
 
@@ -142,32 +145,74 @@ def _trusts_remote_code(cfg) -> bool:
 
 def command_infer(args) -> int:
     from tuneloop.hardware import quiet_deepspeed_on_cpu
-    from tuneloop.use.generate import GenerationSettings, chat, generate_all, print_rows, read_prompts
+    from tuneloop.use.generate import GenerationSettings, chat, generate_all, print_rows, read_prompt_rows
 
     quiet_deepspeed_on_cpu()
     _one_source(args, "infer", "--model")  # said before the others
     if args.chat and args.prompts:
         raise UserError("infer: --chat reads the conversation from stdin; drop --prompts (or --chat)")
+    if args.image and (args.chat or args.raw):
+        flag = "--chat" if args.chat else "--raw"
+        raise UserError(f"infer: --image goes into one prompt rendered by the chat template; drop {flag} (or --image)")
     settings = GenerationSettings(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.batch_size,
                                   use_template=not args.raw)
     settings.check()
-    prompts = None if args.chat else read_prompts(args.prompts)  # a bad file is said before the model loads
-    model, tokenizer = load_for_inference(args)
+    rows = None if args.chat else read_prompt_rows(args.prompts)  # a bad file is said before the model loads
+    if args.image:
+        rows = _with_image_flags(rows, args.image)
     if args.chat:
+        model, tokenizer, _ = load_for_inference(args)
         chat(model, tokenizer, settings)
         return 0
-    print_rows(prompts, generate_all(model, tokenizer, prompts, settings))
+    model, tokenizer, vision = load_for_inference(args, images_in=_first_with_images(rows, args.image))
+    prompts = [prompt for _, prompt in rows]
+    print_rows(prompts, generate_all(model, tokenizer, prompts, settings, vision=vision,
+                                     wheres=[where for where, _ in rows]))
     return 0
 
 
-def load_for_inference(args):
-    """(model, tokenizer): CONFIG's output_dir (an adapter there sits on the config's base_model) or --model."""
+def _with_image_flags(rows, paths: list[str]):
+    """`--image FILE ...`: the images of the one prompt, read now (a bad file is said before the model loads)."""
+    from tuneloop.use.vision import image_part, with_images
+
+    if len(rows) != 1:
+        raise UserError(f"infer: --image goes with a single prompt, and {len(rows)} were given; give one prompt, or "
+                        "put each row's images in its messages ({\"type\": \"image\", \"path\": ...} parts)")
+    parts = [image_part({"type": "image", "path": path}, f"--image {path}", Path.cwd()) for path in paths]
+    where, prompt = rows[0]
+    return [(where, with_images(prompt, parts))]
+
+
+def _first_with_images(rows, image_flags: list[str]) -> str | None:
+    """What to name when a text-only model is given images: the flag, or the first row that holds one."""
+    from tuneloop.use.vision import prompt_has_images
+
+    if image_flags:
+        return f"--image {image_flags[0]}"
+    return next((where for where, prompt in rows if prompt_has_images(prompt)), None)
+
+
+def load_for_inference(args, images_in: str | None = None):
+    """(model, tokenizer, VisionPrompts or None): CONFIG's output_dir (an adapter there sits on the config's
+    base_model) or --model. `images_in`: the flag or row with an image, refused for a text-only model before it
+    loads."""
     from tuneloop.use.folders import load_model_from, load_tokenizer_of
     from tuneloop.use.generate import prepare_for_generation
+    from tuneloop.data.images import is_vision_config
+    from tuneloop.use.vision import VisionPrompts, folder_config, folder_image_inputs
 
     folder, cfg = _source_folder(args, "infer", "--model")
     trust_remote_code = _trusts_remote_code(cfg)
+    config = folder_config(folder, trust_remote_code)
+    vision_model = config is not None and is_vision_config(config)
+    if images_in is not None and not vision_model:
+        raise UserError(f"infer: {images_in}: an image, and {folder.base if folder.is_adapter else folder.path} is a "
+                        "text-only model (its config has no vision_config); drop the image, or give a "
+                        "vision-language model's folder")
     tokenizer = load_tokenizer_of(folder)
+    # (the processor before the model: a folder without one is said before the weights load)
+    vision = (VisionPrompts(folder_image_inputs(folder, config, tokenizer, trust_remote_code), tokenizer)
+              if vision_model else None)
     quantized = _quantized_base_of_run(cfg, folder) if folder.is_adapter else None
     if quantized is not None:  # a QLoRA / 8-bit run's adapter on its base quantized as it was trained (as eval does)
         from tuneloop.adapters import keep_4bit_layout
@@ -178,7 +223,7 @@ def load_for_inference(args):
         keep_4bit_layout(model)
     else:
         model = load_model_from(folder, "auto", trust_remote_code=trust_remote_code, vocabulary=len(tokenizer))
-    return prepare_for_generation(model), tokenizer
+    return prepare_for_generation(model), tokenizer, vision
 
 
 # ---- eval ----------------------------------------------------------------------------------------
@@ -208,14 +253,15 @@ def command_merge(args) -> int:
     from tuneloop.hardware import quiet_deepspeed_on_cpu
     from tuneloop.run_files import MERGED
     from tuneloop.use.merge import adapter_folder, merge_lora
+    from tuneloop.use.vision import processor_note
 
     quiet_deepspeed_on_cpu()
     folder, cfg = _source_folder(args, "merge-lora", "--adapter", find=adapter_folder)
     output = Path(args.output).expanduser() if args.output else folder.path / MERGED
     quantized = _quantized_base_of_run(cfg, folder)
     merged = merge_lora(folder, output, _trusts_remote_code(cfg), quantized, dtype=args.dtype)
-    print(f"merged model saved to {merged}" + (" (the adapter merged into its base dequantized, as it was trained)"
-                                                if quantized is not None else ""), flush=True)
+    dequantized = " (the adapter merged into its base dequantized, as it was trained)" if quantized is not None else ""
+    print(f"merged model saved to {merged}{processor_note(merged)}{dequantized}", flush=True)
     return 0
 
 

@@ -45,6 +45,7 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
 
     from tuneloop.data.batching import epoch_micro_batches
     from tuneloop.data.collate import collator_for
+    from tuneloop.data.images import image_inputs_of
     from tuneloop.model import SEQUENCE_CLASSIFICATION
     from tuneloop.plan.build import data_plan
     from tuneloop.resolved import resolve_run
@@ -68,7 +69,8 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
         batches = epoch_micro_batches(np.asarray(prepared.eval.unit_column("length")), spec, 0, shuffle=False,
                                       even=False)[0]
         collate = collator_for(prepared.eval, tokenizer.pad_token_id, spec.mode == "packed", plan.padding.unfixed(),
-                               decoder_start_token_id=getattr(loaded.config, "decoder_start_token_id", None))
+                               decoder_start_token_id=getattr(loaded.config, "decoder_start_token_id", None),
+                               images=image_inputs_of(tokenizer))  # a vision-language run's pixels, as the loop's
         reference = reference_for_eval(cfg, resolved, folder, len(tokenizer), accelerator.device)
         runner = ObjectiveModule(loaded, objective_of(cfg, reference))
         result = evaluate(runner, batches, collate, runner.objective, accelerator)

@@ -53,9 +53,16 @@ def warn(text: str) -> None:
 def read_prompts(path: str | None, stdin: Iterable[str] | None = None) -> list[Prompt]:
     """From `path` (.jsonl: one JSON object a line; else one prompt a line), or from stdin, where a line that
     starts with `{` is read as JSON. Blank lines are skipped."""
+    return [prompt for _, prompt in read_prompt_rows(path, stdin)]
+
+
+def read_prompt_rows(path: str | None, stdin: Iterable[str] | None = None) -> list[tuple[str, Prompt]]:
+    """(where, prompt) of each prompt: `file:line`. An image part's path is relative to the file's folder (the
+    working folder for stdin), and the image is read now."""
     from_stdin = path is None
     name = "<stdin>" if from_stdin else str(path)
     lines = (sys.stdin if stdin is None else stdin) if from_stdin else _file_lines(path)
+    base_dir = Path.cwd() if from_stdin else Path(path).expanduser().resolve().parent
     all_json = not from_stdin and Path(path).suffix == ".jsonl"
     prompts = []
     for number, line in enumerate(lines, start=1):
@@ -63,7 +70,8 @@ def read_prompts(path: str | None, stdin: Iterable[str] | None = None) -> list[P
         if not line.strip():
             continue
         as_json = all_json or (from_stdin and line.lstrip().startswith("{"))
-        prompts.append(json_prompt(line, f"{name}:{number}") if as_json else line)
+        where = f"{name}:{number}"
+        prompts.append((where, json_prompt(line, where, base_dir) if as_json else line))
     if not prompts:
         raise UserError(f"infer: no prompts in {name}; give one a line (or jsonl rows with `prompt` or `messages`)")
     return prompts
@@ -77,8 +85,10 @@ def _file_lines(path: str) -> list[str]:
         raise UserError(f"infer: --prompts {path}: cannot read it ({reason})") from None
 
 
-def json_prompt(line: str, where: str) -> Prompt:
-    """A row's `prompt` (a string) or `messages` (a list of {"role", "content"} with string values)."""
+def json_prompt(line: str, where: str, base_dir: Path | None = None) -> Prompt:
+    """A row's `prompt` (a string) or `messages` (a list of {"role", "content"}; content a string, or a list of
+    parts {"type": "text", "text"} and {"type": "image", "path" | "url" | "base64" | "image"}, as training rows
+    write them, each image read now)."""
     try:
         row = json.loads(line)
     except ValueError as error:
@@ -89,11 +99,29 @@ def json_prompt(line: str, where: str) -> Prompt:
         return row["prompt"]
     messages = row.get("messages")
     if isinstance(messages, list) and messages and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), (str, list))
             for m in messages):
-        return messages
+        return [{**m, "content": _content(m["content"], where, base_dir or Path.cwd())} for m in messages]
     raise UserError(f"infer: {where}: a row needs `prompt` (a string) or `messages` (a non-empty list of "
-                    "{\"role\": ..., \"content\": ...} with string values)")
+                    "{\"role\": ..., \"content\": ...} with string values, or lists of text and image parts)")
+
+
+def _content(content: str | list, where: str, base_dir: Path) -> str | list:
+    if isinstance(content, str):
+        return content
+    from tuneloop.use.vision import image_part, is_image_part
+
+    parts = []
+    for part in content:
+        if is_image_part(part):
+            parts.append(image_part(part, where, base_dir))
+        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise UserError(f"infer: {where}: a content part of type {kind!r}; a prompt takes parts of type 'text' "
+                            "({\"type\": \"text\", \"text\": ...}) and 'image' ({\"type\": \"image\", \"path\": ...})")
+    return parts
 
 
 # ---- prompts to token ids ------------------------------------------------------------------------
@@ -139,11 +167,23 @@ def stop_token_ids(model, tokenizer) -> list[int]:
 # ---- generating ----------------------------------------------------------------------------------
 
 def generate_all(model, tokenizer, prompts: list[Prompt], settings: GenerationSettings,
-                 say: Callable[[str], None] = warn) -> list[str]:
-    """The completion of each prompt (new tokens only, special tokens skipped), in the prompts' order."""
+                 say: Callable[[str], None] = warn, vision=None, wheres: list[str] | None = None) -> list[str]:
+    """The completion of each prompt (new tokens only, special tokens skipped), in the prompts' order. `vision`
+    (use/vision.py's VisionPrompts): a vision-language model's, whose prompts may hold images; `wheres` name the
+    prompts in its messages."""
     import torch
 
-    encoded = [prompt_ids(tokenizer, prompt, settings.use_template) for prompt in prompts]
+    from tuneloop.use.vision import prompt_has_images
+
+    images: list[list[str]] = [[] for _ in prompts]
+    wheres = wheres or [f"prompt {index + 1}" for index in range(len(prompts))]
+    encoded = []
+    for index, (prompt, where) in enumerate(zip(prompts, wheres)):
+        if vision is not None and prompt_has_images(prompt):  # (a text prompt to a VLM: the text path, --raw too)
+            ids, images[index] = vision.encode(prompt, where)
+        else:
+            ids = prompt_ids(tokenizer, text_only(prompt), settings.use_template)
+        encoded.append(ids)
     if getattr(model.config, "is_encoder_decoder", False):  # its encoder was trained on inputs that end with eos
         eos = tokenizer.eos_token_id
         encoded = [ids if eos is None or (ids and ids[-1] == eos) else ids + [eos] for ids in encoded]
@@ -156,7 +196,8 @@ def generate_all(model, tokenizer, prompts: list[Prompt], settings: GenerationSe
     while start < len(order):
         chosen = order[start:start + batch_size]
         try:
-            texts = generate_batch(model, tokenizer, [encoded[index] for index in chosen], settings)
+            texts = generate_batch(model, tokenizer, [encoded[index] for index in chosen], settings, vision,
+                                   [images[index] for index in chosen])
         except RuntimeError as error:  # torch.OutOfMemoryError is a RuntimeError too
             if not is_out_of_memory(error):
                 raise
@@ -189,8 +230,20 @@ def smaller_batch(batch_size: int, rows: int, longest: int, say: Callable[[str],
     return halved
 
 
-def generate_batch(model, tokenizer, rows: list[list[int]], settings: GenerationSettings) -> list[str]:
-    """One `generate` call on left-padded rows; each row's new tokens, decoded."""
+def text_only(prompt: Prompt) -> Prompt:
+    """A text model's prompt: messages whose content is a list of text parts get the parts joined (an image part
+    was refused before the model loaded)."""
+    if isinstance(prompt, str):
+        return prompt
+    return [{**message, "content": message["content"] if isinstance(message["content"], str)
+             else "".join(part["text"] for part in message["content"] if part.get("type") == "text")}
+            for message in prompt]
+
+
+def generate_batch(model, tokenizer, rows: list[list[int]], settings: GenerationSettings, vision=None,
+                   images: list[list[str]] | None = None) -> list[str]:
+    """One `generate` call on left-padded rows (with their images' pixel inputs, for a vision-language model); each
+    row's new tokens, decoded."""
     import torch
 
     device = next(model.parameters()).device
@@ -198,8 +251,9 @@ def generate_batch(model, tokenizer, rows: list[list[int]], settings: Generation
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows], device=device)
     attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], device=device)
+    pixels = vision.batch_inputs(input_ids, images, model) if vision is not None and images else {}
     with torch.no_grad():
-        output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+        output = model.generate(input_ids=input_ids, attention_mask=attention_mask, **pixels,
                                 generation_config=generation_config(model, tokenizer, settings, pad))
     # a decoder-only model continues the prompt; an encoder-decoder's output is its decoder's tokens alone
     new_tokens = output if getattr(model.config, "is_encoder_decoder", False) else output[:, width:]

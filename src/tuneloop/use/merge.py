@@ -47,7 +47,9 @@ def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = Fals
     import torch
 
     check_output_free(output)
+    from tuneloop.data.images import is_vision_config
     from tuneloop.use.folders import load_model_from, load_tokenizer_of
+    from tuneloop.use.vision import save_processor_of
 
     tokenizer = load_tokenizer_of(folder)
     wanted = dtype if dtype == "auto" else getattr(torch, dtype)
@@ -62,6 +64,8 @@ def merge_lora(folder: ModelFolder, output: Path, trust_remote_code: bool = Fals
     try:
         merged.save_pretrained(temp)  # (transformers 5 writes safetensors only)
         tokenizer.save_pretrained(temp)
+        if is_vision_config(merged.config):  # its processor too, as the run saved it beside the adapter
+            save_processor_of(folder, temp, tokenizer, trust_remote_code)
         run_files.make_readable(temp)  # mkdtemp's folder is private (0700); a model is for others to read too
         run_files.fsync_files(temp)
         check_output_free(output)  # again: the folder may have been filled while we merged

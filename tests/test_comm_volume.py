@@ -1,0 +1,182 @@
+"""The plan's communication per rank per step (plan/comm.py) against the bytes 2 real gloo ranks put on the wire.
+
+The measurement is the kernel's, not a re-derivation: each rank reads TCP_INFO (tcpi_bytes_sent,
+tcpi_bytes_received) of every TCP socket it holds (gloo's connections to the other rank; the launcher's store is
+left out) after each optimizer step, through the run's own hooks (`phase("zero_grad")` ends a step), and the
+bytes of steps 2 and 3 are compared with what the plan promised per step. gloo's own framing and the loss's and
+the norm's scalar reductions ride along: a percent or so on this tiny model.
+
+Run as a script under torchrun, this file is the probe each rank runs (`python -m torch.distributed.run ...
+tests/test_comm_volume.py run.yml out/`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import struct
+import sys
+from pathlib import Path
+
+TCP_INFO_BYTES_RECEIVED, TCP_INFO_BYTES_SENT = 128, 200  # offsets in Linux's struct tcp_info (4.19 and later)
+
+
+def tcp_bytes(skip_port: int | None) -> tuple[int, int]:
+    """(sent, received) over this process's TCP connections, as the kernel counts them (payload, no headers)."""
+    sent = received = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            probe = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        with probe:
+            try:
+                if probe.type != socket.SOCK_STREAM or probe.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                ports = {probe.getsockname()[1], probe.getpeername()[1]}
+                info = probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            except OSError:  # a listening socket, or one being closed
+                continue
+        if skip_port in ports or len(info) < TCP_INFO_BYTES_SENT + 8:
+            continue
+        sent += struct.unpack_from("Q", info, TCP_INFO_BYTES_SENT)[0]
+        received += struct.unpack_from("Q", info, TCP_INFO_BYTES_RECEIVED)[0]
+    return sent, received
+
+
+def probe_main(config: str, out: str) -> int:
+    """One rank: the run, with the TCP counters read after every optimizer step."""
+    from tuneloop.run import TrainingSession, load_run_config
+    from tuneloop.train.hooks import RunHooks
+
+    store_port = int(os.environ["MASTER_PORT"])
+
+    class AfterEachStep(RunHooks):
+        def __init__(self):
+            self.counts: list[tuple[int, int]] = []
+
+        def phase(self, name: str):
+            return self._counted() if name == "zero_grad" else contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def _counted(self):
+            yield
+            self.counts.append(tcp_bytes(store_port))
+
+    hooks = AfterEachStep()
+    with TrainingSession(load_run_config(config), hooks) as session:
+        result = session.run()
+    assert result.error is None, result.error
+    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(hooks.counts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(probe_main(*sys.argv[1:]))
+
+
+# ---- the tests -----------------------------------------------------------------------------------------------
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+from conftest import base_config, free_port, tiny_rows, write_config, write_jsonl  # noqa: E402
+
+from tuneloop.engines.base import WholeBytes  # noqa: E402
+from tuneloop.engines.fsdp2 import FSDP2Spec  # noqa: E402
+from tuneloop.engines.ddp import DDPSpec  # noqa: E402
+from tuneloop.engines.deepspeed import DeepSpeedSpec  # noqa: E402
+from tuneloop.engines.mesh import MeshKeys  # noqa: E402
+from tuneloop.plan.comm import communication_per_step  # noqa: E402
+
+STEPS = {"optimizer": "adamw_torch", "learning_rate": 1e-3, "max_grad_norm": 1.0, "max_steps": 3,
+         "lr_scheduler": "constant", "num_epochs": 1, "micro_batch_size": 2, "gradient_accumulation_steps": 2}
+FSDP = {"fsdp_version": 2, "fsdp_config": {"transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                                           "reshard_after_forward": True}}
+
+
+def launch(config: Path, out: Path) -> subprocess.Popen:
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), __file__, str(config), str(out)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.slow
+def test_the_plans_bytes_per_step_are_what_gloo_sends(tmp_path, tiny_model_dir):
+    """DDP and FSDP2 (reshard_after_forward), 2 ranks, 2 micro-batches a step, fp32: both launched at once."""
+    data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(64, seed=3))
+    runs = {}
+    for name, keys in (("ddp", {}), ("fsdp2", FSDP)):
+        run_dir = tmp_path / name
+        config = write_config(tmp_path / f"{name}.yml", **base_config(run_dir, tiny_model_dir, data, **STEPS, **keys))
+        runs[name] = (run_dir, launch(config, tmp_path / f"{name}-counts"))
+    measured = {}
+    for name, (run_dir, process) in runs.items():
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, out[-2000:] + err[-4000:]
+        plan = json.loads((run_dir / "out" / "plan.json").read_text())
+        promised = plan["communication"]["bytes_per_rank_per_step"]
+        for rank in (0, 1):
+            counts = json.loads((tmp_path / f"{name}-counts" / f"rank{rank}.json").read_text())
+            assert len(counts) == STEPS["max_steps"]
+            sent, received = ((counts[2][i] - counts[0][i]) / 2 for i in (0, 1))  # steps 2 and 3
+            measured[name, rank] = sent
+            print(f"\n{name} rank {rank}: sent {sent:.0f} B, received {received:.0f} B per step; plan {promised} "
+                  f"({plan['communication']['words']})")
+            assert sent == pytest.approx(promised, rel=0.03) and received == pytest.approx(promised, rel=0.03)
+    # FSDP2's 2 micro-batches each gather the weights twice (4 × half of them) and reduce once: 3 × DDP's bytes;
+    # a reduce in every micro-batch would make it 4 ×, the root kept gathered from forward to backward about 2.6 ×
+    assert measured["fsdp2", 0] == pytest.approx(3 * measured["ddp", 0], rel=0.03)
+
+
+# ---- the formulas on a model of known sizes: no processes ------------------------------------------------------
+WHOLE = WholeBytes(weights=4e9, gradients=4e9, optimizer=8e9, parameters=10 ** 9, trainable=10 ** 9, weight_bytes=4,
+                   layer_parameters=45 * 10 ** 6, layers=20)  # a root of 100M parameters, 900M in the layers
+
+
+def test_ddp_all_reduces_the_gradients_once_per_step():
+    sent = communication_per_step(DDPSpec(), WHOLE, 8, accumulation=4, precision="fp32")
+    assert sent.total == pytest.approx(2 * 7 / 8 * 4e9)
+    assert communication_per_step(DDPSpec(), WHOLE, 1, 4, "fp32").total == 0
+
+
+def test_fsdp2_gathers_each_micro_batch_and_reduces_once_in_fp32():
+    spec = FSDP2Spec(shards_weights=True, shards_gradients=True, shards_optimizer=True)
+    sent = communication_per_step(spec, WHOLE, 4, accumulation=2, precision="bf16")
+    gathered = 3 / 4 * 2 * 2e9  # bf16 weights, in the forward and again in the backward
+    assert sent.total == pytest.approx(2 * gathered + 3 / 4 * 4e9)
+    on_gloo = communication_per_step(spec, WHOLE, 4, accumulation=2, precision="bf16", backend="gloo")
+    assert on_gloo.total == pytest.approx(2 * gathered + 2 * 3 / 4 * 4e9)  # (its reduce-scatter is an all-reduce)
+    kept = FSDP2Spec(shards_weights=True, shards_gradients=True, shards_optimizer=True, reshard_after_forward=False)
+    assert communication_per_step(kept, WHOLE, 4, 1, "bf16").total == pytest.approx(3 / 4 * 2e9 + 3 / 4 * 4e9)
+
+
+def test_hsdp_adds_the_shards_all_reduce_across_replicas():
+    spec = FSDP2Spec(shards_weights=True, shards_gradients=True, shards_optimizer=True,
+                     mesh_keys=MeshKeys(dp_replicate=2, dp_shard=4, written=True))
+    sent = communication_per_step(spec, WHOLE, 8, accumulation=1, precision="fp32")
+    within = 3 / 4 * 4 * 2e9 + 3 / 4 * 4e9
+    assert sent.total == pytest.approx(within + 2 * 1 / 2 * 4e9 / 4)
+    assert "across 2 replicas" in sent.words()
+
+
+@pytest.mark.parametrize("stage, expected", [
+    (1, 2 * 7 / 8 * 2e9 + 7 / 8 * 2e9),  # bf16 gradients all-reduced once, bf16 weights all-gathered
+    (2, 4 * 2 * 7 / 8 * 2e9 + 7 / 8 * 2e9),  # ... the reduction in each of the 4 micro-batches
+    (3, 4 * (2 * 7 / 8 * 2e9 + 7 / 8 * 2e9)),  # weights gathered twice and gradients reduce-scattered per micro
+])
+def test_zero_stages_as_deepspeed_moves_them(stage, expected):
+    spec = DeepSpeedSpec(shards_weights=stage >= 3, shards_gradients=stage >= 2, shards_optimizer=True, stage=stage,
+                         config={"bf16": {"enabled": "auto"}})
+    assert communication_per_step(spec, WHOLE, 8, accumulation=4, precision="bf16").total == pytest.approx(expected)
+
+
+def test_tensor_and_context_parallel_leave_the_hook_empty_for_now():
+    from tuneloop.engines.mesh import Mesh
+    from tuneloop.plan.comm import model_parallel_transfers
+
+    assert model_parallel_transfers(WHOLE, Mesh(dp_shard=8), 1, "bf16") == []

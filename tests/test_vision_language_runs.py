@@ -1,0 +1,102 @@
+"""Vision-language runs as the text runs are shown correct (tests/test_equivalence.py, tests/test_resume.py), on the
+tiny LLaVA and coloured squares of tests/test_vision_language.py, fp32 (`bf16: false`):
+
+- two DDP ranks (torchrun, gloo) end with the weights of one process over the same global batch: each rank
+  collates its own rows *and their images* (an image given to the wrong row, or the same images on both ranks,
+  changes the gradient);
+- a run killed with SIGKILL mid-run and auto-resumed ends bit-identical to an uninterrupted run, its metrics
+  lines too: the resumed run reads the same rows with the same image references from the prepared cache.
+One launch of the real command line per check.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+
+import pytest
+from conftest import read_metrics, run_in_process, run_two_ranks, write_config, write_jsonl
+from safetensors.torch import load_file
+from test_equivalence import relative_difference
+from test_resume import assert_identical, start_train, wait_for_steps
+from test_vision_language import caption_rows, save_llava, vlm_config
+
+from tuneloop.run_files import complete_checkpoints
+
+SGD_STEPS = dict(optimizer="sgd", learning_rate=0.5, max_grad_norm=0, lr_scheduler="constant", max_steps=2)
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory):
+    return save_llava(tmp_path_factory.mktemp("tiny_llava"))
+
+
+def update(run_dir, model_dir) -> dict:
+    after, before = load_file(run_dir / "out" / "model.safetensors"), load_file(model_dir / "model.safetensors")
+    return {key: after[key] - before[key] for key in before}
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_of_a_vlm_run_equal_one_process(tmp_path, llava_dir):
+    """16 rows, 2 SGD steps of 8: one process accumulates 4 micro-batches of 2; two ranks accumulate 2 each."""
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 16, seed=11))
+    runs = {}
+    for name, accumulation in (("one", 4), ("ddp", 2)):
+        run_dir = tmp_path / name
+        config = write_config(tmp_path / f"{name}.yml", **vlm_config(
+            run_dir, llava_dir, data, micro_batch_size=2, gradient_accumulation_steps=accumulation, **SGD_STEPS))
+        result = run_two_ranks("train", str(config)) if name == "ddp" else run_in_process("train", str(config))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[name] = update(run_dir, llava_dir)
+    plan = json.loads((tmp_path / "ddp" / "out" / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["global_batch_size"] == 8 and plan["total_steps"] == 2
+    for name in ("one", "ddp"):
+        summary = json.loads((tmp_path / name / "out" / "summary.json").read_text())
+        assert summary["steps"] == 2 and summary["tokens"] == plan["total_trainable_tokens"]
+    tower = [key for key in runs["one"] if "vision_tower" in key]
+    assert tower and any(runs["one"][key].abs().max() > 0 for key in tower)  # the images reached the gradient
+    difference = relative_difference(runs["ddp"], runs["one"])
+    print(f"\ntwo ranks vs one process, 2 SGD steps of 8 rows: relative L2 difference of the updates {difference:.2e}")
+    assert difference < 1e-5
+
+
+@pytest.mark.slow
+def test_a_vlm_run_killed_mid_run_resumes_bit_identical(tmp_path, llava_dir):
+    """AdamW with warm-up, 2 epochs of 40 rows (36 train, 4 eval) in micro-batches of 2, a checkpoint every 3
+    steps; SIGKILL at a random step, then the same command again."""
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 40, seed=12))
+    keys = dict(num_epochs=2, micro_batch_size=2, save_strategy=None, save_steps=3, save_total_limit=2,
+                learning_rate=2e-3, warmup_steps=2, val_set_size=0.1, evals_per_epoch=2,
+                auto_resume_from_checkpoints=True)
+    straight = write_config(tmp_path / "straight.yml", **vlm_config(tmp_path / "straight", llava_dir, data, **keys))
+    result = run_in_process("train", str(straight))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = read_metrics(tmp_path / "straight" / "out")
+    total = max(m["step"] for m in expected if "loss" in m)
+
+    run_dir = tmp_path / "killed"
+    config = write_config(tmp_path / "killed.yml", **vlm_config(run_dir, llava_dir, data, **keys))
+    seed = random.randrange(10**6)
+    kill_after = random.Random(seed).randint(4, total - 12)
+    process = start_train(config)
+    wait_for_steps(run_dir / "out", kill_after, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, f"the run ended before the kill (seed {seed})"
+    newest = complete_checkpoints(run_dir / "out")[-1]
+    resumed = run_in_process("train", str(config))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {newest}" in resumed.stdout, f"seed {seed}"
+    print(f"\nkilled after step {kill_after} of {total} (seed {seed}), resumed from {newest.name}")
+
+    assert_identical(load_file(run_dir / "out" / "model.safetensors"),
+                     load_file(tmp_path / "straight" / "out" / "model.safetensors"))
+    metrics = read_metrics(run_dir / "out")
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, total + 1)), f"seed {seed}"
+    assert [m["loss"] for m in metrics if "loss" in m] == [m["loss"] for m in expected if "loss" in m]
+    assert [m["eval_loss"] for m in metrics if "eval_loss" in m] == [m["eval_loss"] for m in expected
+                                                                     if "eval_loss" in m]
+    plan = json.loads((run_dir / "out" / "plan.json").read_text())
+    summary = json.loads((run_dir / "out" / "summary.json").read_text())
+    assert summary["targets_collated"] == plan["total_trainable_tokens"]  # counted across the kill

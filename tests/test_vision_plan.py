@@ -1,0 +1,346 @@
+"""A vision-language run's plan and its inputs: the vision tower's FLOPs counted per image (plan/flops.py), rows
+shown with their images collapsed (`preprocess --show`), axolotl's processor keys (`processor_kwargs`,
+`image_size`, `image_resize_algorithm`), and bad image input refused in one line, exit 2, nothing written. Tiny
+models and processors are built here (test_vision_language.py's), images drawn with PIL."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import assert_user_error, run_in_process, write_config, write_jsonl
+from test_vision_language import QUESTION, caption_rows, plan_of, save_qwen2_vl, tiny_tokenizer, vlm_config
+
+# the tiny LLaVA below: a 3-layer CLIP tower over 28×28 crops (2×2 patches of 14 pixels and the class position),
+# read at vision_feature_layer -2 (its last layer runs forward only), a 2-layer LLaMA
+TEXT = dict(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2)
+TOWER = dict(hidden=32, ffn=64, layers=3, heads=2, image=28, patch=14)
+
+
+def save_llava(target: Path) -> Path:
+    import torch
+    from transformers import CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    from tuneloop.data.chat_template_texts import LLAVA
+
+    tokenizer = tiny_tokenizer(["<|endoftext|>", "<image>", "<pad>"], "<|endoftext|>", "<pad>",
+                               extra_special_tokens={"image_token": "<image>"})
+    images = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=LLAVA, patch_size=14,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(target)
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=TEXT["hidden"],
+                         intermediate_size=TEXT["ffn"], num_hidden_layers=TEXT["layers"],
+                         num_attention_heads=TEXT["heads"], num_key_value_heads=TEXT["kv_heads"],
+                         max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=TOWER["hidden"],
+                           intermediate_size=TOWER["ffn"], num_hidden_layers=TOWER["layers"],
+                           num_attention_heads=TOWER["heads"], image_size=TOWER["image"],
+                           patch_size=TOWER["patch"], projection_dim=32),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def llava_dir(tmp_path_factory) -> Path:
+    return save_llava(tmp_path_factory.mktemp("tiny_llava_3"))
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory) -> Path:
+    return save_qwen2_vl(tmp_path_factory.mktemp("tiny_qwen2_vl"))
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------------------
+def llava_image_flops(trained: bool) -> float:
+    """One image through the tiny LLaVA's tower and projector, counted by hand from the sizes above."""
+    h, f, layers = TOWER["hidden"], TOWER["ffn"], TOWER["layers"]
+    patches = (TOWER["image"] // TOWER["patch"]) ** 2
+    positions, tokens = patches + 1, patches  # (the class position; "default" drops its feature)
+    patch_weights, layer_weights, projector = 3 * TOWER["patch"] ** 2 * h, 4 * h * h + 2 * h * f, \
+        h * TEXT["hidden"] + TEXT["hidden"] ** 2
+    attention = 4 * h * positions  # per position and layer, forward
+    if not trained:  # forward only
+        return (2 * patch_weights * patches + layers * positions * (2 * layer_weights + attention)
+                + 2 * projector * tokens)
+    reached = layers - 1  # vision_feature_layer -2: the last layer's output is never read
+    return (4 * patch_weights * patches  # forward and the weights' gradient; pixels need none
+            + reached * positions * (6 * layer_weights + 3 * attention)
+            + (layers - reached) * positions * (2 * layer_weights + attention)
+            + 6 * projector * tokens)
+
+
+def text_flops(lengths: np.ndarray, targets: int, vocabulary: int) -> float:
+    """The language model over rows of these lengths (image tokens included), its head only where a target is
+    (the chunked loss), attention causal within each row."""
+    d, f, layers, kv = TEXT["hidden"], TEXT["ffn"], TEXT["layers"], TEXT["kv_heads"] * TEXT["hidden"] // TEXT["heads"]
+    body = layers * (2 * d * d + 2 * d * kv + 3 * d * f)
+    return 6 * body * lengths.sum() + 6 * d * vocabulary * targets + 12 * layers * d * (lengths * (lengths + 1) / 2).sum()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_plan_flops_per_step_of_a_tiny_llava_equal_a_hand_count(tmp_path, llava_dir, frozen):
+    """8 rows in 2 steps: the plan's FLOPs per step are the hand count, the tower per image (8 of them) and the
+    language model per token; `freeze_mm_modules` leaves the tower and projector their forward alone."""
+    from transformers import AutoTokenizer
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 8, seed=1))
+    keys = vlm_config(tmp_path, llava_dir, data, max_steps=2, freeze_mm_modules=frozen or None)
+    plan = plan_of(write_config(tmp_path / "c.yml", **keys))
+    _, rows = prepare_data(config_from_dict(keys), resolve_run(config_from_dict(keys)))
+    lengths = np.asarray(rows.store["length"], dtype=np.float64)
+    targets = int(np.asarray(rows.store["n_targets"]).sum())
+    assert plan["total_steps"] == 2 and plan["total_real_tokens"] == lengths.sum()  # (the whole epoch, once)
+    vision = 8 * llava_image_flops(not frozen)
+    hand = (text_flops(lengths, targets, len(AutoTokenizer.from_pretrained(llava_dir))) + vision) / 2
+    assert plan["flops_per_step"] == pytest.approx(hand, rel=1e-9)
+    assert plan["vision_flops"]["images"] == 8 and plan["vision_flops"]["tower_positions"] == 8 * 5
+    assert plan["vision_flops"]["share"] == pytest.approx(vision / (2 * hand), rel=1e-9)
+    print(f"\nfrozen={frozen}: {plan['flops_per_step']:,.0f} FLOPs per step, vision "
+          f"{plan['vision_flops']['share']:.1%}; the old count (the tower's weights per text token) would say "
+          f"{old_count(llava_dir, lengths, targets, frozen) / 2:,.0f}")
+    text = run_in_process("plan", str(write_config(tmp_path / "c.yml", **keys)))
+    assert f"vision tower and projector {plan['vision_flops']['share']:.1%} of a step's FLOPs (8 images" in text.stdout
+
+
+def old_count(model_dir: Path, lengths: np.ndarray, targets: int, frozen: bool) -> float:
+    """What flops.py counted before the image side had its own count: every Linear, the tower's too, per token."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tuneloop.model import count_matmul_weights
+    from tuneloop.plan.flops import count_flops
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    if frozen:
+        for name, parameter in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                parameter.requires_grad_(False)
+    frozen_weights, trained = count_matmul_weights(model)
+    head = TEXT["hidden"] * config.text_config.vocab_size
+    skipped = 6 * head * (1 - targets / lengths.sum())
+    return count_flops(config.text_config, frozen_weights, trained, lengths, skipped).per_token * lengths.sum()
+
+
+def flop_counter_total(model, **inputs) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        model(**inputs, labels=inputs["input_ids"], use_cache=False).loss.backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_torchs_flop_counter_agrees_with_the_count_on_one_forward_and_backward(llava_dir, frozen):
+    """FlopCounterMode over a real step of 3 rows (eager attention: it computes the whole square of scores, where
+    the plan counts a causal row's half, the model's work; that difference is added back, nothing else)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from tuneloop.data.images import VISION_FAMILIES
+    from tuneloop.model import count_matmul_weights
+    from tuneloop.plan.flops import count_flops, image_flops, vision_weights
+
+    model = AutoModelForImageTextToText.from_pretrained(llava_dir, attn_implementation="eager")
+    if frozen:
+        for name, parameter in model.named_parameters():
+            if "vision_tower" in name or "multi_modal_projector" in name:
+                parameter.requires_grad_(False)
+    rows, length = 3, 20
+    ids = torch.randint(10, 250, (rows, length))
+    ids[:, 2:6] = model.config.image_token_id
+    measured = flop_counter_total(model, input_ids=ids, pixel_values=torch.randn(rows, 3, 28, 28))
+    vision = vision_weights(model, model.config, VISION_FAMILIES["llava"])
+    frozen_weights, trained = count_matmul_weights(model)
+    text = count_flops(model.config.text_config, frozen_weights - vision.in_text_count[0],
+                       trained - vision.in_text_count[1], np.array([length])).per_token
+    square = 12 * TEXT["layers"] * TEXT["hidden"] * (length * length - length * (length + 1) / 2)
+    counted = rows * (length * text + square + image_flops(vision, 4)[0])
+    assert measured == pytest.approx(counted, rel=1e-9)
+    assert image_flops(vision, 4)[0] == llava_image_flops(not frozen)
+
+
+def test_qwen2_vl_counts_its_patch_grid_before_the_merge(qwen_dir):
+    """Qwen2-VL's tower runs 4 patches per image token (the 2×2 merge), its merger once per token; two images of
+    different sizes in one step, against FlopCounterMode."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from tuneloop.data.images import VISION_FAMILIES
+    from tuneloop.plan.flops import image_flops, vision_weights
+
+    model = AutoModelForImageTextToText.from_pretrained(qwen_dir, attn_implementation="eager")
+    grids = torch.tensor([[1, 4, 4], [1, 4, 2]])  # 16 and 8 patches: 4 and 2 image tokens
+    vision = vision_weights(model, model.config, VISION_FAMILIES["qwen2_vl"])
+    with_images = torch.zeros(2, 12, dtype=torch.long) + 20
+    with_images[0, 1:5] = with_images[1, 1:3] = model.config.image_token_id
+    pixels = torch.randn(24, 3 * 2 * 14 * 14)
+    image_inputs = dict(pixel_values=pixels, image_grid_thw=grids,
+                        mm_token_type_ids=(with_images == model.config.image_token_id).long())
+    measured_with = flop_counter_total(model, input_ids=with_images, **image_inputs)
+    measured_without = flop_counter_total(model, input_ids=torch.zeros(2, 12, dtype=torch.long) + 20)
+    assert image_flops(vision, 4)[1] == 16 and image_flops(vision, 2)[1] == 8
+    # the same text ids with and without the images: the difference is the image side (and the image tokens'
+    # embeddings, which are looked up, not multiplied)
+    assert measured_with - measured_without == pytest.approx(image_flops(vision, 4)[0] + image_flops(vision, 2)[0],
+                                                             rel=1e-9)
+
+
+# ---- preprocess --show ---------------------------------------------------------------------------------------
+def test_preprocess_show_collapses_each_images_tokens(tmp_path, llava_dir):
+    rows = caption_rows(tmp_path, 3, seed=2)
+    rows[1]["messages"][0]["content"].insert(0, dict(rows[1]["messages"][0]["content"][0]))  # two images
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    config = write_config(tmp_path / "c.yml", **vlm_config(tmp_path, llava_dir, data))
+    result = run_in_process("preprocess", str(config), "--show", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    shown = result.stdout.split("--- row ")[1:]
+    assert len(shown) == 3 and "<image>" not in result.stdout
+    assert [part.count("⟨image ") for part in shown] == [1, 2, 1]
+    assert "⟨image 1: 4 tokens⟩" in shown[0] and "⟨image 2: 4 tokens⟩" in shown[1]
+    assert QUESTION in shown[0]
+
+
+# ---- axolotl's processor keys --------------------------------------------------------------------------------
+def qwen_rows_and_store(tmp_path: Path, qwen_dir: Path, size: tuple[int, int], **keys):
+    from tuneloop.config import config_from_dict
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 4, seed=3, size=size))
+    cfg = config_from_dict(vlm_config(tmp_path, qwen_dir, data, chat_template="qwen2_vl", **keys))
+    return prepare_data(cfg, resolve_run(cfg))
+
+
+def collated(tokenizer, rows):
+    from tuneloop.data.collate import collator_for
+    from tuneloop.data.images import image_inputs_of
+
+    return collator_for(rows.store, tokenizer.pad_token_id, False, images=image_inputs_of(tokenizer))([[0, 1]])
+
+
+def test_processor_kwargs_reach_the_image_processor_and_the_token_counts(tmp_path, qwen_dir):
+    """max_pixels 28×28: a 56×56 square becomes 1 image token (4 without it), in the cached rows and in the
+    grid the collator gives the model."""
+    tokenizer, rows = qwen_rows_and_store(tmp_path, qwen_dir, (56, 56), processor_kwargs={"max_pixels": 28 * 28})
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert (rows.store.tokens("input_ids", 0) == pad).sum() == 1 and rows.store.images(0)[0][1] == 1
+    assert collated(tokenizer, rows).inputs["image_grid_thw"].tolist() == [[1, 2, 2]] * 2
+
+
+@pytest.mark.parametrize("algorithm", [None, "bicubic"])
+def test_image_size_resizes_before_the_processor_as_axolotl_does(tmp_path, qwen_dir, algorithm):
+    """An int pads the image (in proportion, black) to that square; [width, height] stretches it; the filter is
+    image_resize_algorithm's (bilinear when unset). The tokens come from the resized size, the pixels are the
+    processor's of the resized image."""
+    from PIL import Image, ImageOps
+    from transformers import AutoImageProcessor
+
+    method = Image.Resampling.BICUBIC if algorithm else Image.Resampling.BILINEAR
+    processor = AutoImageProcessor.from_pretrained(qwen_dir)
+    for size, image_size, grid in (((56, 28), 56, [1, 4, 4]), ((56, 56), [28, 56], [1, 4, 2])):
+        folder = tmp_path / f"{image_size}"
+        tokenizer, rows = qwen_rows_and_store(folder, qwen_dir, size, image_size=image_size,
+                                              image_resize_algorithm=algorithm)
+        batch = collated(tokenizer, rows).inputs
+        assert batch["image_grid_thw"].tolist() == [grid] * 2
+        assert rows.store.images(0)[0][1] == grid[1] * grid[2] // 4
+        originals = [Image.open(rows.store.images(i)[0][0].removeprefix("path:")).convert("RGB") for i in (0, 1)]
+        resized = [ImageOps.pad(image, (image_size, image_size), method=method, color=(0, 0, 0))
+                   if isinstance(image_size, int) else image.resize(tuple(image_size), method) for image in originals]
+        expected = processor(images=resized, return_tensors="pt")["pixel_values"]
+        assert (batch["pixel_values"] == expected).all()
+
+
+@pytest.mark.parametrize("problem", ["unknown kwarg", "reserved kwarg", "algorithm alone", "bad algorithm",
+                                     "text model"])
+def test_processor_keys_refused_in_one_line(tmp_path, qwen_dir, tiny_model_dir, problem):
+    model, extra = qwen_dir, {}
+    if problem == "unknown kwarg":
+        extra = {"processor_kwargs": {"max_pixel": 784}}
+        expected = ("processor_kwargs: max_pixel is not a setting of Qwen2VLImageProcessorPil", "max_pixels")
+    elif problem == "reserved kwarg":
+        extra = {"processor_kwargs": {"revision": "main"}}
+        expected = ("processor_kwargs", "revision_of_model")
+    elif problem == "algorithm alone":
+        extra = {"image_resize_algorithm": "lanczos"}
+        expected = ("image_resize_algorithm: lanczos", "image_size is not set")
+    elif problem == "bad algorithm":
+        extra = {"image_size": 56, "image_resize_algorithm": "nearest"}
+        expected = ("image_resize_algorithm", "bilinear, bicubic, lanczos")
+    else:
+        model, extra = tiny_model_dir, {"processor_type": None, "image_size": 56, "chat_template": "chatml"}
+        expected = ("image_size: 56", "text-only model")
+    refused_writing_nothing(tmp_path, model, caption_rows(tmp_path, 4, seed=5), extra, *expected)
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------
+def refused_writing_nothing(tmp_path: Path, model: Path, rows: list[dict], extra: dict, *expected: str) -> None:
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    keys = vlm_config(tmp_path, model, data, **extra)
+    result = run_in_process("train", str(write_config(tmp_path / "c.yml", **keys)))
+    assert_user_error(result, *expected)
+    assert not Path(keys["output_dir"]).exists()
+    prepared = Path(keys["dataset_prepared_path"])
+    assert not prepared.exists() or not any(prepared.rglob("rows.json")), sorted(prepared.rglob("*"))
+
+
+@pytest.mark.parametrize("problem", ["missing", "not an image", "truncated", "text model", "not a processor",
+                                     "too large"])
+def test_bad_image_input_is_refused_in_one_line_and_nothing_is_written(tmp_path, llava_dir, qwen_dir,
+                                                                       tiny_model_dir, problem):
+    """No family tuneloop trains has a number of images per row that transformers refuses (Mllama's and
+    Idefics3's processors take any number): a row's images are bounded by sequence_len, checked image by image."""
+    rows, model, extra = caption_rows(tmp_path, 4, seed=6), llava_dir, {}
+    image = tmp_path / "images" / "6-2.png"
+    if problem == "missing":
+        rows[2]["messages"][0]["content"][0]["path"] = "images/nowhere.png"
+        expected = ("train.jsonl:3", "nowhere.png", "does not exist")
+    elif problem == "not an image":
+        image.write_bytes(b"this is text, not a PNG")
+        expected = ("train.jsonl:3", str(image), "cannot identify image file")
+    elif problem == "truncated":
+        image.write_bytes(image.read_bytes()[:-30])  # the last chunks (IDAT's end, IEND) cut off
+        expected = ("train.jsonl:3", f"cannot decode image {image}", "runcated")
+    elif problem == "text model":
+        model, extra = tiny_model_dir, {"processor_type": None, "chat_template": "chatml"}
+        expected = ("train.jsonl:1", "'image'", "text-only model")
+    elif problem == "not a processor":
+        extra = {"processor_type": "AutoTokenizer"}
+        expected = ("processor_type: AutoTokenizer", "not a processor")
+    else:  # a 112×112 square is 16 tokens once max_pixels lets it be (the tiny processor's own stops at 4)
+        rows = caption_rows(tmp_path, 4, seed=6, size=(112, 112))
+        model = qwen_dir
+        extra = {"chat_template": "qwen2_vl", "processor_kwargs": {"max_pixels": 112 * 112}, "sequence_len": 16}
+        expected = ("train.jsonl:1", "image 1", "112×112", "becomes 16 image tokens", "sequence_len=16",
+                    "processor_kwargs: {max_pixels: 6272}")
+    refused_writing_nothing(tmp_path, model, rows, extra, *expected)
+
+
+def test_a_jpeg_cut_short_is_refused_when_preparing(tmp_path, llava_dir):
+    """A JPEG cut short in its image data has a header that reads fine (and PIL's verify passes it): preparing
+    decodes it at 1/8 scale to find out."""
+    from PIL import Image
+
+    rows = caption_rows(tmp_path, 4, seed=7)
+    jpeg = tmp_path / "images" / "cut.jpg"
+    noise = np.random.default_rng(0).integers(0, 255, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(jpeg, quality=95)
+    whole = jpeg.read_bytes()
+    jpeg.write_bytes(whole[:whole.index(b"\xff\xda") + 100])  # the start of scan, and 100 bytes of its data
+    with Image.open(jpeg) as opened:
+        assert opened.size == (64, 64)
+    rows[1]["messages"][0]["content"][0]["path"] = "images/cut.jpg"
+    refused_writing_nothing(tmp_path, llava_dir, rows, {}, "train.jsonl:2", f"cannot decode image {jpeg}",
+                            "image file is truncated")
