@@ -28,8 +28,8 @@ SHARED = next((p for p in (REPO.parent / "shared", Path("/work/shared")) if (p /
 EXAMPLES = SHARED / "axolotl-examples" if SHARED else None
 pytestmark = pytest.mark.skipif(EXAMPLES is None, reason="../shared/axolotl-examples is not on this machine")
 FEATURE_NAMES = [short for short, _ in axolotl.FEATURES.values()]
-ACCEPTED = 78  # of the 118 example configs (2026-12-03, tensor parallel)
-REFUSED_BY_FEATURE = {"multimodal models": 18, "context/expert parallelism": 5, "launching on a Ray cluster": 1,
+ACCEPTED = 80  # of the 118 example configs (2026-12-03, context parallel)
+REFUSED_BY_FEATURE = {"multimodal models": 18, "expert parallelism": 3, "launching on a Ray cluster": 1,
                       "quantization beyond bitsandbytes": 5, "MoE-specific options": 6, "an axolotl plugin": 4,
                       "this preference/RL training": 3, "another training method": 2, "a model option": 2,
                       "a LoRA variant": 2, "keys axolotl has removed": 2, "8-bit weights under FSDP2": 1,

@@ -175,8 +175,20 @@ def test_zero_stages_as_deepspeed_moves_them(stage, expected):
     assert communication_per_step(spec, WHOLE, 8, accumulation=4, precision="bf16").total == pytest.approx(expected)
 
 
-def test_tensor_and_context_parallel_leave_the_hook_empty_for_now():
-    from tuneloop.engines.mesh import Mesh
+def test_context_parallel_adds_its_all_to_alls_and_averages_over_its_ranks():
+    """Ulysses: per layer and micro-batch, q, k, v and the output exchanged in the forward and again in the
+    backward, each all-to-all sending (cp - 1) / cp of this rank's slice; the gradients reduced over dp × cp."""
+    from dataclasses import replace
+
+    from tuneloop.engines.mesh import Mesh, MeshKeys
     from tuneloop.plan.comm import model_parallel_transfers
 
     assert model_parallel_transfers(WHOLE, Mesh(dp_shard=8), 1, "bf16") == []
+    whole = replace(WHOLE, micro_batch_tokens=4096, attention_width=2048, kv_width=512)
+    [exchange] = model_parallel_transfers(whole, Mesh(dp_shard=4, cp=2), 3, "bf16")
+    per_micro_batch_layer = 2 * (4096 / 2) * (2 * 2048 + 2 * 512) * 2 * (1 / 2)
+    assert exchange.bytes == pytest.approx(3 * whole.layers * per_micro_batch_layer)
+    ddp = DDPSpec(mesh_keys=MeshKeys(cp=2))
+    plain = communication_per_step(DDPSpec(), whole, 4, accumulation=1, precision="bf16").transfers[0].bytes
+    assert communication_per_step(ddp, whole, 8, accumulation=1, precision="bf16").transfers[0].bytes == \
+        pytest.approx(plain * (7 / 8) / (3 / 4))  # an all-reduce over 8 ranks, not 4

@@ -45,12 +45,16 @@ def mesh_of(world: int, engine: str = "fsdp2", **sizes) -> Mesh:
     (4, "ddp", {"dp_shard_size": 1, "sequence_parallel_degree": 1}, (4, 1)),
     (2, "zero2", {"dp_shard_size": 1, "tensor_parallel_size": 1}, (1, 2)),  # ZeRO partitions over every rank
     (1, "fsdp2", {"dp_shard_size": 1}, (1, 1)),
+    (8, "fsdp2", {"context_parallel_size": 2}, (1, 4)),  # context parallel takes its ranks first too
+    (8, "fsdp2", {"sequence_parallel_degree": 2, "dp_shard_size": 2}, (2, 2)),
+    (4, "ddp", {"context_parallel_size": 2}, (2, 1)),
 ])
 def test_sizes_resolve_against_the_world_size_as_axolotl_does(world, engine, sizes, expected):
     mesh = mesh_of(world, engine, **sizes)
     tp = sizes.get("tensor_parallel_size", 1)
-    assert (mesh.dp_replicate, mesh.dp_shard) == expected and (mesh.tp, mesh.cp) == (tp, 1)
-    assert mesh.dp_replicate * mesh.dp_shard * tp == world and mesh.data_ranks == world // tp
+    cp = max(sizes.get("context_parallel_size", 1), sizes.get("sequence_parallel_degree", 1))
+    assert (mesh.dp_replicate, mesh.dp_shard) == expected and (mesh.tp, mesh.cp) == (tp, cp)
+    assert mesh.dp_replicate * mesh.dp_shard * tp * cp == world and mesh.data_ranks == world // (tp * cp)
 
 
 def test_the_mesh_is_shown_in_the_plans_words():
@@ -82,9 +86,7 @@ def test_ddp_replicas_must_be_every_rank():
     ("ddp", {"tensor_parallel_size": 2}, ["`tensor_parallel_size: 2` splits the layers over ranks on FSDP2",
                                           "fsdp_version: 2"]),
     ("zero2", {"tensor_parallel_size": 2}, ["`tensor_parallel_size: 2` splits", "asks for deepspeed"]),
-    ("fsdp2", {"context_parallel_size": 2}, ["`context_parallel_size: 2` asks for context parallelism",
-                                             "context/expert parallelism"]),
-    ("fsdp2", {"sequence_parallel_degree": 4}, ["`sequence_parallel_degree: 4` asks for context parallelism"]),
+    ("zero2", {"context_parallel_size": 2}, ["`context_parallel_size: 2` with `deepspeed`", "DDP ranks or FSDP2"]),
     ("fsdp2", {"context_parallel_size": 1, "sequence_parallel_degree": 2}, ["disagree"]),
     ("fsdp2", {"dp_shard_size": 0}, ["`dp_shard_size: 0`", "1 or more"]),
     ("ddp", {"dp_shard_size": 2}, ["`dp_shard_size: 2` shards the model", "fsdp_version: 2"]),
@@ -131,8 +133,8 @@ def test_the_plan_shows_the_mesh_and_divides_over_dp_shard_only(tmp_path, tiny_m
 def test_a_product_that_is_not_the_world_size_stops_the_plan(tmp_path, tiny_model_dir, data):
     assert_user_error(planned(tmp_path, tiny_model_dir, data, 8, **HSDP),
                       "dp_replicate_size 2 × dp_shard_size 2 = 4 does not make the world size 8")
-    assert_user_error(planned(tmp_path, tiny_model_dir, data, 2, context_parallel_size=2, **FSDP),
-                      "`context_parallel_size: 2` asks for context parallelism")
+    assert_user_error(planned(tmp_path, tiny_model_dir, data, 6, context_parallel_size=4, **FSDP),
+                      "tensor_parallel_size 1 × context_parallel_size 4 = 4 does not divide the world size 6")
 
 
 def test_sizes_of_one_are_accepted_and_shown(tmp_path, tiny_model_dir, data):

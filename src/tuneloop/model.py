@@ -655,6 +655,10 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_met
     config = model_config(cfg, tokenizer)
     built = model_class(cfg, resolved.model_kind)
     attention = loadable(resolved.attention.used)
+    if resolved.engine.mesh_keys.cp:  # the kernel behind context parallel's exchange (engines/context_parallel.py)
+        from tuneloop.engines import context_parallel
+
+        attention = context_parallel.loadable(attention)
     if on_meta:
         import torch
 

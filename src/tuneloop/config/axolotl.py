@@ -26,10 +26,10 @@ FEATURES = {
     "fsdp2_8bit": ("8-bit weights under FSDP2", "8-bit weights (`load_in_8bit`) sharded by FSDP2 (bitsandbytes keeps "
                    "an 8-bit weight's scales on the parameter FSDP2 replaces; QLoRA under FSDP2 or ZeRO-3, and 8-bit "
                    "under DeepSpeed or DDP, work)"),
-    "parallelism": ("context/expert parallelism", "context (sequence) and expert parallelism, tensor parallel "
-                    "of adapters, 4/8-bit weights or streams (axolotl's device mesh otherwise works: "
-                    "`dp_shard_size`, `dp_replicate_size` (HSDP) and `tensor_parallel_size` of a whole model under "
-                    "FSDP2; sizes of 1 are accepted)"),
+    "parallelism": ("expert parallelism", "expert parallelism, tensor parallel of adapters, 4/8-bit weights or "
+                    "streams, context parallel of preference or reward losses (axolotl's device mesh otherwise "
+                    "works: `dp_shard_size`, `dp_replicate_size` (HSDP), `tensor_parallel_size` of a whole model "
+                    "under FSDP2 and `context_parallel_size` (Ulysses) on DDP or FSDP2; sizes of 1 are accepted)"),
     "ray": ("launching on a Ray cluster", "launching on a Ray cluster (`use_ray`, `ray_num_workers`, "
             "`resources_per_worker`): tuneloop is launched with torchrun on each node (examples/slurm/ on Slurm)"),
     "multimodal": ("multimodal models", "multimodal models beyond LLaVA, Qwen2-VL/Qwen2.5-VL, Gemma 3, Mllama and "
@@ -122,7 +122,7 @@ SPEED_OR_LOGGING = _keys("""
     flash_attn_fuse_qkv flash_optimum sage_attention gemma4_hybrid_attn_impl large_head_attention
     flash_attn_d512 sdpa_varlen fused_attn_kernel experts_implementation lora_mlp_kernel lora_qkv_kernel
     lora_o_kernel lora_embedding_kernel chunked_cross_entropy_num_chunks tiled_mlp
-    tiled_mlp_num_shards tiled_mlp_use_original_mlp save_first_step save_only_model
+    tiled_mlp_num_shards tiled_mlp_use_original_mlp save_first_step save_only_model heads_k_stride ring_attn_func
     profiler_steps profiler_steps_start
     include_tokens_per_second include_tkps max_memory gpu_memory_limit low_cpu_mem_usage total_num_tokens
     total_supervised_tokens sample_packing_eff_est is_falcon_derived_model is_llama_derived_model
@@ -152,14 +152,15 @@ _REFUSED_BY_FEATURE = {
         nemo_gym_model_name nemo_gym_multi_turn nemo_gym_max_turns""",
     "fsdp_deepspeed": """deepcompile""",
     "parallelism": """
-        heads_k_stride ring_attn_func expert_parallel_size expert_parallel_backend expert_parallel_num_nvl_bytes
+        expert_parallel_size expert_parallel_backend expert_parallel_num_nvl_bytes
         expert_parallel_num_rdma_bytes expert_parallel_token_capacity expert_parallel_fallback_on_unsupported""",
     "ray": """use_ray ray_run_name ray_num_workers resources_per_worker""",
     # (processor_type, freeze_mm_modules, processor_kwargs, image_size and image_resize_algorithm are schema fields
     # now: vision-language models, data/images.py)
     "multimodal": "",
     # (dp_shard_size, dp_replicate_size, tensor_parallel_size, context_parallel_size and sequence_parallel_degree
-    # are schema fields now: engines/keys.py reads them, refusing context parallelism > 1 under this feature)
+    # are schema fields now: engines/keys.py reads them; heads_k_stride and ring_attn_func tune ring-flash-attn's
+    # context parallel, the same attention as the Ulysses exchange tuneloop runs: speed only)
     # (model_quantization_config and its kwargs are schema fields now: Mxfp4Config loads, and other classes are
     # refused there under this feature)
     # (`qat` is a schema field now: int4/int8 QAT through torchao, qat.py; its GPU-only dtypes are refused there)

@@ -547,15 +547,19 @@ def sharding(cfg) -> Problems:
         yield str(error)
         return
     cfg._engine = engine
-    if engine.name != "ddp" and cfg.torch_compile == "auto":
+    uncompiled = engine.name if engine.name != "ddp" else "context parallel" if mesh.cp else None
+    if uncompiled and cfg.torch_compile == "auto":
         cfg.torch_compile = False  # (auto: nothing to say; the plan shows no compile line)
-    elif engine.name != "ddp" and cfg.torch_compile:  # compiling changes only speed: said, and left off
-        warnings.warn(f"`torch_compile` with {engine.name}: tuneloop compiles only unsharded models so far, so this "
-                      "run is not compiled (the same result, without the speed-up).", UserWarning, stacklevel=2)
+    elif uncompiled and cfg.torch_compile:  # compiling changes only speed: said, and left off
+        warnings.warn(f"`torch_compile` with {uncompiled}: tuneloop compiles only unsharded models without context "
+                      "parallel so far, so this run is not compiled (the same result, without the speed-up).",
+                      UserWarning, stacklevel=2)
         cfg.torch_compile = False
     yield from sharded_quantized_weights(cfg, engine)
     if mesh.tp:
         yield from tensor_parallel(cfg, mesh.tp)
+    if mesh.cp:
+        yield from context_parallel(cfg, mesh.cp)
     if cfg.optimizer == "muon" and engine.name != "ddp":
         yield (f"`optimizer: muon` orthogonalises whole weight matrices, and {engine.name} hands the optimizer shards "
                "of them: use muon on DDP ranks (no `fsdp`/`deepspeed`), or an AdamW")
@@ -588,6 +592,25 @@ def tensor_parallel(cfg, tp: int) -> Problems:
     if cfg.streams:
         yield (f"{key} with a streamed dataset: a stream's per-rank counts are not arranged for ranks that share "
                "their rows; prepare the data (remove `streaming`), or set tensor_parallel_size to 1")
+
+
+def context_parallel(cfg, cp: int) -> Problems:
+    """What context parallel (engines/context_parallel.py) runs with: the language-model loss, which is a sum over
+    tokens and so splits over slices of a row. A preference or reward loss needs whole rows' log-probs or scores,
+    online RL generates whole rows, and a stream's per-rank counts are not arranged for ranks that share rows."""
+    key = (f"`context_parallel_size: {cp}`" if cfg.context_parallel_size
+           else f"`sequence_parallel_degree: {cp}`")
+    if cfg.rl or cfg.reward_model or cfg.process_reward_model:
+        what = f"`rl: {cfg.rl}`" if cfg.rl else "a reward model"
+        yield (f"{key} with {what}: context parallel splits each row over ranks, and this loss needs whole rows "
+               "(their log-probs or scores); it trains the language-model loss (SFT, pretraining): set "
+               "context_parallel_size to 1")
+    if cfg.streams:
+        yield (f"{key} with a streamed dataset: a stream's per-rank counts are not arranged for ranks that share "
+               "their rows; prepare the data (remove `streaming`), or set context_parallel_size to 1")
+    if cfg.pad_to_sequence_len and cfg.sequence_len % cp:
+        yield (f"{key} does not divide `sequence_len: {cfg.sequence_len}` (with `pad_to_sequence_len`): each cp "
+               f"rank holds an equal slice of every row; make sequence_len a multiple of {cp}")
 
 
 def sharded_quantized_weights(cfg, engine) -> Problems:

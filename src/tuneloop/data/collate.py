@@ -56,8 +56,12 @@ class Padding:
         return Padding(None, self.multiple, self.limit)
 
 
-def padding_for(cfg, compiled: bool) -> Padding:
-    multiple = COMPILE_PAD_MULTIPLE if compiled else pad_multiple()
+def padding_for(cfg, compiled: bool, context_ranks: int = 1) -> Padding:
+    """`context_ranks`: context parallel splits each row into that many equal slices (engines/context_parallel.py),
+    so widths are multiples of it too."""
+    import math
+
+    multiple = math.lcm(COMPILE_PAD_MULTIPLE if compiled else pad_multiple(), context_ranks)
     return Padding(cfg.sequence_len if cfg.pad_to_sequence_len else None, multiple, cfg.sequence_len)
 
 

@@ -39,6 +39,9 @@ class WholeBytes:
     # and the hidden size
     micro_batch_tokens: int = 0
     hidden_size: int = 0
+    # and context parallel's exchange: the widths of one token's queries (and attention output) and keys (values)
+    attention_width: int = 0
+    kv_width: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +159,7 @@ class Engine:
     writes_shards = False  # a checkpoint holds the engine's own shards (each rank writes its piece)
     reshards = True  # its checkpoints resume on another number of ranks (with --force-resume)
     built_mesh: str | None = None  # the DeviceMesh the engine built, in the plan's words (mesh.described)
+    device_mesh = None  # that DeviceMesh (an engine that runs on one: FSDP2 under the N-D keys)
 
     def __init__(self, spec: EngineSpec, cfg, plan, accelerator):
         self.spec, self.cfg, self.plan, self.accelerator = spec, cfg, plan, accelerator
@@ -218,6 +222,17 @@ class Engine:
 
     def identity(self) -> dict:
         return self.spec.identity()
+
+    def context_group(self):
+        """This rank's context-parallel process group (context_parallel.py): of the engine's DeviceMesh, or of one
+        built for it (DDP has none of its own; every rank builds it, at the same point)."""
+        from tuneloop.engines.mesh import build_device_mesh, described
+
+        if self.device_mesh is None:
+            self.device_mesh = build_device_mesh(self.spec.mesh(self.accelerator.num_processes),
+                                                 self.accelerator.device.type)
+            self.built_mesh = described(self.device_mesh)
+        return self.device_mesh["cp"].get_group()
 
     def held_bytes(self) -> dict:
         return held_bytes(self.module.model, self.scheduler_optimizer)

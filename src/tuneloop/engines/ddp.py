@@ -18,7 +18,14 @@ class DDPSpec(EngineSpec):
     name = "ddp"
 
     def describe(self, world_size: int | None = None) -> str:
-        return "DDP (a whole copy of the model on each rank)" if (world_size or 2) > 1 else "one process"
+        if (world_size or 2) == 1:
+            return "one process"
+        words = "DDP (a whole copy of the model on each rank)"
+        if world_size and self.mesh_keys.cp:
+            from tuneloop.engines.context_parallel import context_parallel_words
+
+            words += "; " + context_parallel_words(self.mesh_keys.cp)
+        return words
 
     def build(self, cfg, plan, accelerator) -> Engine:
         return DDPEngine(self, cfg, plan, accelerator)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneloop.engines.base import Engine, EngineSpec, RankBytes, WholeBytes, sharded_share
+from tuneloop.engines.context_parallel import context_parallel_words
 from tuneloop.engines.ddp import DDPEngine
 from tuneloop.errors import UserError
 
@@ -67,13 +68,15 @@ class FSDP2Spec(EngineSpec):
         among = f"divided by {world_size}" if world_size else "divided over the ranks"
         mesh = self.mesh(world_size) if world_size else None
         if mesh is not None and mesh.dp_replicate > 1:
-            among = f"divided by {mesh.dp_shard} within each of {mesh.dp_replicate} replicas (HSDP)"
-        elif mesh is not None and mesh.tp > 1:
-            among = f"divided by {mesh.dp_shard}"
+            among = f"divided by {mesh.dp_shard * mesh.cp} within each of {mesh.dp_replicate} replicas (HSDP)"
+        elif mesh is not None and (mesh.tp > 1 or mesh.cp > 1):
+            among = f"divided by {mesh.dp_shard * mesh.cp}"
         parts = ["weights, gradients and optimizer state " + among]
         if mesh is not None and mesh.tp > 1:
             parts.insert(0, f"each layer's projections split over {mesh.tp} tensor-parallel ranks (the embeddings, "
                             "norms and head whole on each), which read the same rows")
+        if mesh is not None and mesh.cp > 1:
+            parts.insert(0, context_parallel_words(mesh.cp))
         if not self.reshard_after_forward:
             parts.append("weights kept gathered from forward to backward (shard_grad_op)")
         if self.offload_weights:
@@ -88,7 +91,8 @@ class FSDP2Spec(EngineSpec):
         mesh = self.mesh(world_size)
         if mesh.tp > 1:
             whole = tensor_parallel_share(whole, mesh.tp)
-        share = sharded_share(self, whole, mesh.dp_shard, precision, self.reshard_after_forward)
+        # (context-parallel ranks hold shards too: FSDP2 shards over dp_shard × cp)
+        share = sharded_share(self, whole, mesh.dp_shard * mesh.cp, precision, self.reshard_after_forward)
         gradients = share.gradients
         if accumulation > 1:
             # FSDP2 skips the reduce-scatter in a step's non-final micro-batches, keeping each gradient whole (fp32)
@@ -269,10 +273,14 @@ class FSDP2Engine(DDPEngine):
             return init_device_mesh(device_type, (self.accelerator.num_processes,))
         device_mesh = build_device_mesh(self.spec.mesh(self.accelerator.num_processes), device_type)
         self.built_mesh = described(device_mesh)
+        self.device_mesh = device_mesh
         if device_mesh["tp"].size() > 1:
             self.tp_mesh = device_mesh["tp"]
-        return device_mesh["dp_replicate", "dp_shard"] if device_mesh["dp_replicate"].size() > 1 \
-            else device_mesh["dp_shard"]
+        shard = "dp_shard"
+        if device_mesh["cp"].size() > 1:  # context-parallel ranks hold shards too (their gradients are parts)
+            device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            shard = "dp_shard_cp"
+        return device_mesh["dp_replicate", shard] if device_mesh["dp_replicate"].size() > 1 else device_mesh[shard]
 
     def accumulating(self, last: bool):
         import contextlib

@@ -5,7 +5,8 @@
 - `deepspeed: path/to.json`: DeepSpeed ZeRO, stage 1/2/3 from that file (deepspeed.py reads it);
 - `dp_replicate_size` / `dp_shard_size` / `tensor_parallel_size` / `context_parallel_size`: the device mesh the
   engine runs on (mesh.py resolves them against the world size); replicas of FSDP2 shards are HSDP, and
-  tensor_parallel_size splits each layer over its ranks (tensor_parallel.py).
+  tensor_parallel_size splits each layer over its ranks (tensor_parallel.py), context_parallel_size each row's
+  positions (context_parallel.py).
 """
 
 from __future__ import annotations
@@ -46,9 +47,7 @@ def read_engine(fsdp: Any, fsdp_version: Any, fsdp_config: dict | None, deepspee
 def read_mesh_keys(dp_replicate_size: Any = None, dp_shard_size: Any = None, tensor_parallel_size: Any = None,
                    context_parallel_size: Any = None, sequence_parallel_degree: Any = None) -> MeshKeys:
     """axolotl's N-D parallel sizes as written. A size of 1 is axolotl's default and means the axis is not there
-    (its resolution treats it as unset); context parallelism (> 1) is refused naming the feature."""
-    from tuneloop.config.axolotl import FEATURES
-
+    (its resolution treats it as unset)."""
     written = {"dp_replicate_size": dp_replicate_size, "dp_shard_size": dp_shard_size,
                "tensor_parallel_size": tensor_parallel_size, "context_parallel_size": context_parallel_size,
                "sequence_parallel_degree": sequence_parallel_degree}
@@ -59,18 +58,12 @@ def read_mesh_keys(dp_replicate_size: Any = None, dp_shard_size: Any = None, ten
         raise ValueError(f"`context_parallel_size: {context_parallel_size}` and `sequence_parallel_degree: "
                          f"{sequence_parallel_degree}` (its older name) disagree; keep context_parallel_size")
     context = context_parallel_size or sequence_parallel_degree
-    short = FEATURES["parallelism"][0]
-    if context and context > 1:
-        key = "context_parallel_size" if context_parallel_size else "sequence_parallel_degree"
-        raise ValueError(f"`{key}: {context}` asks for context parallelism ({short}), which tuneloop does not do "
-                         "yet, and ignoring it would change what each rank computes; set it to 1 (long rows fit "
-                         "with gradient_checkpointing, or tensor_parallel_size splits the layers)")
 
     def axis(size):
         return size if size and size > 1 else None
 
     return MeshKeys(dp_replicate=axis(dp_replicate_size), dp_shard=axis(dp_shard_size),
-                    tp=axis(tensor_parallel_size), cp=None,
+                    tp=axis(tensor_parallel_size), cp=axis(context),
                     written=any(size is not None for size in written.values()))
 
 
@@ -81,6 +74,10 @@ def check_mesh_for(spec: EngineSpec, mesh: MeshKeys) -> None:
         raise ValueError(f"`tensor_parallel_size: {mesh.tp}` splits the layers over ranks on FSDP2's device mesh "
                          f"(as axolotl runs it), and this config asks for {spec.name}: add `fsdp_version: 2` and "
                          "`fsdp_config` (without `deepspeed`), or set tensor_parallel_size to 1")
+    if mesh.cp and spec.name == "deepspeed":
+        raise ValueError(f"`context_parallel_size: {mesh.cp}` with `deepspeed`: tuneloop runs context parallel on "
+                         "DDP ranks or FSDP2's device mesh; remove `deepspeed` (FSDP2 with `fsdp_version: 2` shards "
+                         "as ZeRO-3 does), or set context_parallel_size to 1")
     if spec.name == "ddp" and mesh.dp_shard:
         raise ValueError(f"`dp_shard_size: {mesh.dp_shard}` shards the model over ranks, which needs FSDP2: add "
                          "`fsdp_version: 2` and `fsdp_config`, as axolotl asks (or remove dp_shard_size for DDP)")

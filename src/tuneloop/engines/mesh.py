@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 from tuneloop.errors import UserError
 
-AXES = ("dp_replicate", "dp_shard", "tp", "cp")  # the mesh's dimensions, outermost first (axolotl's order)
+AXES = ("dp_replicate", "dp_shard", "tp", "cp")  # the mesh's dimensions as the plan names them (axolotl's order)
+# as the DeviceMesh lays them out, outermost first: cp before tp, so that FSDP2's dimension (dp_shard × cp, flattened)
+# comes before tensor parallel's, which torch's 2-D composition of the two requires (torchtitan's order)
+LAYOUT = ("dp_replicate", "dp_shard", "cp", "tp")
 KEY_OF_AXIS = {"dp_replicate": "dp_replicate_size", "dp_shard": "dp_shard_size", "tp": "tensor_parallel_size",
                "cp": "context_parallel_size"}
 
@@ -55,8 +58,8 @@ class Mesh:
         return self.dp_replicate * self.dp_shard
 
     def data_rank(self, process_index: int) -> int:
-        """Which rows a process reads. init_device_mesh lays ranks out row-major over (dp_replicate, dp_shard, tp,
-        cp), so the tp × cp ranks of one data coordinate are consecutive."""
+        """Which rows a process reads. init_device_mesh lays ranks out row-major over LAYOUT, so the cp × tp ranks of
+        one data coordinate are consecutive."""
         return process_index // (self.tp * self.cp)
 
     @property
@@ -101,7 +104,7 @@ def build_device_mesh(mesh: Mesh, device_type: str):
     and CP will use are there, empty, so every layout is the same 4-D mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, mesh.shape, mesh_dim_names=AXES)
+    return init_device_mesh(device_type, tuple(getattr(mesh, axis) for axis in LAYOUT), mesh_dim_names=LAYOUT)
 
 
 def described(device_mesh) -> str:

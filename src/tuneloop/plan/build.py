@@ -102,10 +102,19 @@ class TrainingPlan:
     mesh: str | None = None  # the device mesh of axolotl's N-D keys when any is set (engines/mesh.py)
     # bytes each rank sends per optimizer step, in total and by collective (plan/comm.py); None: no model
     communication: dict | None = None
+    # context parallel (engines/context_parallel.py): the ranks one row's positions are split over (1: none)
+    context_ranks: int = 1
 
     def data_rank(self, process_index: int) -> int:
         """Which of the data ranks' rows process `process_index` reads (engines/mesh.py lays the mesh out)."""
         return process_index // (self.world_size // self.data_ranks)
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks the engine averages gradients over: the data ranks, and the context-parallel ranks of each
+        (their gradients are parts of one row's, averaged with the rest: FSDP2 shards over dp_shard × cp, DDP
+        averages over every rank). Tensor-parallel ranks average nothing: theirs are already whole."""
+        return self.data_ranks * self.context_ranks
     saved_dtype: str | None = None  # the dtype of the weights the run saves (the same under every engine)
     model: str | None = None  # the model trained: its class, and where its weights come from
     # save_strategy: best: the metric whose improvement saves (save_steps_at: the evals that may); the final model
@@ -177,10 +186,10 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
                compile_decision: tuple[bool, str] | None = None) -> TrainingPlan:
     # resolved against the world size now: sizes that cannot make it stop `plan --world-size N` and `train` here
     mesh = resolved.engine.mesh(world_size)
-    batch = _batch(cfg, rows, world_size, mesh.data_ranks)
+    batch = _batch(cfg, rows, world_size, mesh.data_ranks, mesh.cp)
 
     def counted(resolved):
-        padding = padding_for(cfg, resolved.compiled)
+        padding = padding_for(cfg, resolved.compiled, mesh.cp)
         counts = rows.count_steps(train_spec(cfg, resolved, mesh.data_ranks), cfg.gradient_accumulation_steps,
                                   padding,
                                   cfg.max_steps, cfg.num_epochs)
@@ -254,7 +263,7 @@ def _unit(cfg) -> str:
     return RL_METHODS[cfg.rl].unit if cfg.rl else "tokens"
 
 
-def _batch(cfg, rows, world_size: int, data_ranks: int) -> dict:
+def _batch(cfg, rows, world_size: int, data_ranks: int, context_ranks: int = 1) -> dict:
     """The batch settings, checked against each other and against the data. Ranks that split one batch's work
     (tensor and context parallel) add no rows to it: the global batch counts the data ranks."""
     cfg.check_batch_size(data_ranks)
@@ -264,6 +273,7 @@ def _batch(cfg, rows, world_size: int, data_ranks: int) -> dict:
         raise UserError(f"config: `val_set_size: {cfg.val_set_size:g}` leaves {rows.units} train rows, fewer "
                         f"than one global batch ({global_batch} rows): lower val_set_size or the batch")
     return {"world_size": world_size, "data_ranks": data_ranks, "micro_batch_size": cfg.micro_batch_size,
+            "context_ranks": context_ranks,
             "gradient_accumulation_steps": accumulation, "global_batch_size": global_batch}
 
 
@@ -295,6 +305,11 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     too_long = check_sequence_len(cfg, facts)
     grown = _grown_embeddings(cfg, facts, tokenizer)
     resolved.engine.check_model(facts)  # what `train` would meet, the plan meets first
+    if resolved.engine.mesh_keys.cp:
+        from tuneloop.engines.context_parallel import check_context_parallel
+
+        check_context_parallel(facts.config, resolved.engine.mesh_keys.cp, cfg.sequence_len, resolved.attention.used,
+                               resolved.engine.mesh_keys.tp or 1)
     try:  # a DeepSpeed file's set values must agree with the plan: refused now, not when the engine starts
         resolved.engine.check_plan(cfg.micro_batch_size, cfg.gradient_accumulation_steps, world_size,
                                    cfg.max_grad_norm, precision, getattr(facts.text_config, "hidden_size", None))
@@ -303,7 +318,9 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     generated = 0
     if counts.rollout:  # one generation batch per rank: its completions, each as long as the longest can be
         generated = counts.rollout["completions_per_rank"] * int(counts.sequence_lengths.max())
-    estimate = estimate_memory(cfg, facts, counts.max_micro_batch_tokens, precision, resolved.engine, world_size,
+    # (context parallel: each rank holds its slice of every row's activations)
+    slice_tokens = -(-counts.max_micro_batch_tokens // resolved.engine.mesh(world_size).cp)
+    estimate = estimate_memory(cfg, facts, slice_tokens, precision, resolved.engine, world_size,
                                device_memory_gb, generated_positions=generated,
                                masters=resolved.precision.masters)
     from tuneloop.allocator import tune_host_allocator
@@ -318,6 +335,9 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
             "estimated_memory_gb": estimate.total_gb, "memory": asdict(estimate),
             "communication": _communication(cfg, resolved, facts, world_size,
                                            counts.max_micro_batch_tokens)}
+    if resolved.engine.mesh_keys.cp:  # (engines/context_parallel.py)
+        part["attention"] += (f", on whole rows behind DeepSpeed's Ulysses all-to-alls over "
+                              f"{resolved.engine.mesh_keys.cp} context-parallel ranks")
     if resolved.attention.used == PER_SEQUENCE_SDPA and counts.packed_attention_work:
         part["attention_split"] = split_summary(counts.packed_attention_work, "bf16" if precision == "bf16" else "fp32")
     # (the preference losses' log-probs, log_probs.py, also meet the head only at target positions)
@@ -364,8 +384,15 @@ def _communication(cfg, resolved, facts, world_size: int, micro_batch_tokens: in
     import torch
 
     precision, masters = resolved.precision.mixed, resolved.precision.masters
-    whole = replace(whole_bytes(cfg, facts, precision, resolved.engine, masters),  # (+ tensor parallel's activations)
-                    micro_batch_tokens=micro_batch_tokens, hidden_size=getattr(facts.text_config, "hidden_size", 0) or 0)
+    text = facts.text_config
+    hidden = getattr(text, "hidden_size", 0) or 0
+    heads = getattr(text, "num_attention_heads", 0) or 0
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    # (+ tensor and context parallel's activations)
+    whole = replace(whole_bytes(cfg, facts, precision, resolved.engine, masters),
+                    micro_batch_tokens=micro_batch_tokens, hidden_size=hidden, attention_width=heads * head_dim,
+                    kv_width=kv_heads * head_dim)
     sent = communication_per_step(resolved.engine, whole,
                                   world_size, cfg.gradient_accumulation_steps, precision, masters,
                                   backend="nccl" if torch.cuda.is_available() else "gloo")

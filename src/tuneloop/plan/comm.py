@@ -30,8 +30,9 @@ Not counted: the first broadcast of the weights, the loss's and the norm's scala
 rotary table's few hundred bytes), the padding of odd-sized shards, ZeRO-3's small weights that stay gathered
 (below stage3_param_persistence_threshold): each under a percent for a real model.
 
-Tensor and context parallelism add their own traffic (activations all-reduced per layer): their hook is
-`model_parallel_transfers`, which says nothing while the mesh has no tp or cp axis.
+Tensor and context parallelism add their own traffic per layer (`model_parallel_transfers`): TP all-reduces
+hidden states, CP (Ulysses) exchanges q, k, v and the attention output with all-to-alls. Under CP the gradient
+collectives run over data × cp ranks (DDP averages over every rank; FSDP2 shards over dp_shard × cp).
 """
 
 from __future__ import annotations
@@ -100,22 +101,31 @@ def communication_per_step(engine: EngineSpec, whole: WholeBytes, world_size: in
 
 
 def model_parallel_transfers(whole: WholeBytes, mesh: Mesh, accumulation: int, precision: str) -> list[Transfer]:
-    """The hook for tensor and context parallelism: their activations' collectives per layer (TP: an all-reduce
-    of the hidden states after attention and after the MLP, forward and backward; CP: the keys and values passed
-    round the ring). Nothing while the mesh has no tp or cp axis; the engineer who adds them fills this in."""
-    if mesh.tp == 1:
-        return []  # (context parallel is refused before a plan is made)
-    # tensor parallel: the row-wise o_proj and down_proj sum their outputs over the tp ranks in the forward, and
-    # the column-wise q/k/v and gate/up sum their inputs' gradients in the backward: 4 all-reduces of a micro-batch's
-    # hidden states per layer (activation checkpointing's recomputed forward is not counted)
+    """Tensor and context parallelism's activation collectives per layer; nothing while the mesh has no tp or cp
+    axis. (Activation checkpointing's recomputed forward is not counted.)"""
     width = 2 if precision in ("bf16", "fp16") else 4
-    hidden_states = whole.micro_batch_tokens * whole.hidden_size * width
-    per_step = 4 * whole.layers * accumulation * all_reduce(hidden_states, mesh.tp)
-    return [Transfer(f"tensor-parallel all-reduces of {WIDTH_NAMES.get(width, 'fp32')} hidden states", per_step)]
+    transfers = []
+    if mesh.tp > 1:
+        # the row-wise o_proj and down_proj sum their outputs over the tp ranks in the forward, and the column-wise
+        # q/k/v and gate/up sum their inputs' gradients in the backward: 4 all-reduces of a micro-batch's hidden
+        # states per layer
+        hidden_states = whole.micro_batch_tokens * whole.hidden_size * width
+        per_step = 4 * whole.layers * accumulation * all_reduce(hidden_states, mesh.tp)
+        transfers.append(Transfer(f"tensor-parallel all-reduces of {WIDTH_NAMES.get(width, 'fp32')} hidden states",
+                                  per_step))
+    if mesh.cp > 1:
+        # Ulysses (context_parallel.py): per layer, all-to-alls of q, k, v (this rank's slice of every head to
+        # every position of its heads) and of the output back, and the same four in the backward; an all-to-all
+        # of S bytes sends (n - 1) / n × S
+        exchanged = whole.micro_batch_tokens / mesh.cp * (2 * whole.attention_width + 2 * whole.kv_width) * width
+        per_step = 2 * whole.layers * accumulation * all_gather(exchanged, mesh.cp)
+        transfers.append(Transfer(f"context-parallel all-to-alls of {WIDTH_NAMES.get(width, 'fp32')} q, k, v and "
+                                  "attention outputs", per_step))
+    return transfers
 
 
 def _ddp(whole: WholeBytes, mesh: Mesh, masters: bool) -> list[Transfer]:
-    ranks = mesh.dp_replicate * mesh.dp_shard
+    ranks = mesh.dp_replicate * mesh.dp_shard * mesh.cp  # (context-parallel ranks average their parts too)
     width = 4 if masters else _width(whole.gradients, whole.trainable)
     return [Transfer(f"all-reduce of {WIDTH_NAMES.get(width, f'{width:g}-byte')} gradients",
                      all_reduce(whole.trainable * width, ranks))]
@@ -123,7 +133,7 @@ def _ddp(whole: WholeBytes, mesh: Mesh, masters: bool) -> list[Transfer]:
 
 def _fsdp2(engine, whole: WholeBytes, mesh: Mesh, accumulation: int, precision: str,
            backend: str) -> list[Transfer]:
-    shard, replicas = mesh.dp_shard, mesh.dp_replicate
+    shard, replicas = mesh.dp_shard * mesh.cp, mesh.dp_replicate  # (FSDP2 shards over dp_shard × cp)
     gathered_width = 2 if precision in ("bf16", "fp16") and not whole.unsharded_weights else None
     gathered = (whole.parameters * gathered_width if gathered_width
                 else whole.weights - whole.unsharded_weights)

@@ -184,7 +184,8 @@ def data_ranks_words(plan) -> str:
     """The ranks that read rows, as the batch line multiplies by them: every rank, or (tensor parallel) fewer."""
     if plan.data_ranks == plan.world_size:
         return plural(plan.world_size, "rank")
-    return f"{plural(plan.data_ranks, 'data rank')} (of {plan.world_size}: tensor-parallel ranks share their rows)"
+    sharing = "context-parallel" if getattr(plan, "context_ranks", 1) > 1 else "tensor-parallel"
+    return f"{plural(plan.data_ranks, 'data rank')} (of {plan.world_size}: {sharing} ranks share their rows)"
 
 
 def plural(count: float, word: str) -> str:

@@ -118,6 +118,10 @@ class TrainingLoop:
         if resume_from is not None:  # refused before the engine is built, not from inside it
             checkpoint.check_engine_can_resume(resume_from, self.engine)
         self.model, self.optimizer = self.engine.prepare(ObjectiveModule(model, objective))
+        # context parallel: each rank runs its slice of every row (engines/context_parallel.py)
+        self.collate, self.context = self.steps.collate, None
+        if plan.context_ranks > 1:
+            self.collate, self.eval_collate = self.sliced(self.steps.collate), self.sliced(self.eval_collate)
         self.peak_rss_at_start = peak_host_rss_bytes()  # the model loaded and sharded: its loading's peak, per rank
         self.language_model = model
         # stepped by us, once per optimizer step
@@ -129,7 +133,8 @@ class TrainingLoop:
         self.watchdog = LossWatchdog(cfg.loss_watchdog_threshold, cfg.loss_watchdog_patience, accelerator.device,
                                      streaks=self.state.bad_steps_in_a_row)
         self.loss_window = LossWindow(accelerator.device, objective.stat_width, objective.summarise,
-                                      copies=self.world_size // self.data_ranks)
+                                      copies=self.world_size // self.data_ranks,
+                                      loss_copies=self.world_size // plan.gradient_ranks)
         self.real_tokens = 0  # this session's, on this rank: for throughput, not part of the run state
         self.seconds = {"eval": 0.0, "save": 0.0}  # this session's wall time in evals and saves
 
@@ -231,13 +236,13 @@ class TrainingLoop:
         """One optimizer step over this rank's micro-batches `window`; returns the rate it used and the grad norm.
         `step_units`: what the step's loss is a mean over (its target tokens, or its pairs), on every rank."""
         accelerator, hooks, model, engine = self.accelerator, self.hooks, self.model, self.engine
-        # every engine averages over the data ranks; the step's loss is a mean per unit
-        scale = self.data_ranks / step_units
+        # every engine averages over the data ranks (and context-parallel ranks); the step's loss is a mean per unit
+        scale = self.plan.gradient_ranks / step_units
         step_loss = torch.zeros((), device=accelerator.device, dtype=torch.float64)
         step_stats = None  # the objective's per-unit sums (rewards, ...), when it has some
         for index, micro in enumerate(window):
             with hooks.phase("collate"):
-                batch = self.steps.collate(micro)
+                batch = self.collate(micro)
             hooks.micro_batch(batch)
             with hooks.phase("to(device)"):
                 batch = batch.to(accelerator.device)
@@ -268,7 +273,7 @@ class TrainingLoop:
         self.state.step += 1
         self.state.tokens_seen += step_tokens
         self.loss_window.add_step(step_loss, step_units, step_tokens, step_stats)
-        self.watchdog.observe(self.state.step, step_loss * self.data_ranks / step_units, grad_norm)
+        self.watchdog.observe(self.state.step, step_loss * self.plan.gradient_ranks / step_units, grad_norm)
         return lr, grad_norm
 
     # ---- what happens at some steps ------------------------------------------------------------
@@ -349,6 +354,21 @@ class TrainingLoop:
                 else publish_final(model, self.tokenizer, self.output_dir, weights))
 
     # ---- small helpers ------------------------------------------------------------------------
+    def sliced(self, collate):
+        """`collate`, then this rank's slice of each row (context parallel: every cp rank of a data coordinate runs
+        the same micro-batch, each on its slice)."""
+        if collate is None:
+            return None
+        if self.context is None:
+            import torch.distributed as dist
+
+            from tuneloop.engines import context_parallel
+
+            group = self.engine.context_group()
+            context_parallel.join(group)
+            self.context = context_parallel.ContextShare(self.plan.context_ranks, dist.get_rank(group))
+        return lambda micro: self.context(collate(micro))
+
     def record(self, metrics: dict) -> None:
         if not self.metrics.write(metrics) and len(self.metrics.pending) == 1:  # said once, when it begins
             self.hooks.notice(f"could not write {self.metrics.path} (a full disk?): the lines are kept and written "

@@ -48,11 +48,13 @@ class LossWindow:
     preference loss's rewards) stay on the device, so a step that is not logged costs no host sync; units
     and real tokens are counted on the host."""
 
-    def __init__(self, device, stat_width: int = 0, summarise=None, copies: int = 1):
+    def __init__(self, device, stat_width: int = 0, summarise=None, copies: int = 1, loss_copies: int | None = None):
         self.loss = torch.zeros((), device=device, dtype=torch.float64)
-        # how many ranks compute the same rows (tensor-parallel ranks): their sums over ranks count each row that
-        # many times
+        # how many ranks count the same rows' tokens (tensor- and context-parallel ranks): their sums over ranks
+        # count each row that many times; and how many compute the same loss (tensor-parallel ranks: a
+        # context-parallel rank's loss is its slice's part of the row's)
         self.copies = copies
+        self.loss_copies = copies if loss_copies is None else loss_copies
         self.summarise = summarise  # (the window's stats, its units) -> numbers for the train line
         self.stats = torch.zeros(stat_width, device=device, dtype=torch.float64)
         self.units = 0  # units (target tokens, or pairs) of the window's steps: the loss's denominator
@@ -79,10 +81,10 @@ class LossWindow:
     def close(self, accelerator) -> dict:
         """Loss per token and throughput over the window, summed over ranks (collectives: every rank
         calls it at the same step); the next window starts now."""
-        loss = float(accelerator.reduce(self.loss, reduction="sum")) / self.copies / self.units
+        loss = float(accelerator.reduce(self.loss, reduction="sum")) / self.loss_copies / self.units
         stats = {}
         if self.summarise is not None:  # a preference objective's rewards (and the fraction of pairs ranked right)
-            summed = accelerator.reduce(self.stats, reduction="sum") / self.copies
+            summed = accelerator.reduce(self.stats, reduction="sum") / self.loss_copies
             stats = self.summarise(summed.tolist(), self.units)
             self.stats.zero_()
         real = int(accelerator.reduce(torch.tensor(self.real_tokens, device=self.loss.device),

@@ -1,0 +1,198 @@
+"""Context parallel (`context_parallel_size`, engines/context_parallel.py): each row's positions split over the cp
+ranks, DeepSpeed's Ulysses all-to-alls around attention on whole rows. Refusals name the key at `plan --world-size`;
+the plan counts one data rank, halves the activations and adds the all-to-alls; 2 real gloo ranks (cp 2), packed
+rows on DDP and padded rows on FSDP2, end with one process's weights (fp32)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import (assert_user_error, base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows,
+                      write_config, write_jsonl)
+
+from tuneloop.data.collate import MicroBatch
+from tuneloop.engines.context_parallel import WHOLE_POSITIONS, ContextShare, check_context_parallel
+from tuneloop.errors import UserError
+
+CP = {"context_parallel_size": 2}
+FSDP = {"fsdp_version": 2, "fsdp_config": {"transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                                           "state_dict_type": "SHARDED_STATE_DICT"}}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", tiny_rows(64, seed=5))
+
+
+def planned(tmp_path, tiny_model_dir, data, world: int, name: str, **keys):
+    config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
+    return run_in_process("plan", str(config), "--json", "--world-size", str(world))
+
+
+# ---- what it cannot run -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world, keys, fragment", [
+    (4, {"context_parallel_size": 4}, "`context_parallel_size: 4` does not divide the model's num_key_value_heads (2)"),
+    (4, {**FSDP, **CP, "tensor_parallel_size": 2}, "`context_parallel_size: 2` × tensor_parallel_size 2 does not divide"),
+    (2, {**CP, "rl": "dpo"}, "with `rl: dpo`: context parallel splits each row over ranks"),
+    (2, {**CP, "pad_to_sequence_len": True, "sequence_len": 255}, "does not divide `sequence_len: 255`"),
+    (2, {"sequence_parallel_degree": 2, "eager_attention": True}, "context parallel runs attention kernels that take"),
+])
+def test_what_context_parallel_cannot_run_stops_the_plan(tmp_path, tiny_model_dir, data, world, keys, fragment):
+    assert_user_error(planned(tmp_path, tiny_model_dir, data, world, "refused", **keys), fragment)
+
+
+def test_models_whose_attention_the_exchange_cannot_wrap_are_refused():
+    from transformers import Qwen2Config, T5Config
+
+    with pytest.raises(UserError, match="sliding_attention layers"):
+        check_context_parallel(Qwen2Config(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                           max_window_layers=0, layer_types=["sliding_attention"] * 2,
+                                           num_hidden_layers=2), 2, 256)
+    with pytest.raises(UserError, match="encoder-decoder"):
+        check_context_parallel(T5Config(), 2, 256)
+
+
+def test_each_rank_takes_its_slice_and_the_kernel_gets_the_whole_positions():
+    ids = torch.arange(16).reshape(2, 8)
+    packed = MicroBatch({"input_ids": ids, "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]] * 2)},
+                        ids + 100, n_targets=16, n_real_tokens=16)
+    second = ContextShare(2, 1)(packed)
+    assert second.inputs["input_ids"].tolist() == [[4, 5, 6, 7], [12, 13, 14, 15]]
+    assert second.inputs["position_ids"].tolist() == [[1, 2, 3, 4]] * 2  # the sequence that crosses the split
+    assert second.inputs[WHOLE_POSITIONS].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4]] * 2
+    assert second.targets.tolist() == [[104, 105, 106, 107], [112, 113, 114, 115]]
+    assert second.n_targets == 16 and "attention_mask" not in second.inputs  # counts: the whole micro-batch's
+    padded = MicroBatch({"input_ids": ids, "attention_mask": torch.tensor([[1] * 8, [1] * 5 + [0] * 3])}, ids,
+                        n_targets=13, n_real_tokens=13)
+    assert ContextShare(2, 0)(padded).inputs["position_ids"].tolist() == [[0, 1, 2, 3]] * 2
+    left_padded = MicroBatch({"input_ids": ids, "attention_mask": torch.tensor([[0] * 3 + [1] * 5] * 2)}, ids, 10, 10)
+    with pytest.raises(RuntimeError, match="right-padded"):
+        ContextShare(2, 0)(left_padded)
+
+
+def test_the_plan_counts_one_data_rank_halves_activations_and_adds_the_all_to_alls(tmp_path, tiny_model_dir, data):
+    cp, one = (planned(tmp_path, tiny_model_dir, data, world, name, **keys)
+               for world, name, keys in ((2, "cp", {**FSDP, **CP}), (1, "one", FSDP)))
+    for result in (cp, one):
+        assert result.returncode == 0, result.stderr[-2000:]
+    cp, one = json.loads(cp.stdout), json.loads(one.stdout)
+    assert cp["mesh"] == "mesh dp_replicate 1 × dp_shard 1 × tp 1 × cp 2"
+    assert cp["data_ranks"] == 1 and cp["context_ranks"] == 2 and cp["total_steps"] == one["total_steps"]
+    # (each rank holds its slice of every row; the loss chunk and head gradient it keeps are whole: not quite half)
+    assert 0.4 < cp["memory"]["activations_gb"] / one["memory"]["activations_gb"] < 0.6
+    # FSDP2 shards over dp_shard × cp: each rank holds half the weights
+    assert cp["memory"]["per_rank_bytes"]["weights"] == pytest.approx(one["memory"]["per_rank_bytes"]["weights"] / 2,
+                                                                      rel=0.01)
+    exchanged = [t for t in cp["communication"]["transfers"] if t["what"].startswith("context-parallel all-to-alls")]
+    assert len(exchanged) == 1 and exchanged[0]["bytes"] > 0
+    assert "split over 2 context-parallel ranks" in cp["engine"] and "Ulysses all-to-alls" in cp["attention"]
+
+
+# ---- 2 gloo ranks, cp 2, against one process --------------------------------------------------------------------
+STEPS = {"optimizer": "adamw_torch", "learning_rate": 1e-2, "max_grad_norm": 1.0, "max_steps": 4,
+         "lr_scheduler": "cosine", "warmup_steps": 1, "num_epochs": 1, "micro_batch_size": 2,
+         "gradient_accumulation_steps": 2}
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a)
+    return (num / sum(float(a[k].pow(2).sum()) for k in a)) ** 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["packed rows on DDP", "padded rows on FSDP2"])
+def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_model_dir, data, layout):
+    """Both cp ranks read the same rows (one data rank) and each runs half of every row's positions; packed
+    sequences cross the split. The weights, the weight change after 4 clipped AdamW steps, the logged losses (and
+    eval losses) and the counts are one process's; the plan's steps are the run's. On FSDP2 the run's checkpoint at
+    step 2 (DCP shards over dp_shard × cp) resumes on 2 cp ranks and ends with its weights bit for bit, and the
+    saved folder is a plain model (no trace of the exchange in its config)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    packed = layout.startswith("packed")
+    keys = {"sample_packing": packed, **({} if packed else {**FSDP, "val_set_size": 0.1, "eval_steps": 2})}
+    saves = {} if packed else {"save_strategy": "steps", "save_steps": 2}
+    runs, losses = {}, {}
+    for name, extra in (("one", {}), ("cp", {**CP, **saves})):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        config = write_config(run_dir / "run.yml",
+                              **base_config(run_dir, tiny_model_dir, data, **STEPS, **keys, **extra))
+        result = run_two_ranks("train", str(config)) if extra else run_in_process("train", str(config))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        out = run_dir / "out"
+        runs[name] = (json.loads((out / "plan.json").read_text()), json.loads((out / "summary.json").read_text()),
+                      load_file(out / "model.safetensors"))
+        losses[name] = [line.get("loss", line.get("eval_loss")) for line in read_metrics(out)]
+    (_, one_summary, one), (plan, summary, cp) = runs["one"], runs["cp"]
+    assert losses["cp"] == pytest.approx(losses["one"], rel=1e-5)
+    assert len(losses["cp"]) == STEPS["max_steps"] + (0 if packed else 2)  # (evals at steps 2 and 4)
+    for key in ("real_tokens", "targets_collated"):
+        assert summary[key] == one_summary[key], key
+    assert summary["steps"] == plan["total_steps"] == STEPS["max_steps"]
+    assert summary["mesh"] == plan["mesh"] == "mesh dp_replicate 1 × dp_shard 1 × tp 1 × cp 2"
+    start = load_file(tiny_model_dir / "model.safetensors")
+    difference = relative_difference(cp, one)
+    change = relative_difference({k: cp[k] - start[k] for k in start if k in cp},
+                                 {k: one[k] - start[k] for k in start if k in one})
+    print(f"\ncp 2 ({layout}) vs one process: weights {difference:.3g}, weight change {change:.3g}")
+    assert difference < 1e-5 and change < 1e-4
+    if packed:
+        return
+    assert "tuneloop_ulysses" not in (tmp_path / "cp" / "out" / "config.json").read_text()
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "cp" / "out" / "checkpoint-2", resumed_dir / "out" / "checkpoint-2")
+    config = write_config(resumed_dir / "run.yml", **base_config(resumed_dir, tiny_model_dir, data, **STEPS, **keys,
+                                                                 **CP, auto_resume_from_checkpoints=True))
+    resumed = run_two_ranks("train", str(config))
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    again = load_file(resumed_dir / "out" / "model.safetensors")
+    assert again.keys() == cp.keys() and all(torch.equal(again[k], cp[k]) for k in cp)
+
+
+@pytest.fixture(scope="module")
+def eight_head_model_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """8 heads of 8 and 4 key/value heads: tp 2 × cp 2 leaves each rank 2 heads and 1 key/value head."""
+    from conftest import save_llama
+
+    return save_llama(tmp_path_factory.mktemp("eight_heads"), tiny_tokenizer_dir, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+
+
+@pytest.mark.slow
+def test_tensor_and_context_parallel_together_over_four_ranks_end_with_one_process_weights(
+        tmp_path, eight_head_model_dir, data):
+    """axolotl's qwen3-8b-fsdp-tp-cp.yaml layout: tp 2 × cp 2 on 4 ranks, one data rank. Each layer's heads are
+    split over the tp ranks, each row's positions over the cp ranks; FSDP2 shards over dp_shard × cp. Packed rows."""
+    from safetensors.torch import load_file
+
+    from test_device_mesh import run_four_ranks
+
+    keys = {**STEPS, "sample_packing": True, **FSDP}
+    runs = {}
+    for name, extra in (("one", {}), ("tp_cp", {**CP, "tensor_parallel_size": 2})):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        config = write_config(run_dir / "run.yml", **base_config(run_dir, eight_head_model_dir, data, **keys, **extra))
+        result = run_four_ranks("train", str(config)) if extra else run_in_process("train", str(config))
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        out = run_dir / "out"
+        runs[name] = (json.loads((out / "plan.json").read_text()), json.loads((out / "summary.json").read_text()),
+                      load_file(out / "model.safetensors"), read_metrics(out))
+    (_, one_summary, one, one_lines), (plan, summary, both, lines) = runs["one"], runs["tp_cp"]
+    assert summary["mesh"] == plan["mesh"] == "mesh dp_replicate 1 × dp_shard 1 × tp 2 × cp 2"
+    assert summary["steps"] == plan["total_steps"] == STEPS["max_steps"] and plan["data_ranks"] == 1
+    assert [line["loss"] for line in lines if "loss" in line] == pytest.approx(
+        [line["loss"] for line in one_lines if "loss" in line], rel=1e-5)
+    for key in ("real_tokens", "targets_collated"):
+        assert summary[key] == one_summary[key], key
+    start = load_file(eight_head_model_dir / "model.safetensors")
+    difference = relative_difference(both, one)
+    change = relative_difference({k: both[k] - start[k] for k in start}, {k: one[k] - start[k] for k in start})
+    print(f"\ntp 2 × cp 2 vs one process: weights {difference:.3g}, weight change {change:.3g}")
+    assert difference < 1e-4 and change < 1e-4
