@@ -14,7 +14,9 @@ Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_ch
   7. one-device FSDP2 and DeepSpeed ZeRO-2 runs (bf16, packed) of the embedded model when `tuneloop setup` has
      built it, else the tiny one: plan == run, finite losses, the plan's bytes per rank against the engine's,
      peak memory against the estimate;
-  8. the GPU benchmark (`compare.py --gpu`), unless --skip-bench.
+  8. context parallel's Ulysses exchange around each attention kernel (flash-attention's varlen path on a GPU) on
+     one rank: logits on packed rows equal SDPA's;
+  9. the GPU benchmark (`compare.py --gpu`), unless --skip-bench.
 On a CPU machine the same script runs with the GPU-only parts skipped, which is how it was checked.
 """
 
@@ -288,6 +290,46 @@ def check_compile(model_dir: Path, device: str) -> dict:
             "steady_ms": {k: round(min(v[1:]) * 1000, 2) for k, v in timings.items()}}
 
 
+def check_context_parallel_kernel(model_dir: Path, device: str) -> dict:
+    """Context parallel's exchange (engines/context_parallel.py) around each attention kernel this device runs, on
+    one rank (the all-to-alls of a 1-rank group hand every head through): the model's logits on packed rows equal
+    SDPA's under the block-diagonal mask transformers builds from the positions. On a GPU the flash-attention
+    kernel behind the exchange gets the whole rows' positions (its varlen path) — the route axolotl's ALST example
+    takes. Multi-rank equality is tests/test_context_parallel.py's (gloo)."""
+    import importlib.util
+
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from tuneloop.engines import context_parallel
+    from tuneloop.packed_attention import loadable
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    kernels = ["sdpa", "sdpa_per_sequence"]
+    if device == "cuda" and importlib.util.find_spec("flash_attn"):
+        kernels.append("flash_attention_2")
+    torch.manual_seed(0)
+    positions = torch.cat([torch.arange(40), torch.arange(56)]).expand(2, 96).to(device)
+    ids = torch.randint(0, 300, (2, 96), device=device)
+    results = {}
+    for kernel in kernels:
+        dtype = torch.bfloat16 if kernel.startswith("flash") else torch.float32
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa", dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, attn_implementation=context_parallel.loadable(loadable(kernel)), dtype=dtype).to(device)
+        context_parallel.join(dist.group.WORLD)
+        with torch.no_grad():
+            # (use_cache=False: transformers builds the packed rows' mask only without a cache, as training runs)
+            expected = reference(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
+            got = model(input_ids=ids, position_ids=positions, use_cache=False,
+                        **{context_parallel.WHOLE_POSITIONS: positions}).logits.float()
+        results[kernel] = float((got - expected).abs().max())
+    tolerance = {"sdpa": 1e-4, "sdpa_per_sequence": 1e-4, "flash_attention_2": 5e-2}
+    return {"ok": all(results[k] <= tolerance[k] for k in results), "max_abs_logit_difference": results}
+
+
 def run(name: str, function, *args) -> dict:
     start = time.perf_counter()
     try:
@@ -321,6 +363,8 @@ def main() -> int:
         report["bf16_train"] = run("bf16 train", check_bf16_train, workdir, model_dir)
         report["compile"] = run("torch.compile", check_compile, model_dir, device)
         report["chunked_loss"] = run("chunked loss", check_chunked_loss, device)
+        report["context_parallel_kernel"] = run("context parallel kernel", check_context_parallel_kernel, model_dir,
+                                                device)
         report["qlora"] = run("qlora train", check_qlora_train, workdir, model_dir)
         report["dpo"] = run("dpo train", check_dpo_train, workdir, model_dir)
         for engine in ("fsdp2", "zero2"):

@@ -72,6 +72,17 @@ def test_each_rank_takes_its_slice_and_the_kernel_gets_the_whole_positions():
         ContextShare(2, 0)(left_padded)
 
 
+def test_packed_rows_get_their_block_diagonal_mask_and_single_sequences_none():
+    from tuneloop.engines.context_parallel import packed_mask
+
+    mask = packed_mask(torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]))
+    assert mask.shape == (2, 1, 6, 6)
+    assert mask[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],
+                                         [0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+    assert torch.equal(mask[1, 0], torch.ones(6, 6, dtype=torch.bool).tril())
+    assert packed_mask(torch.arange(6).expand(2, 6)) is None  # one sequence a row: causal alone is exact
+
+
 def test_the_plan_counts_one_data_rank_halves_activations_and_adds_the_all_to_alls(tmp_path, tiny_model_dir, data):
     cp, one = (planned(tmp_path, tiny_model_dir, data, world, name, **keys)
                for world, name, keys in ((2, "cp", {**FSDP, **CP}), (1, "one", FSDP)))
@@ -115,7 +126,10 @@ def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_
     from safetensors.torch import load_file
 
     packed = layout.startswith("packed")
-    keys = {"sample_packing": packed, **({} if packed else {**FSDP, "val_set_size": 0.1, "eval_steps": 2})}
+    # packed rows under `attn_implementation: sdpa`: the kernel behind the exchange needs the rows' block-diagonal
+    # mask (SDPA per sequence, the CPU's default, splits them itself: the tp × cp test below runs it)
+    keys = ({"sample_packing": True, "attn_implementation": "sdpa"} if packed
+            else {**FSDP, "val_set_size": 0.1, "eval_steps": 2})
     saves = {} if packed else {"save_strategy": "steps", "save_steps": 2}
     runs, losses = {}, {}
     for name, extra in (("one", {}), ("cp", {**CP, **saves})):
@@ -147,6 +161,10 @@ def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_
     assert "tuneloop_ulysses" not in (tmp_path / "cp" / "out" / "config.json").read_text()
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(tmp_path / "cp" / "out" / "checkpoint-2", resumed_dir / "out" / "checkpoint-2")
+    one_rank = write_config(resumed_dir / "one.yml", **base_config(resumed_dir, tiny_model_dir, data, **STEPS, **keys,
+                                                                   auto_resume_from_checkpoints=True))
+    assert_user_error(run_in_process("train", str(one_rank)),  # another layout: both named (--force-resume reshards)
+                      "mesh (mesh dp_replicate 1 × dp_shard 1 × tp 1 × cp 2 → None)", "context_parallel_size (2 → None)")
     config = write_config(resumed_dir / "run.yml", **base_config(resumed_dir, tiny_model_dir, data, **STEPS, **keys,
                                                                  **CP, auto_resume_from_checkpoints=True))
     resumed = run_two_ranks("train", str(config))

@@ -130,13 +130,41 @@ def _ulysses_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 def _kernel_on_whole_rows(query, key, value, module, kwargs):
-    """The kernel on whole rows of this rank's heads: in [batch, positions, heads, dim], out the same."""
+    """The kernel on whole rows of this rank's heads: in [batch, positions, heads, dim], out the same. SDPA gets the
+    block-diagonal mask of packed rows (transformers builds none for this attention: see the module docstring);
+    SDPA per sequence splits them itself where that is cheaper and takes the mask where not; flash-attention reads
+    the sequences off the positions (its varlen path)."""
     from transformers import AttentionInterface
 
-    kernel = AttentionInterface()[_inner["kernel"]]
+    name = _inner["kernel"]
+    kernel = AttentionInterface()[name]
+    mask = packed_mask(kwargs["position_ids"]) if name.startswith("sdpa") else None
     query, key, value = (tensor.transpose(1, 2) for tensor in (query, key, value))
-    output, _ = kernel(module, query, key, value, None, **kwargs)
+    output, _ = kernel(module, query, key, value, mask, **kwargs)
     return output
+
+
+_last_mask: tuple = (None, None)  # (whole positions, their mask): every layer of a forward sees the same rows
+
+
+def packed_mask(positions):
+    """The causal block-diagonal mask [rows, 1, width, width] (True: attend) of rows whose positions restart at 0
+    for each sequence; None where every row holds one sequence (causal attention alone is exact there: rows are
+    right-padded)."""
+    import torch
+
+    global _last_mask
+    if _last_mask[0] is positions:
+        return _last_mask[1]
+    starts = positions == 0
+    mask = None
+    if bool((starts.sum(1) > 1).any()):
+        sequence = starts.cumsum(1)
+        width = positions.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
+        mask = ((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]
+    _last_mask = (positions, mask)
+    return mask
 
 
 class ContextShare:

@@ -31,7 +31,9 @@ from tuneloop.train.model_folder import config_says_dtype_of
 from tuneloop.train.state import restore_rng_states, rng_states
 
 # plan keys that must match for a checkpoint to continue the same run
-COMPATIBLE_PLAN_KEYS = ("world_size", "batching", "train_rows", "train_tokens", "steps_per_epoch")
+# (the mesh: a checkpoint of another layout of the N-D keys is named with both; FSDP2's DCP shards reshard onto the
+# new one under --force-resume)
+COMPATIBLE_PLAN_KEYS = ("world_size", "mesh", "batching", "train_rows", "train_tokens", "steps_per_epoch")
 # what checkpoints written before the settings were recorded are compared on instead
 OLDER_PLAN_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "sequence_len")
 # Test hook: kill this process (SIGKILL) half-way through writing the checkpoint of that step,
