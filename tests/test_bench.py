@@ -26,7 +26,8 @@ UNPACKED_BF16 = ["tuneloop_defaults", "trainer_bf16", "trainer_bf16_group_by_len
 def test_quick_benchmark_is_fair_and_complete(tmp_path):
     out = tmp_path / "bench.json"
     command = [sys.executable, str(REPO / "benchmarks" / "compare.py"), "--quick", "--repeats", "1",
-               "--train-rows", "48", "--eval-rows", "16", "--workdir", str(tmp_path / "work"), "--json", str(out)]
+               "--train-rows", "32", "--eval-rows", "8", "--sequence-len", "256", "--workdir", str(tmp_path / "work"),
+               "--json", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

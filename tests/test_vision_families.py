@@ -1,6 +1,8 @@
 """More vision-language families (data/images.py's VISION_FAMILIES): Gemma 3 (soft tokens framed by start/end of image,
 token types for its two-way attention over an image), Idefics3 and SmolVLM (images split into tiles and a global
-image, row-col tags), Mllama (one `<|image|>` token, cross-attention over the image's tiles). Each runs on a tiny model
+image, row-col tags), Mllama (one `<|image|>` token, cross-attention over the image's tiles), Qwen3-VL and Qwen3.5
+(Qwen2-VL's image pads and M-RoPE inputs; Qwen3.5's linear-attention decoder, dense and mixture-of-experts), InternVL
+(tiles and a thumbnail between <img> and </img>). Each runs on a tiny model
 and processor built from configs (tests/vision_family_models.py, nothing downloaded) over coloured squares: the
 collator's batch is what the family's processor makes of the same text and images, the cached rows hold the
 processor's lengths, image and framing tokens are never trained, the plan's steps are the steps run, the loss falls,
@@ -16,7 +18,8 @@ import pytest
 
 from conftest import assert_user_error, read_metrics, run_in_process, write_config, write_jsonl
 from test_vision_language import COLOURS, QUESTION, caption_rows, plan_of, vlm_config
-from vision_family_models import save_gemma3, save_idefics3, save_mllama, save_smolvlm
+from vision_family_models import save_gemma3, save_idefics3, save_mistral3, save_mllama, save_smolvlm
+from vision_family_models import save_internvl, save_qwen3_5, save_qwen3_5_moe, save_qwen3_vl
 
 # family -> (builder, chat_template (None: the tokenizer's own, as axolotl uses for SmolVLM), the image marker in the
 # chat text, the image token, framing tokens, vision module-name parts, two image sizes (width, height))
@@ -31,11 +34,30 @@ FAMILIES = {
                 ("vision_model", "connector"), [(56, 56), (56, 28)]),
     "mllama": (save_mllama, "llama3_2_vision", "<|image|>", "<|image|>", (), ("vision_model", "multi_modal_projector"),
                [(56, 28), (28, 28)]),
+    "mistral3": (save_mistral3, "mistral_v7_tekken", "[IMG]", "[IMG]", ("[IMG_BREAK]", "[IMG_END]"),
+                 ("vision_tower", "multi_modal_projector"), [(70, 42), (28, 56)]),
 }
 # image tokens per image of each size, by the processors' arithmetic: Gemma 3 always 4 soft tokens; Idefics3/SmolVLM
 # rescale to a 56-pixel longest edge and split into 28-pixel tiles (2×2 or 1×2) plus the global image, 1 token
 # each; Mllama keeps one token
 IMAGE_TOKENS = {"gemma3": (4, 4), "idefics3": (5, 3), "smolvlm": (5, 3), "mllama": (1, 1)}
+# Mistral 3: 70×42 shrinks into the 56-pixel longest edge (56×33), each side rounded up to 28 pixels: 2 rows of 2
+# [IMG]; 28×56 is 2 rows of 1
+IMAGE_TOKENS["mistral3"] = (4, 2)
+# Qwen3-VL and Qwen3.5 (Qwen2-VL's image text; tokenizer's own template, axolotl's qwen3_5) and InternVL (its image
+# tokens between <img> and </img>): 16-pixel patches merged 2×2 (64×64: 4 tokens, 64×32: 2); InternVL's 28-pixel
+# tiles (2×2 or 1×2) plus the thumbnail, 1 token each
+_QWEN_IMAGE = ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>", ("<|vision_start|>", "<|vision_end|>"),
+               ("visual",), [(64, 64), (64, 32)])
+FAMILIES.update({"qwen3_vl": (save_qwen3_vl, None, *_QWEN_IMAGE), "qwen3_5": (save_qwen3_5, "qwen3_5", *_QWEN_IMAGE),
+                 "qwen3_5_moe": (save_qwen3_5_moe, "qwen3_5", *_QWEN_IMAGE),
+                 "internvl": (save_internvl, None, "<IMG_CONTEXT>\n", "<IMG_CONTEXT>", ("<img>", "</img>"),
+                              ("vision_tower", "multi_modal_projector"), [(56, 56), (56, 28)])})
+IMAGE_TOKENS.update({"qwen3_vl": (4, 2), "qwen3_5": (4, 2), "qwen3_5_moe": (4, 2), "internvl": (5, 3)})
+# the model inputs beside input_ids, attention_mask and pixel_values (Qwen's M-RoPE reads the grid and token types)
+QWEN3_AND_INTERNVL_INPUTS = {**dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"), ["image_grid_thw",
+                                                                                     "mm_token_type_ids"]),
+                             "internvl": []}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +95,65 @@ def reference_processor(family: str, model_dir: Path):
     if family == "smolvlm":
         return Idefics3Processor(image_processor=AutoImageProcessor.from_pretrained(model_dir),
                                  tokenizer=AutoTokenizer.from_pretrained(model_dir), image_seq_len=1)
+    if family == "mistral3":
+        return pixtral_processor(model_dir)
+    if family in QWEN3_AND_INTERNVL_INPUTS:
+        return processed_by_hand(family, model_dir)
     return AutoProcessor.from_pretrained(model_dir)
+
+
+def pixtral_processor(model_dir: Path):
+    """Mistral 3's PixtralProcessor as it works (its module imports torchvision, not installed here): its image
+    processor, given patch_size × spatial_merge_size as the processor gives it, resizes each image; each image's
+    [IMG] becomes replace_image_token's text for the size it was resized to (per row of image tokens [IMG] × columns
+    and [IMG_BREAK], the last break [IMG_END]); then the tokenizer."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    settings = json.loads((model_dir / "processor_config.json").read_text())
+    side = settings["patch_size"] * settings["spatial_merge_size"]
+    image_processor, tokenizer = AutoImageProcessor.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+
+    def image_text(height: int, width: int) -> str:
+        rows = [["[IMG]"] * (width // side) + ["[IMG_BREAK]"]] * (height // side)
+        return "".join([token for row in rows for token in row][:-1] + ["[IMG_END]"])
+
+    def process(images, text, **kwargs):
+        pixels = image_processor([image for row in images for image in row], patch_size={"height": side, "width": side},
+                                 return_tensors="pt")
+        sizes = iter(pixels["image_sizes"].tolist())
+        expanded = []
+        for row in text:
+            pieces = row.split("[IMG]")
+            expanded.append(pieces[0] + "".join(image_text(*next(sizes)) + piece for piece in pieces[1:]))
+        return {**tokenizer(expanded, **kwargs), **pixels}
+
+    return process
+
+
+def processed_by_hand(family: str, model_dir: Path):
+    """Qwen3-VL's (Qwen3.5's) and InternVL's processors need torchvision (their video half), not installed here: the
+    folder's image processor and tokenizer, with the image text their processors' replace_image_token writes from
+    the image processor's output (Qwen: the grid's patches over merge_size², then mm_token_type_ids 1 on the image
+    tokens; InternVL: <img>, the tiles' image_seq_length tokens each (1 here), </img>), one image a text."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    image_processor, tokenizer = AutoImageProcessor.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+
+    def process(images, text, **kwargs) -> dict:
+        flat = [image for row in images for image in row]
+        if family == "internvl":  # (InternVLProcessor always asks for the tiles)
+            pixels = dict(image_processor(images=flat, crop_to_patches=True, return_tensors="pt"))
+            text = [one.replace("<IMG_CONTEXT>", "<img>" + "<IMG_CONTEXT>" * int(tiles) + "</img>")
+                    for one, tiles in zip(text, pixels.pop("num_patches"))]
+            return {**tokenizer(text, **kwargs), **pixels}
+        pixels = dict(image_processor(images=flat, return_tensors="pt"))
+        tokens = pixels["image_grid_thw"].prod(-1) // image_processor.merge_size ** 2
+        text = [one.replace("<|image_pad|>", "<|image_pad|>" * int(count)) for one, count in zip(text, tokens)]
+        encoded = tokenizer(text, **kwargs)
+        image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        return {**encoded, **pixels, "mm_token_type_ids": (encoded["input_ids"] == image_id).long()}
+
+    return process
 
 
 def as_text_messages(row: dict, marker: str) -> list[dict]:
@@ -109,6 +189,7 @@ def test_the_collated_batch_is_what_the_familys_processor_makes(tmp_path, model_
         assert np.isin(untrained[:2], ids).all()  # the image token and the first framing token are there
         assert (labels[np.isin(ids, untrained)] == -100).all()
         trained = tokenizer.decode(labels[labels != -100], skip_special_tokens=True).strip()
+        trained = trained.removeprefix("<think>\n\n</think>").strip()  # (qwen3_5's template: every answer's block)
         assert trained in COLOURS, trained
         (reference, count), = store.images(index)
         assert count == expected
@@ -129,11 +210,13 @@ def test_the_collated_batch_is_what_the_familys_processor_makes(tmp_path, model_
         assert (batch.inputs["input_ids"][i, :length] == expected["input_ids"][i, :length]).all()
         assert (batch.inputs["attention_mask"][i, :width] == expected["attention_mask"][i]).all()
     extra = {"gemma3": ["token_type_ids"], "idefics3": ["pixel_attention_mask"], "smolvlm": ["pixel_attention_mask"],
-             "mllama": ["aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"]}[family]
+             "mllama": ["aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"],
+             "mistral3": ["image_sizes"], **QWEN3_AND_INTERNVL_INPUTS}[family]
     assert set(batch.inputs) == {"input_ids", "attention_mask", "pixel_values", *extra}
     for key in ["pixel_values", *extra]:
         got, want = batch.inputs[key], expected[key]
-        if key in ("token_type_ids", "cross_attention_mask"):  # per token: the processor's batch is as wide as it
+        if key in ("token_type_ids", "cross_attention_mask", "mm_token_type_ids"):  # per token: the processor's
+            # batch is as wide as it
             got = got[:, :width]
         assert got.shape == want.shape, (key, got.shape, want.shape)
         torch.testing.assert_close(got, want, msg=key)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -307,26 +308,33 @@ def test_check_refuses_a_vision_family_tuneloop_cannot_train_by_its_config_or_hu
     """`check` reads no model: the family comes from a local config.json, or from the hub id's name; the families
     the trained list holds are the ones data/images.py expands."""
     from tuneloop.config.load import config_from_dict
-    from tuneloop.config.vision_names import TRAINED_VISION_TYPES
+    from tuneloop.config.vision_names import TRAINED_VISION_TYPES, TRAINED_VISION_WORDS
     from tuneloop.data.images import VISION_FAMILIES
     from tuneloop.errors import UserError
 
     assert set(TRAINED_VISION_TYPES) == set(VISION_FAMILIES)
     keys = {"datasets": [{"path": "x", "type": "chat_template"}], "processor_type": "AutoProcessor"}
     with pytest.raises(UserError, match="is a Gemma 3n vision-language model \\(by its hub id\\); tuneloop trains "
-                                        "LLaVA, Qwen2-VL / Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM and Llama 3.2 "
-                                        "Vision \\(Mllama\\) so far, and this family asks for multimodal"):
+                                        + re.escape(TRAINED_VISION_WORDS) + " so far, and this family asks for "
+                                        "multimodal"):
         config_from_dict({**keys, "base_model": "google/gemma-3n-E4B-it"})
-    local = tmp_path / "tiny-internvl"
+    local = tmp_path / "tiny-glm4v"
     local.mkdir()
-    (local / "config.json").write_text('{"model_type": "internvl"}')
-    with pytest.raises(UserError, match="is a internvl vision-language model \\(by .*config.json\\)"):
+    (local / "config.json").write_text('{"model_type": "glm4v"}')
+    with pytest.raises(UserError, match="is a glm4v vision-language model \\(by .*config.json\\)"):
         config_from_dict({**keys, "base_model": str(local)})
     for trained in ("google/gemma-3-4b-it", "HuggingFaceTB/SmolVLM2-2.2B-Instruct", "HuggingFaceM4/Idefics3-8B-Llama3",
-                    "meta-llama/Llama-3.2-11B-Vision-Instruct"):
+                    "meta-llama/Llama-3.2-11B-Vision-Instruct", "Qwen/Qwen3.5-9B", "Qwen/Qwen3-VL-8B-Instruct",
+                    "OpenGVLab/InternVL3_5-8B-HF"):
         assert config_from_dict({**keys, "base_model": trained}).processor_type == "AutoProcessor"
     assert config_from_dict({**keys, "base_model": "Qwen/Qwen2.5-VL-7B-Instruct"}).processor_type == "AutoProcessor"
     assert config_from_dict({**keys, "base_model": "someone/unknown-vlm"}).processor_type == "AutoProcessor"
+    for mistral3 in ("mistralai/Mistral-Small-3.1-24B-Instruct-2503", "mistralai/Ministral-3-8B-Instruct-2512"):
+        assert config_from_dict({**keys, "base_model": mistral3}).processor_type == "AutoProcessor"
+    with pytest.raises(UserError, match="is a LFM2-VL vision-language model .* asks for multimodal models, which "
+                                        "tuneloop does not do yet: LFM2-VL's image processor is in transformers only "
+                                        "as a torchvision one"):
+        config_from_dict({**keys, "base_model": "LiquidAI/LFM2-VL-1.6B"})
 
 
 def test_axolotls_qwen2_5_vl_example_is_accepted_plans_and_trains_on_a_tiny_qwen2_5_vl(tmp_path):

@@ -197,6 +197,65 @@ def test_qwen2_vl_counts_its_patch_grid_before_the_merge(qwen_dir):
                                                              rel=1e-9)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_mistral3_counts_pixtrals_patch_grid_before_its_patch_merger(tmp_path, frozen):
+    """Mistral 3's Pixtral tower runs 4 patches per [IMG] token (14-pixel patches, merged 2×2 by the projector's
+    patch merger, once per token): one image a step (eager attention's square is then the image's own), a square
+    and a half-width image, against FlopCounterMode."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+    from vision_family_models import save_mistral3
+
+    from tuneloop.data.images import VISION_FAMILIES
+    from tuneloop.plan.flops import image_flops, vision_weights
+
+    model = AutoModelForImageTextToText.from_pretrained(save_mistral3(tmp_path), attn_implementation="eager")
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(not frozen or not ("vision_tower" in name or "multi_modal_projector" in name))
+    vision = vision_weights(model, model.config, VISION_FAMILIES["mistral3"])
+    text_only = flop_counter_total(model, input_ids=torch.zeros(1, 12, dtype=torch.long) + 20)
+    for (height, width), tokens in (((56, 56), 4), ((56, 28), 2)):
+        ids = torch.zeros(1, 12, dtype=torch.long) + 20
+        ids[0, 1:1 + tokens] = model.config.image_token_id
+        measured = flop_counter_total(model, input_ids=ids, pixel_values=torch.randn(1, 3, height, width),
+                                      image_sizes=torch.tensor([[height, width]]))
+        assert image_flops(vision, tokens)[1] == 4 * tokens
+        assert measured - text_only == pytest.approx(image_flops(vision, tokens)[0], rel=1e-9)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "internvl"])
+def test_qwen3_vl_and_internvl_count_their_towers_positions(tmp_path, family):
+    """Qwen3-VL: 4 patches per image token, its merger and DeepStack merger once per token; InternVL: each 28-pixel
+    tile's 4 patches and class position, pixel-shuffled to 1 token. Two images of different sizes in one step, the
+    difference with and without them against FlopCounterMode."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+    from vision_family_models import save_internvl, save_qwen3_vl
+
+    from tuneloop.data.images import VISION_FAMILIES
+    from tuneloop.plan.flops import image_flops, vision_weights
+
+    model_dir = (save_qwen3_vl if family == "qwen3_vl" else save_internvl)(tmp_path / family)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, attn_implementation="eager")
+    vision = vision_weights(model, model.config, VISION_FAMILIES[family])
+    with_images = torch.zeros(2, 12, dtype=torch.long) + 20
+    if family == "qwen3_vl":  # 16 and 8 patches of 16 pixels: 4 and 2 image tokens
+        tokens, positions = (4, 2), (16, 8)
+        with_images[0, 1:5] = with_images[1, 1:3] = model.config.image_token_id
+        image_inputs = dict(pixel_values=torch.randn(24, 3 * 2 * 16 * 16),
+                            image_grid_thw=torch.tensor([[1, 4, 4], [1, 4, 2]]),
+                            mm_token_type_ids=(with_images == model.config.image_token_id).long())
+    else:  # 5 and 3 tiles (4 patches and the class position each): 5 and 3 image tokens
+        tokens, positions = (5, 3), (25, 15)
+        with_images[0, 1:6] = with_images[1, 1:4] = model.config.image_token_id
+        image_inputs = dict(pixel_values=torch.randn(8, 3, 28, 28))
+    assert tuple(image_flops(vision, count)[1] for count in tokens) == positions
+    measured_with = flop_counter_total(model, input_ids=with_images, **image_inputs)
+    measured_without = flop_counter_total(model, input_ids=torch.zeros(2, 12, dtype=torch.long) + 20)
+    assert measured_with - measured_without == pytest.approx(sum(image_flops(vision, count)[0] for count in tokens),
+                                                             rel=1e-9)
+
+
 # ---- preprocess --show ---------------------------------------------------------------------------------------
 def test_preprocess_show_collapses_each_images_tokens(tmp_path, llava_dir):
     rows = caption_rows(tmp_path, 3, seed=2)

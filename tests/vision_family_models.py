@@ -1,5 +1,7 @@
-"""Tiny Gemma 3, Idefics3, SmolVLM and Mllama models and processors, built here from configs (nothing downloaded):
-hidden sizes of 32–64, one or two layers, 28-pixel vision patches. test_vision_families.py trains them."""
+"""Tiny Gemma 3, Idefics3, SmolVLM, Mllama and Mistral 3 models and processors, built here from configs (nothing downloaded):
+hidden sizes of 32–64, one or two layers, 28-pixel vision patches (Qwen3-VL/3.5: 16-pixel, as theirs are), and
+Qwen3-VL, Qwen3.5 and InternVL folders with their image processor and tokenizer (their processors need torchvision).
+test_vision_families.py trains them."""
 
 from __future__ import annotations
 
@@ -118,4 +120,152 @@ def save_mllama(target: Path) -> Path:
         image_token_index=ids("<|image|>"))
     torch.manual_seed(0)
     MllamaForConditionalGeneration(config).save_pretrained(target)
+    return target
+
+
+def save_mistral3(target: Path) -> Path:
+    """Mistral 3: a 1-layer Pixtral tower with 14-pixel patches merged 2×2 (28 pixels a token), images within a
+    56-pixel longest edge (a 56×56 square: 2 rows of 2 [IMG], [IMG_BREAK] between them, [IMG_END] last), a 2-layer
+    Mistral.
+    Its PixtralProcessor needs torchvision (not installed here): the folder holds what the hub's does, the processor's
+    settings (processor_config.json), its PIL image processor and the tokenizer."""
+    import json
+
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessorPil
+
+    from tuneloop.data.chat_template_texts import MISTRAL_V7_TEKKEN
+
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
+                "[IMG_BREAK]", "[IMG_END]", "<pad>"]
+    tokenizer = tiny_tokenizer(specials, "</s>", "<pad>", bos_token="<s>", unk_token="<unk>")
+    tokenizer.chat_template = MISTRAL_V7_TEKKEN  # (the hub folders' tokenizer carries its template)
+    tokenizer.save_pretrained(target)
+    PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14}).save_pretrained(target)
+    (target / "processor_config.json").write_text(json.dumps({
+        "processor_class": "PixtralProcessor", "patch_size": 14, "spatial_merge_size": 2, "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"}))
+    ids = tokenizer.convert_tokens_to_ids
+    config = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512, sliding_window=None, pad_token_id=ids("<pad>"),
+                         bos_token_id=ids("<s>"), eos_token_id=ids("</s>")),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=16, patch_size=14, image_size=56),
+        spatial_merge_size=2, image_token_index=ids("[IMG]"), tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Mistral3ForConditionalGeneration(config).save_pretrained(target)
+    return target
+
+
+def _qwen3_vl_folder(target: Path, template: str):
+    """Qwen3-VL's and Qwen3.5's folder without their processor (it needs torchvision for videos, not installed
+    here): the tokenizer and Qwen2-VL's image processor as their hub folders configure it, 16-pixel patches
+    merged 2×2, 32×32..64×64 pixels (1–4 image tokens). Returns the token ids the model config names."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+    tokenizer = tiny_tokenizer(specials, "<|im_end|>", "<|endoftext|>")
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(target)
+    Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=64 * 64, patch_size=16, merge_size=2,
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(target)
+    ids = tokenizer.convert_tokens_to_ids
+    return len(tokenizer), dict(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                                vision_start_token_id=ids("<|vision_start|>"),
+                                vision_end_token_id=ids("<|vision_end|>"))
+
+
+# the vision tower both share: one block, 16-pixel patches, a 4×4 grid of learned positions (interpolated)
+_QWEN3_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2, patch_size=16,
+                     spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+
+
+def save_qwen3_vl(target: Path) -> Path:
+    """Qwen3-VL: the shared tower with a DeepStack merger after its block (its features added to the decoder's first
+    layer), a 2-layer decoder with interleaved M-RoPE."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from tuneloop.data.chat_template_texts import QWEN2_VL
+
+    vocab, ids = _qwen3_vl_folder(target, QWEN2_VL)
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(_QWEN3_VISION, deepstack_visual_indexes=[0]), **ids)
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(config).save_pretrained(target)
+    return target
+
+
+def save_qwen3_5(target: Path) -> Path:
+    """Qwen3.5 (the 9B's architecture): the shared tower, a 2-layer decoder of one gated delta-net (linear attention)
+    layer and one full-attention layer, M-RoPE over a quarter of each head."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    return _save_qwen3_5(target, Qwen3_5Config, Qwen3_5ForConditionalGeneration, intermediate_size=128)
+
+
+def save_qwen3_5_moe(target: Path) -> Path:
+    """Qwen3.5-MoE (the 35B-A3B's architecture): Qwen3.5's, its MLPs 4 experts (2 a token) and a shared expert."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    return _save_qwen3_5(target, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, num_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def _save_qwen3_5(target: Path, config_class, model_class, **mlp) -> Path:
+    import torch
+
+    from tuneloop.data.chat_template_texts import QWEN3_5
+
+    vocab, ids = _qwen3_vl_folder(target, QWEN3_5)
+    config = config_class(
+        text_config=dict(vocab_size=vocab, hidden_size=64, **mlp, num_hidden_layers=2,
+                         layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+        vision_config=_QWEN3_VISION, **ids)
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(target)
+    return target
+
+
+# InternVL's hub template (OpenGVLab/InternVL3_5-*-HF) over text content: ChatML, the content as it is
+INTERNVL_TEMPLATE = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                     "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                     "{% endif %}")
+
+
+def save_internvl(target: Path) -> Path:
+    """InternVL 3.5: images cut into 28-pixel tiles (up to 4) plus a thumbnail when there is more than one, a 1-layer
+    InternViT tower (2×2 patches of 14 with a class position) pixel-shuffled by 0.5 to 1 token a tile, a 2-layer
+    Qwen2 decoder. Its processor needs torchvision (videos): the folder holds the image processor and tokenizer
+    (whose image tokens the processor would read)."""
+    import torch
+    from transformers import GotOcr2ImageProcessorPil, InternVLConfig, InternVLForConditionalGeneration
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+    tokenizer = tiny_tokenizer(specials, "<|im_end|>", "<|endoftext|>", extra_special_tokens={
+        "start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>"})
+    tokenizer.chat_template = INTERNVL_TEMPLATE
+    tokenizer.save_pretrained(target)
+    GotOcr2ImageProcessorPil(size={"height": 28, "width": 28}, max_patches=4).save_pretrained(target)
+    config = InternVLConfig(
+        text_config=dict(model_type="qwen2", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=1, downsample_ratio=0.5)
+    torch.manual_seed(0)
+    InternVLForConditionalGeneration(config).save_pretrained(target)
     return target

@@ -32,10 +32,10 @@ FEATURES = {
                     "under FSDP2 and `context_parallel_size` (Ulysses) on DDP or FSDP2; sizes of 1 are accepted)"),
     "ray": ("launching on a Ray cluster", "launching on a Ray cluster (`use_ray`, `ray_num_workers`, "
             "`resources_per_worker`): tuneloop is launched with torchrun on each node (examples/slurm/ on Slurm)"),
-    "multimodal": ("multimodal models", "multimodal models beyond LLaVA, Qwen2-VL/Qwen2.5-VL, Gemma 3, Mllama and "
-                   "Idefics3/SmolVLM (Gemma 3n/4, Llama 4, Mistral 3/Pixtral, InternVL, LFM2-VL, ...), audio and "
-                   "video parts, the `images` column, and packing, streaming or preference training of "
-                   "vision-language models (the example configs are counted here on a text-only twin)"),
+    "multimodal": ("multimodal models", "multimodal models beyond LLaVA, Qwen2-VL/Qwen2.5-VL/Qwen3-VL/Qwen3.5, "
+                   "InternVL, Gemma 3, Mllama, Idefics3/SmolVLM and Mistral 3 (Gemma 3n/4, Llama 4, LFM2-VL, "
+                   "PaddleOCR-VL, ...), audio and video parts, the `images` column, and packing, streaming or "
+                   "preference training of vision-language models"),
     "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading, "
                      "MXFP4 dequantized at load and int4/int8 QAT (GPTQ, torchao loading, fp8, NVFP4/MXFP4 QAT, QAT "
                      "under FSDP2 or DeepSpeed, 1-bit models)"),

@@ -239,17 +239,18 @@ def eval_set_and_shards(cfg) -> Problems:
 def vision_family(cfg) -> Problems:
     """A vision-language config whose family tuneloop cannot train yet is refused by `check` already, naming the
     family (config/vision_names.py reads it from the local config.json or the hub id)."""
-    from tuneloop.config.vision_names import (TRAINED_VISION_TYPES, TRAINED_VISION_WORDS, asks_for_vision,
-                                              named_vision_family)
+    from tuneloop.config.vision_names import (TRAINED_VISION_TYPES, TRAINED_VISION_WORDS, VISION_FAMILY_WHY_NOT,
+                                              asks_for_vision, named_vision_family)
 
     if not asks_for_vision(cfg):
         return
     named = named_vision_family(cfg)
     if named is not None and named[0] not in TRAINED_VISION_TYPES:
         model_type, words, found = named
+        why = VISION_FAMILY_WHY_NOT.get(model_type)
         yield (f"`base_model: {cfg.base_model or cfg.base_model_config}` is a {words} vision-language model (by "
                f"{found}); tuneloop trains {TRAINED_VISION_WORDS} so far, and this family asks for "
-               "multimodal models, which tuneloop does not do yet")
+               "multimodal models, which tuneloop does not do yet" + (f": {why}" if why else ""))
 
 
 def model_source(cfg) -> Problems:
@@ -726,6 +727,12 @@ def mistral_common(cfg) -> Problems:
     if not cfg.tokenizer_use_mistral_common:
         return
     why = "with `tokenizer_use_mistral_common: true`"
+    from tuneloop.config.vision_names import asks_for_vision
+
+    if asks_for_vision(cfg):  # (mistral-common encodes images itself, as image chunks: data/mistral_chat.py does not)
+        yield (f"a vision-language model {why} asks for {axolotl.FEATURES['multimodal'][0]} on mistral-common's "
+               "encoding of images, which tuneloop does not do yet; remove tokenizer_use_mistral_common to train "
+               "with the model's own processor and chat template (tokenizer.json)")
     for key in ("chat_template", "chat_template_jinja"):
         if getattr(cfg, key):
             yield (f"`{key}` {why}: mistral-common encodes the chats itself, and a Jinja template would be ignored; "

@@ -15,8 +15,17 @@ from pathlib import Path
 
 # model types tuneloop trains (data/images.py's VISION_FAMILIES; kept here too so `check` stays torch-free: a test
 # holds the two equal)
-TRAINED_VISION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm", "mllama")
-TRAINED_VISION_WORDS = "LLaVA, Qwen2-VL / Qwen2.5-VL, Gemma 3, Idefics3 / SmolVLM and Llama 3.2 Vision (Mllama)"
+TRAINED_VISION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm", "mllama", "mistral3",
+                        "qwen3_vl", "qwen3_5", "qwen3_5_moe", "internvl")
+TRAINED_VISION_WORDS = ("LLaVA, Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5, InternVL, Gemma 3, Idefics3 / SmolVLM, "
+                        "Llama 3.2 Vision (Mllama) and "
+                        "Mistral 3 (Pixtral vision)")
+# families tuneloop knows and does not train, with why where it is more than "not yet" (`check` and the model's
+# config say it)
+VISION_FAMILY_WHY_NOT = {
+    "lfm2_vl": "LFM2-VL's image processor is in transformers only as a torchvision one, with no PIL twin, and "
+               "tuneloop reads images without torchvision (not one of its dependencies)",
+}
 
 # hub-id patterns (case-insensitive) -> (model type, family in words); the first match wins
 FAMILY_NAMES = (

@@ -36,11 +36,18 @@ class VisionFamily:
     vision_modules: tuple[str, ...]  # module-name parts of the vision tower and projector (`freeze_mm_modules`)
     # how the processor writes one image's text in place of the marker (`layout`): "repeat" (the image token, as
     # many times as the image has tokens), "gemma3" (start/end of image around its soft tokens, blank lines
-    # either side), "tiles" (Idefics3/SmolVLM: a row-col tag and tokens per tile, then the global image) or
-    # "cross" (Mllama: the one token stays; the decoder reads the image through cross-attention)
+    # either side), "tiles" (Idefics3/SmolVLM: a row-col tag and tokens per tile, then the global image),
+    # "cross" (Mllama: the one token stays; the decoder reads the image through cross-attention) or "framed"
+    # (InternVL: the two framing tokens around the image token, as many times as the image's tiles have tokens);
+    # "rows" (Mistral 3's Pixtral: per row of the resized image a row of image tokens and [IMG_BREAK], the last
+    # break [IMG_END])
     layout: str = "repeat"
     marker: str = ""  # the token the chat text holds per image, which the processor replaces ("": image_token)
     nested: bool = False  # the image processor takes each row's images as one list (its tensors are per row)
+    # settings the family's processor gives its image processor on every call (InternVL's crop_to_patches, which
+    # its preprocessor_config.json leaves off): given here too, so the image processor alone (its processor needs
+    # torchvision) cuts the same tiles
+    image_kwargs: tuple[tuple[str, object], ...] = ()
 
     @property
     def text_marker(self) -> str:
@@ -64,6 +71,19 @@ VISION_FAMILIES = {
     "smolvlm": VisionFamily("smolvlm", **_IDEFICS3),
     "mllama": VisionFamily("mllama", "<|image|>", "<|image|>", (), ("vision_model", "multi_modal_projector"),
                            layout="cross", nested=True),
+    # Qwen3-VL and Qwen3.5 (its vision half, on a hybrid linear-attention decoder): Qwen2-VL's image text and M-RoPE
+    "qwen3_vl": VisionFamily("qwen3_vl", **_QWEN_VL),
+    "qwen3_5": VisionFamily("qwen3_5", **_QWEN_VL),
+    "qwen3_5_moe": VisionFamily("qwen3_5_moe", **_QWEN_VL),  # (Qwen3.5-35B-A3B: the same, on a mixture of experts)
+    # InternVL 3/3.5 (transformers' -hf layout): its template writes <IMG_CONTEXT> for an image; the processor
+    # writes <img>, the image's tiles' context tokens (its thumbnail too when it has more than one), </img>
+    "internvl": VisionFamily("internvl", "<IMG_CONTEXT>\n", "<IMG_CONTEXT>", ("<img>", "</img>"),
+                             ("vision_tower", "multi_modal_projector"), layout="framed",
+                             image_kwargs=(("crop_to_patches", True),)),
+    # Mistral 3 (Mistral-Small-3.1/3.2, Ministral 3, Mistral-Medium-3.5): [IMG] per token of Pixtral's merged patch
+    # grid, row by row; its vision tower and projector (the patch merger is in it)
+    "mistral3": VisionFamily("mistral3", "[IMG]", "[IMG]", ("[IMG_BREAK]", "[IMG_END]"),
+                             ("vision_tower", "multi_modal_projector"), layout="rows"),
 }
 
 
@@ -73,11 +93,14 @@ def is_vision_config(config) -> bool:
 
 def vision_family(config, source: str) -> VisionFamily:
     """The family of a vision-language model's config; others are refused naming their model type."""
+    from tuneloop.config.vision_names import VISION_FAMILY_WHY_NOT
+
     family = VISION_FAMILIES.get(getattr(config, "model_type", None))
     if family is None:
+        why = VISION_FAMILY_WHY_NOT.get(config.model_type)
         raise UserError(f"model: {source} is a {config.model_type} vision-language model; tuneloop trains "
                         f"{', '.join(VISION_FAMILIES)} so far, and this family asks for {MULTIMODAL_FEATURE}, which "
-                        "tuneloop does not do yet")
+                        "tuneloop does not do yet" + (f": {why}" if why else ""))
     return family
 
 
@@ -150,7 +173,13 @@ SHRINKS = {"qwen2_vl": "processor_kwargs: {{max_pixels: {pixels}}} (an image is 
                        "image_size",
            "idefics3": "processor_kwargs: {{do_image_splitting: false}} (one tile per image) or image_size",
            "gemma3": None, "llava": None, "mllama": None}
-SHRINKS.update(qwen2_5_vl=SHRINKS["qwen2_vl"], smolvlm=SHRINKS["idefics3"])
+SHRINKS.update(qwen2_5_vl=SHRINKS["qwen2_vl"], smolvlm=SHRINKS["idefics3"],
+               # (16-pixel patches: about max_pixels / 1024 tokens, so the max_pixels offered is on the safe side)
+               **dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"), SHRINKS["qwen2_vl"].replace("784", "1024")),
+               internvl="processor_kwargs: {{max_patches: 1}} (one tile per image)")
+# Mistral 3: an image whose longer side is N pixels is at most (N / 28)² image tokens (14-pixel patches merged 2×2)
+SHRINKS["mistral3"] = ("processor_kwargs: {{size: {{longest_edge: N}}}} (an image is at most (N / 28)² image tokens) "
+                       "or image_size")
 
 
 def check_images_fit(counts: list[int], references: list[str], sizes: list[tuple[int, int]], sequence_len: int,
@@ -206,11 +235,15 @@ class ImageInputs:
     image_processor: object
     processor: object | None  # the whole processor, saved with the model
     never_trained: tuple[int, ...]  # the image token's and the framing tokens' ids
-    tile_tokens: int = 0  # Idefics3/SmolVLM without their processor: image tokens per tile (the model config's)
+    tile_tokens: int = 0  # Idefics3/SmolVLM without their processor, InternVL: image tokens per tile (the model
+    # config's)
     # axolotl's `image_size` (an int: in proportion, padded black to that square; (width, height): stretched) and
     # `image_resize_algorithm`: each image resized so before the processor sees it, and its tokens counted so
     image_size: int | tuple[int, int] | None = None
     resample: str = "bilinear"
+    # Mistral 3: pixels per image token along a side (the vision patch × spatial_merge_size: the model config's, which
+    # its PixtralProcessor gives the image processor as patch_size on every call)
+    token_pixels: int = 0
 
     def seen_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) of an image of this size as the processor gets it (after `image_size`)."""
@@ -253,6 +286,12 @@ class ImageInputs:
             return family.image_token
         if family.layout == "gemma3":  # no pan-and-scan crops (refused when the image processor asks for them)
             return self.processor.replace_image_token({"num_crops": [0]}, 0)
+        if family.layout == "rows":
+            return self.pixtral_rows(height, width)
+        if family.layout == "framed":  # InternVL: its tiles (and thumbnail), tile_tokens each, between the framing
+            tiles = self.image_processor.get_number_of_image_patches(height, width, dict(family.image_kwargs))
+            start, end = family.framing
+            return start + family.image_token * (self.tile_tokens * tiles) + end
         # tiles: rows × columns of the resized image (0 × 0 when it is not split), then the global image
         _, rows, cols = self.image_processor.get_number_of_image_patches(height, width, {})
         if self.processor is not None:
@@ -280,7 +319,37 @@ class ImageInputs:
 
     def pixel_inputs(self, references: list[str]) -> dict:
         """The model's image inputs (pixel_values, and the grid where the family has one) for these images."""
-        return dict(self.image_processor(images=self.opened(references), return_tensors="pt"))
+        return dict(self.image_processor(images=self.opened(references), return_tensors="pt",
+                                         **dict(self.family.image_kwargs), **self.pixtral_patch()))
+
+    def pixtral_patch(self) -> dict:
+        """Mistral 3: the patch_size its processor gives the image processor (patch × merge), so each side is
+        resized to whole image tokens; nothing for other families."""
+        return {"patch_size": {"height": self.token_pixels, "width": self.token_pixels}} if self.token_pixels else {}
+
+    def pixtral_size(self, height: int, width: int) -> tuple[int, int]:
+        """Mistral 3: (height, width) Pixtral's image processor resizes an image of this size to (within its
+        size's longest_edge, each side rounded up to whole image tokens): its own function, given the shape alone."""
+        import numpy as np
+        from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
+
+        size = self.image_processor.size
+        bound = (size.longest_edge,) * 2 if size.longest_edge else (size.height, size.width)  # (its resize's rule)
+        shape = np.broadcast_to(np.uint8(0), (height, width, 3))  # (no memory: the function reads the shape)
+        return get_resize_output_image_size(shape, size=bound, patch_size=(self.token_pixels,) * 2,
+                                            input_data_format="channels_last")
+
+    def pixtral_rows(self, height: int, width: int) -> str:
+        """PixtralProcessor.replace_image_token's text for an image of this size, as resized (its module imports
+        torchvision, not a dependency here): per row of image tokens [IMG] × columns then [IMG_BREAK]; the last
+        break is [IMG_END]."""
+        resized_height, resized_width = self.pixtral_size(height, width)
+        rows, cols = resized_height // self.token_pixels, resized_width // self.token_pixels
+        if not rows or not cols:  # (Pixtral's image processor raises on it too)
+            raise UserError(f"data: an image of {width}×{height} pixels is too long and thin for Mistral 3's image "
+                            "processor: shrunk to fit its longest_edge, one side becomes 0 pixels; crop or pad it")
+        row_break, end = self.family.framing
+        return ((self.family.image_token * cols + row_break) * rows)[:-len(row_break)] + end
 
     def batch_inputs(self, input_ids, references: list[list[str]]) -> dict:
         """A micro-batch's image inputs: its rows' images (as one list per row where the family's tensors are per
@@ -294,12 +363,13 @@ class ImageInputs:
             inputs = self.pixel_inputs([reference for row in references for reference in row])
         else:
             inputs = dict(self.image_processor(images=[self.opened(row) for row in references], return_tensors="pt"))
-        for unused in ("num_crops", "rows", "cols"):
+        for unused in ("num_crops", "rows", "cols", "num_patches"):
             inputs.pop(unused, None)
         if self.family.layout == "gemma3":
             inputs["token_type_ids"] = (input_ids == self.never_trained[0]).long()
-        if "image_grid_thw" in inputs:  # Qwen2-VL/2.5-VL's M-RoPE finds the image tokens by these types (transformers
-            # 5.24: without them Qwen2-VL raises, and Qwen2.5-VL silently gives the image tokens text positions)
+        if "image_grid_thw" in inputs:  # Qwen2-VL/2.5-VL's and Qwen3-VL's M-RoPE finds the image tokens by these
+            # types (transformers 5.24: without them Qwen2-VL and Qwen3-VL raise, and Qwen2.5-VL silently gives the
+            # image tokens text positions)
             inputs["mm_token_type_ids"] = (input_ids == self.never_trained[0]).long()
         if self.family.layout == "cross":
             from transformers.models.mllama.processing_mllama import (convert_sparse_cross_attention_mask_to_dense,
@@ -348,10 +418,10 @@ def load_image_inputs(cfg, config, tokenizer) -> ImageInputs:
         processor = processor_class.from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
                                                     **(cfg.processor_kwargs or {}))
         image_processor = processor.image_processor
-    except (AttributeError, ImportError) as error:  # a video processor transformers cannot build without torchvision
+    except (AttributeError, ImportError, OSError, ValueError, TypeError) as error:
+        if not lacks_torchvision(error):
+            raise UserError(f"model: cannot load a processor from {source!r} as {name}: {error}") from None
         image_processor = _image_processor_alone(source, cfg, error)
-    except (OSError, ValueError, TypeError) as error:
-        raise UserError(f"model: cannot load a processor from {source!r} as {name}: {error}") from None
     if processor is not None:
         processor.tokenizer = tokenizer  # the run's (its added tokens and template), saved with it
     ids = [tokenizer.convert_tokens_to_ids(token) for token in (family.image_token, *family.framing)]
@@ -366,16 +436,40 @@ def load_image_inputs(cfg, config, tokenizer) -> ImageInputs:
                                                "load"))
     check_processor_kwargs(cfg, processor, image_processor)
     return ImageInputs(family, image_processor, processor, tuple(ids), _tile_tokens(config, family),
-                       cfg.image_size, cfg.image_resize_algorithm or "bilinear")
+                       cfg.image_size, cfg.image_resize_algorithm or "bilinear",
+                       token_pixels=_token_pixels(config, family))
+
+
+def _token_pixels(config, family: VisionFamily) -> int:
+    """Mistral 3: pixels per image token along a side, the vision patch × spatial_merge_size (what its processor's
+    patch_size and spatial_merge_size hold: the model reads the image so)."""
+    if family.layout != "rows":
+        return 0
+    return config.vision_config.patch_size * config.spatial_merge_size
+
+
+def lacks_torchvision(error: Exception) -> bool:
+    """A processor transformers cannot build here for want of torchvision (its video half): Qwen2-VL's and SmolVLM's
+    raise ImportError (or AttributeError from the video mapping), InternVL's a ValueError naming torchvision."""
+    return isinstance(error, (AttributeError, ImportError)) or "torchvision" in str(error)
 
 
 def _tile_tokens(config, family: VisionFamily) -> int:
-    """Idefics3/SmolVLM: image tokens per tile, (image_size / patch_size)² patches pixel-shuffled scale_factor² to
-    one (the processor's image_seq_len; the model config's arithmetic, for when the processor cannot load)."""
-    if family.layout != "tiles":
+    """Image tokens per tile, by the model config's arithmetic (the processor's image_seq_len or image_seq_length,
+    for when the processor cannot load): (image_size / patch_size)² patches, pixel-shuffled scale_factor² to one
+    (Idefics3/SmolVLM) or by downsample_ratio along each side (InternVL: 0.5, 4 patches to one)."""
+    if family.layout not in ("tiles", "framed"):
         return 0
     vision = config.vision_config
-    return (vision.image_size // vision.patch_size) ** 2 // config.scale_factor ** 2
+    patches = (_side(vision.image_size) // _side(vision.patch_size)) ** 2
+    if family.layout == "framed":
+        return round(patches * config.downsample_ratio ** 2)
+    return patches // config.scale_factor ** 2
+
+
+def _side(size) -> int:
+    """A square's side, where a config gives it as one number or as (height, width)."""
+    return size if isinstance(size, int) else size[0]
 
 
 def check_processor_kwargs(cfg, processor, image_processor) -> None:

@@ -252,10 +252,12 @@ def mfu(real_tokens_per_second: float | None, per_token: float | None, peak: flo
 # processor's arithmetic gives from the image's token count (the cache keeps it with each image reference):
 #
 # - the tower runs every position of the image (LLaVA's CLIP: every patch of its crop and the class position;
-#   Qwen2-VL: the patch grid before the 2×2 merge, merge² positions per image token; Idefics3: scale_factor²
-#   positions per token, tile by tile; Gemma 3's SigLIP: every patch before the pooling); its patch embedding (a
-#   convolution whose stride is its kernel) meets each patch once, 2 FLOPs per weight;
-# - the projector (LLaVA's multi_modal_projector, Qwen's merger, Idefics3's connector) runs once per image token;
+#   Qwen2-VL and Qwen3-VL: the patch grid before the 2×2 merge, merge² positions per image token; Idefics3:
+#   scale_factor² positions per token, InternVL 1 / downsample_ratio², tile by tile; Gemma 3's SigLIP: every
+#   patch before the pooling); its patch embedding (a convolution whose stride is its kernel) meets each patch
+#   once, 2 FLOPs per weight;
+# - the projector (LLaVA's multi_modal_projector, Qwen's merger and Qwen3-VL's DeepStack mergers, Idefics3's
+#   connector) runs once per image token;
 # - the tower's attention is bidirectional within an image (a tile for Idefics3): 4 FLOPs per layer, width and
 #   position attended to, forward. Qwen2.5-VL's windowed blocks attend within windows of (window_size /
 #   patch_size)² positions: counted as that many (or the image's, when smaller), an upper bound where a window
@@ -264,7 +266,8 @@ def mfu(real_tokens_per_second: float | None, per_token: float | None, peak: flo
 #   weight) where it is trained, its input's gradient (2 per weight, and twice the forward of a layer's attention)
 #   where a trained weight comes before it. A frozen tower and projector (`freeze_mm_modules`, or LoRA on the
 #   language model only) cost their forward alone; LLaVA's layers after `vision_feature_layer` run forward only.
-PROJECTOR_PARTS = ("multi_modal_projector", "connector", "merger")
+# (Qwen3-VL's DeepStack mergers: per image token too, each over a middle layer's merged patches)
+PROJECTOR_PARTS = ("multi_modal_projector", "connector", "merger", "deepstack_merger_list")
 
 
 @dataclass(frozen=True)
@@ -281,10 +284,12 @@ class VisionWeights:
     gradient_layers: int  # the tower layers the loss's gradient can reach (LLaVA: up to vision_feature_layer)
     in_text_count: tuple[int, int]  # what model.count_matmul_weights counted of these (frozen, trained): the text
     # model's weights per token are the rest
-    # positions the tower runs per image: fixed (per image, `cls` of them without a patch) or per image token
+    # positions the tower runs per image: fixed (per image, `cls` of them without a patch) or per image token (and
+    # `cls` a tile of `tile_tokens` image tokens: InternVL's class position)
     fixed_positions: int = 0
     cls: int = 0
     positions_per_token: int = 0
+    tile_tokens: int = 0
     context: int = 0  # positions one attends to within a tile (Idefics3); 0: the whole image
     window: int = 0  # Qwen2.5-VL: positions of a window in its windowed layers
     full_layers: tuple[int, ...] = ()  # Qwen2.5-VL: the layers that attend over the whole image
@@ -356,17 +361,30 @@ def _vision_shape(config, family: str, layers: int) -> dict:
         patches = (vision.image_size // vision.patch_size) ** 2
         cls = 1 if vision.model_type == "clip_vision_model" else 0  # (CLIP's class position; SigLIP has none)
         return {"fixed_positions": patches + cls, "cls": cls}
-    if family in ("qwen2_vl", "qwen2_5_vl"):
+    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"):
         merge = vision.spatial_merge_size
-        if family == "qwen2_vl":
+        if family != "qwen2_5_vl":  # (Qwen2-VL's and Qwen3-VL's blocks all attend over the whole image)
             return {"positions_per_token": merge ** 2}
         side = (vision.window_size // merge // vision.patch_size) * merge  # patches along a window's side
         return {"positions_per_token": merge ** 2, "window": side ** 2,
                 "full_layers": tuple(vision.fullatt_block_indexes or range(layers))}
+    if family == "internvl":  # tile by tile: its patches, downsample_ratio along each side (0.5: 4 patches a
+        # token), and a class position, which the tile's patches attend to as well
+        patches, per_token = (_side(vision.image_size) // _side(vision.patch_size)) ** 2, round(
+            1 / config.downsample_ratio ** 2)
+        return {"positions_per_token": per_token, "cls": 1, "tile_tokens": patches // per_token,
+                "context": patches + 1}
     if family in ("idefics3", "smolvlm"):
         return {"positions_per_token": config.scale_factor ** 2,
                 "context": (vision.image_size // vision.patch_size) ** 2}
+    if family == "mistral3":  # Pixtral: the patch grid before the projector's patch merger, merge² patches a token
+        return {"positions_per_token": config.spatial_merge_size ** 2}
     return {"why_not": f"not counted for {family}'s vision tower yet"}
+
+
+def _side(size) -> int:
+    """A square's side, where a config gives it as one number or as (height, width) (InternVL's)."""
+    return size if isinstance(size, int) else size[0]
 
 
 def _gradient_layers(config, layers: int) -> int:
@@ -398,12 +416,20 @@ def count_vision_flops(vision: VisionWeights, image_tokens) -> VisionFlops:
     return VisionFlops(float(total), int(repeats.sum()), int(positions_all))
 
 
+def image_positions(vision: VisionWeights, tokens: int) -> tuple[int, int]:
+    """(tower positions, of them class positions without a patch) of an image of `tokens` image tokens."""
+    if vision.fixed_positions:
+        return vision.fixed_positions, vision.cls
+    classes = tokens // vision.tile_tokens * vision.cls if vision.tile_tokens else 0  # (InternVL: one a tile)
+    return tokens * vision.positions_per_token + classes, classes
+
+
 def image_flops(vision: VisionWeights, tokens: int) -> tuple[float, int]:
     """(FLOPs, tower positions) of one image of `tokens` image tokens. A matmul's input gradient is counted where
     a trained weight comes before it; a layer's attention backward where a trained weight comes before or in it;
     a weight's gradient where it is trained and the gradient reaches its layer."""
-    positions = vision.fixed_positions or tokens * vision.positions_per_token
-    at = {"patch": positions - vision.cls, "layer": positions, "other": positions, "pooling": 1, "projector": tokens}
+    positions, classes = image_positions(vision, tokens)
+    at = {"patch": positions - classes, "layer": positions, "other": positions, "pooling": 1, "projector": tokens}
     flops, trained_before = 0.0, False
     for layer in range(vision.layers):  # the attention, per layer
         attends = (min(vision.context, positions) if vision.context else positions) if (

@@ -102,8 +102,11 @@ def folder_config(folder: ModelFolder, trust_remote_code: bool = False):
 def load_processor_of(folder: ModelFolder, trust_remote_code: bool = False):
     """(processor or None, image processor, where from): what the run saved beside the model or adapter (its
     processor with the run's tokenizer), else the adapter's base's. A processor transformers cannot build here
-    (Qwen2-VL's and SmolVLM's need torchvision for their video half) gives its image processor alone."""
+    (Qwen2-VL's, Qwen3-VL's, SmolVLM's and InternVL's need torchvision for their video half) gives its image
+    processor alone."""
     from transformers import AutoImageProcessor, AutoProcessor
+
+    from tuneloop.data.images import lacks_torchvision
 
     sources = [folder.path] + ([folder.base] if folder.is_adapter else [])
     saved = [source for source in sources if any((Path(source) / name).is_file() for name in PROCESSOR_FILES)]
@@ -113,10 +116,9 @@ def load_processor_of(folder: ModelFolder, trust_remote_code: bool = False):
             image_processor = getattr(processor, "image_processor", None)
             if image_processor is not None:
                 return processor, image_processor, str(source)
-        except (AttributeError, ImportError):  # the video processor's torchvision
-            pass
-        except (OSError, ValueError, TypeError):
-            continue
+        except (AttributeError, ImportError, OSError, ValueError, TypeError) as error:
+            if not lacks_torchvision(error):  # (the video processor's torchvision: its image processor alone)
+                continue
         try:
             return None, AutoImageProcessor.from_pretrained(source, trust_remote_code=trust_remote_code), str(source)
         except (OSError, ValueError, TypeError):
@@ -128,7 +130,7 @@ def load_processor_of(folder: ModelFolder, trust_remote_code: bool = False):
 def folder_image_inputs(folder: ModelFolder, config, tokenizer, trust_remote_code: bool = False):
     """data/images.py's ImageInputs for a saved folder: its family (from the config), its saved processor with its
     saved tokenizer, the ids never trained."""
-    from tuneloop.data.images import ImageInputs, _tile_tokens, vision_family
+    from tuneloop.data.images import ImageInputs, _tile_tokens, _token_pixels, vision_family
 
     family = vision_family(config, str(folder.path))
     processor, image_processor, source = load_processor_of(folder, trust_remote_code)
@@ -138,8 +140,10 @@ def folder_image_inputs(folder: ModelFolder, config, tokenizer, trust_remote_cod
     if tokenizer.unk_token_id in ids or None in ids:
         raise UserError(f"model: the tokenizer in {source} lacks the {family.name} image tokens "
                         f"({family.image_token} {' '.join(family.framing)})")
-    # (_tile_tokens: Idefics3/SmolVLM's tokens per tile from the model config, as a run computes it)
-    return ImageInputs(family, image_processor, processor, tuple(ids), _tile_tokens(config, family))
+    # (_tile_tokens: Idefics3/SmolVLM's tokens per tile from the model config, as a run computes it; _token_pixels:
+    # Mistral 3's pixels per image token)
+    return ImageInputs(family, image_processor, processor, tuple(ids), _tile_tokens(config, family),
+                       token_pixels=_token_pixels(config, family))
 
 
 @dataclass
