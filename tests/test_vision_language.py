@@ -186,6 +186,41 @@ def test_llava_rows_mask_image_tokens_and_train_the_answer(tmp_path, llava_dir):
         assert (batch.inputs["input_ids"][i, :n].numpy() == store.tokens("input_ids", i)).all()
 
 
+def test_the_images_column_gives_parts_without_a_source_their_images_in_order(tmp_path, llava_dir):
+    """axolotl's and TRL's column form (HuggingFaceH4/llava-instruct-mix-vsft): `{"type": "image"}` parts take the
+    row's `images` in order, each a path, base64 text or a datasets Image value ({"bytes", "path"}); the rows
+    prepare to the same tokens and images as with the images in the parts."""
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.images import open_image
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    inline = caption_rows(tmp_path, 3, seed=2)
+    columns = []
+    for index, row in enumerate(inline):
+        part = row["messages"][0]["content"][0]
+        given = [part["path"], base64.b64encode((tmp_path / part["path"]).read_bytes()).decode(),
+                 {"bytes": None, "path": str(tmp_path / part["path"])}][index]
+        columns.append({"messages": [{**row["messages"][0], "content": [{"type": "image"},
+                                                                         *row["messages"][0]["content"][1:]]},
+                                     row["messages"][1]], "images": [given]})
+    stores = []
+    for name, rows in (("inline", inline), ("column", columns)):
+        folder = tmp_path / name
+        cfg = config_from_dict(vlm_config(folder, llava_dir, write_jsonl(tmp_path / f"{name}.jsonl", rows)))
+        stores.append(prepare_data(cfg, resolve_run(cfg))[1].store)
+    for index in range(3):
+        assert (stores[0].tokens("input_ids", index) == stores[1].tokens("input_ids", index)).all()
+        (inline_ref, _), = stores[0].images(index)
+        (column_ref, _), = stores[1].images(index)
+        assert open_image(inline_ref).tobytes() == open_image(column_ref).tobytes()
+    mismatched = [dict(columns[0], images=[])]
+    config = write_config(tmp_path / "bad.yml", **vlm_config(tmp_path / "bad", llava_dir,
+                                                               write_jsonl(tmp_path / "bad.jsonl", mismatched)))
+    assert_user_error(run_in_process("preprocess", str(config)), "bad.jsonl:1",
+                      "1 image part(s) name no image and the row's `images` column holds 0")
+
+
 def answer_accuracy(model_dir: Path, rows: list[dict], folder: Path) -> float:
     """How often the saved model gives the right colour the lowest summed loss after the question, among the
     four (the image tokens' and question's losses are the same for every candidate)."""

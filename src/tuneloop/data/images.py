@@ -128,6 +128,61 @@ def image_reference(part: dict, where: str, base_dir: Path) -> str:
     return f"path:{path}"
 
 
+IMAGES_COLUMN = "images"  # the column form: image parts without a source take the row's images in order
+
+
+def row_image_references(parts: list[dict], row_values: dict, where: str, base_dir: Path) -> list[str]:
+    """The references of a row's image parts, in the text's order. A part that names no image itself (`{"type":
+    "image"}`, as in HuggingFaceH4/llava-instruct-mix-vsft and TRL's vision datasets) takes the next entry of the
+    row's `images` column: a path, a file: URL or base64 text, or a datasets Image value ({"bytes", "path"}) as a
+    parquet or Arrow file holds it. The counts must agree: a row with more parts than images (or fewer) names
+    both."""
+    column = row_values.get(IMAGES_COLUMN)
+    column = [] if column is None else column if isinstance(column, list) else [column]
+    named = [any(isinstance(part.get(key), str) and part[key] for key in IMAGE_KEYS) for part in parts]
+    bare = named.count(False)
+    if bare and bare != len(column):
+        raise UserError(f"data: {where}: {bare} image part(s) name no image and the row's `{IMAGES_COLUMN}` column "
+                        f"holds {len(column)}; give each part its image (path, url or base64), or as many images "
+                        f"in `{IMAGES_COLUMN}` as parts without one")
+    if column and not bare:
+        raise UserError(f"data: {where}: the row's `{IMAGES_COLUMN}` column holds {len(column)} image(s) and no "
+                        "message has an image part without its own source to take them: add `{\"type\": \"image\"}` "
+                        "parts where the images go, or remove the column")
+    taken = iter(column)
+    return [image_reference(part if has_source else _as_part(next(taken), where, base_dir), where, base_dir)
+            for part, has_source in zip(parts, named)]
+
+
+def _as_part(value, where: str, base_dir: Path) -> dict:
+    """An `images` column entry as an image part. A string is a URL (data:, file:, http), else a file where one
+    exists, else base64 text where it decodes as such (else the path it was meant to be: refused as missing)."""
+    if isinstance(value, dict) and isinstance(value.get("bytes"), (bytes, bytearray)):
+        return {"base64": base64.b64encode(value["bytes"]).decode()}
+    if isinstance(value, dict) and isinstance(value.get("path"), str):
+        return {"path": value["path"]}
+    if isinstance(value, str):
+        if value.startswith(("data:", "file:", "http://", "https://")):
+            return {"image": value}
+        path = Path(value).expanduser()
+        if (path if path.is_absolute() else base_dir / path).is_file() or not _is_base64(value):
+            return {"path": value}
+        return {"base64": value}
+    if hasattr(value, "save") and hasattr(value, "size"):  # a PIL image (datasets decodes an Image column so)
+        buffer = io.BytesIO()
+        value.save(buffer, format="PNG")
+        return {"base64": base64.b64encode(buffer.getvalue()).decode()}
+    raise UserError(f"data: {where}: an `{IMAGES_COLUMN}` entry is {type(value).__name__}; give a path, a file: URL, "
+                    "base64 text or a datasets Image value")
+
+
+def _is_base64(text: str) -> bool:
+    try:
+        return len(text) >= 16 and bool(base64.b64decode(text, validate=True))
+    except (binascii.Error, ValueError):
+        return False
+
+
 def open_image(reference: str, where: str = ""):
     """The image a reference names, lazily (PIL reads the header now, the pixels when asked)."""
     from PIL import Image, UnidentifiedImageError

@@ -35,7 +35,8 @@ import numpy as np
 
 from tuneloop.data.chat_templates import resolve_template
 from tuneloop.data.formats import RenderContext, render_row
-from tuneloop.data.images import check_images_fit, checked_size, image_inputs_of, image_reference, references_json
+from tuneloop.data.images import (check_images_fit, checked_size, image_inputs_of, references_json,
+                                  row_image_references)
 from tuneloop.data.labels import IGNORE_INDEX, count_targets
 from tuneloop.data.load import RawRow, ReadProgress, data_files_of, is_hub_dataset, parse_row, stream_rows
 from tuneloop.data.mistral_chat import MistralChats, fingerprint, is_mistral_common
@@ -192,7 +193,7 @@ class ChunkTokenizer:
         rendered, images = [], []
         for row in rows:
             text = render_row(row, entry, context)
-            references = [image_reference(part, row.where, base_dir) for part in text.images]
+            references = row_image_references(text.images, row.values, row.where, base_dir)
             sizes = [checked_size(reference, row.where) for reference in references]
             spans = [(0, len(text.text))] if self.train_on_inputs else text.trained_spans
             expanded, spans, counts = self.vision.expanded(text.text, spans, sizes, row.where)
