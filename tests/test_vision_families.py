@@ -355,3 +355,65 @@ def test_gemma3_pan_and_scan_is_refused_naming_the_setting(tmp_path, model_dirs)
     data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 2, seed=6, size=(28, 28)))
     config = write_config(tmp_path / "c.yml", **family_config(tmp_path, model_dir, data, "gemma3"))
     assert_user_error(run_in_process("preprocess", str(config)), "pan-and-scan", "do_pan_and_scan")
+
+
+PACKED_FAMILIES = ["idefics3", "mistral3", "internvl"]  # (and LLaVA: test_vision_language.py's fixture, below)
+
+
+def per_sequence_losses(model, batch) -> list[float]:
+    """Each sequence's summed cross-entropy over its targets, in row order (a packed row's sequences start where
+    its positions restart at 0)."""
+    import torch
+
+    inputs = {key: value for key, value in batch.inputs.items()}
+    with torch.no_grad():  # (use_cache=False, as training runs: transformers builds the packed rows' mask only so)
+        logits = model(**inputs, use_cache=False).logits.float()
+    losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none",
+                                               ignore_index=-100).view(batch.targets.shape)
+    positions = inputs.get("position_ids")
+    sums = []
+    for row in range(losses.shape[0]):
+        starts = (torch.nonzero(positions[row] == 0).flatten().tolist() if positions is not None else [0])
+        for start, end in zip(starts, starts[1:] + [losses.shape[1]]):
+            if (batch.targets[row, start:end] != -100).any():
+                sums.append(float(losses[row, start:end].sum()))
+    return sums
+
+
+@pytest.mark.parametrize("family", PACKED_FAMILIES + ["llava"])
+def test_packed_rows_give_each_sequence_the_loss_it_has_alone(tmp_path, model_dirs, family):
+    """`sample_packing: true` on a family whose packed sequences stay apart: a packed row of three sequences (their
+    images processed together, in order) gives each sequence the summed loss it has in a row of its own (fp32)."""
+    from transformers import AutoModelForImageTextToText
+
+    from test_vision_language import save_llava
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.collate import collator_for
+    from tuneloop.data.images import image_inputs_of
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    if family == "llava":
+        model_dir, data = save_llava(tmp_path / "llava"), write_jsonl(tmp_path / "t.jsonl", caption_rows(tmp_path, 3, 4))
+        keys = vlm_config(tmp_path, model_dir, data, sample_packing=True, sequence_len=256)
+    else:
+        model_dir = model_dirs(family)
+        data = write_jsonl(tmp_path / "t.jsonl", mixed_rows(tmp_path, family, 3, seed=4))
+        keys = family_config(tmp_path, model_dir, data, family, sample_packing=True)
+    cfg = config_from_dict(keys)
+    tokenizer, rows = prepare_data(cfg, resolve_run(cfg))
+    images = image_inputs_of(tokenizer)
+    pad = tokenizer.pad_token_id
+    packed = collator_for(rows.store, pad, True, images=images)([[0, 1, 2]])
+    alone = collator_for(rows.store, pad, False, images=images)([[0], [1], [2]])
+    assert packed.inputs["input_ids"].shape[0] == 1 and (packed.inputs["position_ids"] == 0).sum() >= 3
+    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+    assert per_sequence_losses(model, packed) == pytest.approx(per_sequence_losses(model, alone), rel=1e-5)
+
+
+def test_a_family_whose_packed_sequences_would_mix_is_refused_naming_it(tmp_path, model_dirs):
+    data = write_jsonl(tmp_path / "t.jsonl", mixed_rows(tmp_path, "gemma3", 4, seed=4))
+    config = write_config(tmp_path / "c.yml", **family_config(tmp_path, model_dirs("gemma3"), data, "gemma3",
+                                                               sample_packing=True))
+    assert_user_error(run_in_process("preprocess", str(config)), "`sample_packing: True` packs rows",
+                      "a gemma3 model's packed sequences are not kept apart", "families that pack: ")

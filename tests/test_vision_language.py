@@ -313,7 +313,7 @@ def test_qwen2_vl_plans_with_its_image_grid_and_frozen_tower(tmp_path, qwen_dir)
     assert plan["memory"]["trainable_parameters"] == sum(p.numel() for p in model.parameters()) - visual
 
 
-@pytest.mark.parametrize("problem", ["missing file", "http", "text model", "not a processor", "packing"])
+@pytest.mark.parametrize("problem", ["missing file", "http", "text model", "not a processor"])
 def test_bad_vision_input_is_one_line(tmp_path, llava_dir, tiny_model_dir, problem):
     rows = caption_rows(tmp_path, 4, seed=5)
     model = llava_dir
@@ -327,12 +327,9 @@ def test_bad_vision_input_is_one_line(tmp_path, llava_dir, tiny_model_dir, probl
     elif problem == "text model":
         model, extra = tiny_model_dir, {"processor_type": None, "chat_template": "chatml"}
         expected = ("train.jsonl:1", "'image'", "text-only model")
-    elif problem == "not a processor":
+    else:  # (packing a family whose sequences would mix: test_vision_families.py)
         extra = {"processor_type": "LlamaForCausalLM"}
         expected = ("processor_type: LlamaForCausalLM", "not a processor")
-    else:
-        extra = {"sample_packing": True}
-        expected = ("sample_packing: True", "vision-language model")
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     config = write_config(tmp_path / "c.yml", **vlm_config(tmp_path, model, data, **extra))
     result = run_in_process("preprocess", str(config))

@@ -135,11 +135,7 @@ def check_vision_settings(cfg: TuneloopConfig, kind: ModelKind | None) -> None:
                 raise UserError(f"config: `{key}: {getattr(cfg, key)}` is for vision-language models, and {source} "
                                 "is a text-only model: remove it")
         return
-    refused = {"sample_packing": "packs rows, and a vision-language model's image positions (Qwen's multimodal "
-                                 "rotary positions) are not isolated per packed sequence yet: set it to false "
-                                 "(axolotl's configs do); `group_by_length: true` reclaims most of the padding",
-               "eval_sample_packing": "packs eval rows: set it to false",
-               "rl": "is preference training; tuneloop does not train vision-language models on preference "
+    refused = {"rl": "is preference training; tuneloop does not train vision-language models on preference "
                      "pairs yet",
                "reward_model": "puts a score head on a text decoder; not on a vision-language model",
                "pretraining_dataset": "streams raw text; a vision-language model trains on chat rows with images",
@@ -161,7 +157,22 @@ def attach_image_inputs(cfg: TuneloopConfig, kind: ModelKind | None, tokenizer) 
     if kind == VISION_LANGUAGE:
         from tuneloop.data.images import load_image_inputs
 
-        tokenizer.tuneloop_image_inputs = load_image_inputs(cfg, model_config(cfg, tokenizer), tokenizer)
+        image_inputs = load_image_inputs(cfg, model_config(cfg, tokenizer), tokenizer)
+        check_vision_packing(cfg, image_inputs.family)
+        tokenizer.tuneloop_image_inputs = image_inputs
+
+
+def check_vision_packing(cfg: TuneloopConfig, family) -> None:
+    """`sample_packing` on a vision-language model: the families whose packed sequences stay apart (data/images.py:
+    VisionFamily.packs), refused naming the family for the others."""
+    from tuneloop.data.images import packing_families
+
+    for key in ("sample_packing", "eval_sample_packing"):
+        if getattr(cfg, key) and not family.packs:
+            raise UserError(f"config: `{key}: {getattr(cfg, key)}` packs rows, and a {family.name} model's packed "
+                            "sequences are not kept apart yet (its image positions or image attention span the "
+                            f"whole row); families that pack: {packing_families()}. Set it to false (axolotl's "
+                            "configs do); `group_by_length: true` reclaims most of the padding")
 
 
 def freeze_vision_modules(cfg: TuneloopConfig, model) -> None:

@@ -34,8 +34,8 @@ FEATURES = {
             "`resources_per_worker`): tuneloop is launched with torchrun on each node (examples/slurm/ on Slurm)"),
     "multimodal": ("multimodal models", "multimodal models beyond LLaVA, Qwen2-VL/Qwen2.5-VL/Qwen3-VL/Qwen3.5, "
                    "InternVL, Gemma 3, Mllama, Idefics3/SmolVLM and Mistral 3 (Gemma 3n/4, Llama 4, LFM2-VL, "
-                   "PaddleOCR-VL, ...), audio and video parts, and packing, streaming or "
-                   "preference training of vision-language models"),
+                   "PaddleOCR-VL, ...), audio and video parts, packing of Qwen's, Gemma 3's and Mllama's "
+                   "rows, and streaming or preference training of vision-language models"),
     "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading, "
                      "MXFP4 dequantized at load and int4/int8 QAT (GPTQ, torchao loading, fp8, NVFP4/MXFP4 QAT, QAT "
                      "under FSDP2 or DeepSpeed, 1-bit models)"),

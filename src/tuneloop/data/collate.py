@@ -212,7 +212,7 @@ class ImageCollator:
 
         batch = self.text(units)
         references = []  # per row of the batch: its images, in the order its text holds them
-        for row in store_rows(units, self.text.rows, False):
+        for row in store_rows(units, self.text.rows, self.text.packed):  # (a packed row: its sequences' images)
             references.append([])
             for index in row:
                 for reference, count in self.text.rows.images(index):

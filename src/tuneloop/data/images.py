@@ -48,6 +48,11 @@ class VisionFamily:
     # its preprocessor_config.json leaves off): given here too, so the image processor alone (its processor needs
     # torchvision) cuts the same tiles
     image_kwargs: tuple[tuple[str, object], ...] = ()
+    # `sample_packing` keeps each packed sequence apart: the family's decoder takes plain positions (restarting per
+    # sequence) and its image features replace the image tokens in order. Not Qwen's multimodal rotary positions
+    # (computed from a row's images as one sequence), Gemma 3's bidirectional image attention (its mask is built
+    # from the whole row) or Mllama's cross-attention (a row's text reads the row's images)
+    packs: bool = False
 
     @property
     def text_marker(self) -> str:
@@ -59,9 +64,9 @@ _QWEN_VL = dict(placeholder="<|vision_start|><|image_pad|><|vision_end|>", image
 _IDEFICS3 = dict(placeholder="<image>", image_token="<image>",
                  framing=("<fake_token_around_image>", "<global-img>",
                           *(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7))),
-                 vision_modules=("vision_model", "connector"), layout="tiles", nested=True)
+                 vision_modules=("vision_model", "connector"), layout="tiles", nested=True, packs=True)
 VISION_FAMILIES = {
-    "llava": VisionFamily("llava", "<image>\n", "<image>", (), ("vision_tower", "multi_modal_projector")),
+    "llava": VisionFamily("llava", "<image>\n", "<image>", (), ("vision_tower", "multi_modal_projector"), packs=True),
     "qwen2_vl": VisionFamily("qwen2_vl", **_QWEN_VL),
     "qwen2_5_vl": VisionFamily("qwen2_5_vl", **_QWEN_VL),
     # Gemma 3: its template writes <start_of_image> for an image; the processor writes soft tokens after it
@@ -79,12 +84,16 @@ VISION_FAMILIES = {
     # writes <img>, the image's tiles' context tokens (its thumbnail too when it has more than one), </img>
     "internvl": VisionFamily("internvl", "<IMG_CONTEXT>\n", "<IMG_CONTEXT>", ("<img>", "</img>"),
                              ("vision_tower", "multi_modal_projector"), layout="framed",
-                             image_kwargs=(("crop_to_patches", True),)),
+                             image_kwargs=(("crop_to_patches", True),), packs=True),
     # Mistral 3 (Mistral-Small-3.1/3.2, Ministral 3, Mistral-Medium-3.5): [IMG] per token of Pixtral's merged patch
     # grid, row by row; its vision tower and projector (the patch merger is in it)
     "mistral3": VisionFamily("mistral3", "[IMG]", "[IMG]", ("[IMG_BREAK]", "[IMG_END]"),
-                             ("vision_tower", "multi_modal_projector"), layout="rows"),
+                             ("vision_tower", "multi_modal_projector"), layout="rows", packs=True),
 }
+
+
+def packing_families() -> str:
+    return ", ".join(name for name, family in VISION_FAMILIES.items() if family.packs)
 
 
 def is_vision_config(config) -> bool:
