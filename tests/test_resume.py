@@ -292,7 +292,7 @@ def test_a_signal_on_one_rank_stops_every_rank_at_the_next_step_and_resumes_exac
                                                                                       data):
     """Between logging steps too: rank 1 alone gets SIGTERM after step 3; both ranks checkpoint step 4
     (the flag is agreed one step later, without a sync) and exit 75; the resumed run ends bit-identical."""
-    keys = dict(micro_batch_size=2, max_steps=10, logging_steps=50, save_strategy=None, save_steps=100,
+    keys = dict(micro_batch_size=2, max_steps=6, logging_steps=50, save_strategy=None, save_steps=100,
                 learning_rate=1e-2, auto_resume_from_checkpoints=True)
     straight = two_ranks(tmp_path, "straight", tiny_model_dir, data, keys)
     assert straight.returncode == 0, straight.stderr[-3000:]
