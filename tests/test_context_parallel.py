@@ -43,6 +43,12 @@ def test_what_context_parallel_cannot_run_stops_the_plan(tmp_path, tiny_model_di
     assert_user_error(planned(tmp_path, tiny_model_dir, data, world, "refused", **keys), fragment)
 
 
+def test_check_says_context_parallel_needs_deepspeed(tmp_path, tiny_model_dir, data):
+    config = write_config(tmp_path / "c.yml", **base_config(tmp_path, tiny_model_dir, data, **CP))
+    checked = run_in_process("check", str(config))
+    assert checked.returncode == 0 and "the deepspeed package, whose Ulysses attention it runs" in checked.stdout
+
+
 def test_models_whose_attention_the_exchange_cannot_wrap_are_refused():
     from transformers import Qwen2Config, T5Config
 

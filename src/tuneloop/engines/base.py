@@ -100,11 +100,20 @@ class EngineSpec:
         raise NotImplementedError
 
     def needs(self) -> list[str]:
-        """What the machine needs for this engine, in words (`check`; hardware.py refuses it at `train`)."""
+        """What the machine needs for this engine, in words (`check`; hardware.py refuses it at `train`): context
+        parallel's exchange is DeepSpeed's (context_parallel.py), on any engine."""
+        if self.mesh_keys.cp:
+            return [f"`context_parallel_size: {self.mesh_keys.cp}`: the deepspeed package, whose Ulysses attention it "
+                    "runs (pip install 'tuneloop[deepspeed]')"]
         return []
 
     def missing(self) -> list[str]:
         """What this machine lacks of `needs()`, checked when `train` starts."""
+        import importlib.util
+
+        if self.mesh_keys.cp and importlib.util.find_spec("deepspeed") is None:
+            return [f"`context_parallel_size: {self.mesh_keys.cp}` runs DeepSpeed's Ulysses attention and needs the "
+                    "deepspeed package: pip install 'tuneloop[deepspeed]'"]
         return []
 
     def held_widths(self, parameter_bytes: float, precision: str) -> tuple[float, float]:
