@@ -2,7 +2,8 @@
 token types for its two-way attention over an image), Idefics3 and SmolVLM (images split into tiles and a global
 image, row-col tags), Mllama (one `<|image|>` token, cross-attention over the image's tiles), Qwen3-VL and Qwen3.5
 (Qwen2-VL's image pads and M-RoPE inputs; Qwen3.5's linear-attention decoder, dense and mixture-of-experts), InternVL
-(tiles and a thumbnail between <img> and </img>). Each runs on a tiny model
+(tiles and a thumbnail between <img> and </img>), PaddleOCR-VL (Qwen2-VL's arithmetic under its own image
+tokens; Llama 4 is refused: its image processor needs torchvision). Each runs on a tiny model
 and processor built from configs (tests/vision_family_models.py, nothing downloaded) over coloured squares: the
 collator's batch is what the family's processor makes of the same text and images, the cached rows hold the
 processor's lengths, image and framing tokens are never trained, the plan's steps are the steps run, the loss falls,
@@ -20,6 +21,8 @@ from conftest import assert_user_error, read_metrics, run_in_process, write_conf
 from test_vision_language import COLOURS, QUESTION, caption_rows, plan_of, vlm_config
 from vision_family_models import save_gemma3, save_idefics3, save_mistral3, save_mllama, save_smolvlm
 from vision_family_models import save_internvl, save_qwen3_5, save_qwen3_5_moe, save_qwen3_vl
+from vision_family_models import save_paddleocr_vl
+from vision_family_models import save_gemma4
 
 # family -> (builder, chat_template (None: the tokenizer's own, as axolotl uses for SmolVLM), the image marker in the
 # chat text, the image token, framing tokens, vision module-name parts, two image sizes (width, height))
@@ -58,6 +61,17 @@ IMAGE_TOKENS.update({"qwen3_vl": (4, 2), "qwen3_5": (4, 2), "qwen3_5_moe": (4, 2
 QWEN3_AND_INTERNVL_INPUTS = {**dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"), ["image_grid_thw",
                                                                                      "mm_token_type_ids"]),
                              "internvl": []}
+# PaddleOCR-VL: Qwen2-VL's image text under its own tokens, 14-pixel patches merged 2×2 (56×56: 4 tokens, 56×28: 2);
+# its processor builds here (no video half), so the reference is the processor itself
+FAMILIES["paddleocr_vl"] = (save_paddleocr_vl, None, "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
+                            "<|IMAGE_PLACEHOLDER|>", ("<|IMAGE_START|>", "<|IMAGE_END|>"), ("visual", "projector"),
+                            [(56, 56), (56, 28)])
+IMAGE_TOKENS["paddleocr_vl"] = (4, 2)
+# Gemma 4: <|image>, soft tokens, <image|>; each image resized within 70 soft tokens of 3×3 4-pixel patches: a 28×28
+# square to 96×96 (8×8 tokens), 56×28 to 132×60 (11×5)
+FAMILIES["gemma4"] = (save_gemma4, "gemma4", "<|image|>", "<|image|>", ("<|image>", "<image|>"),
+                      ("vision_tower", "embed_vision"), [(28, 28), (56, 28)])
+IMAGE_TOKENS["gemma4"] = (64, 55)
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +111,8 @@ def reference_processor(family: str, model_dir: Path):
                                  tokenizer=AutoTokenizer.from_pretrained(model_dir), image_seq_len=1)
     if family == "mistral3":
         return pixtral_processor(model_dir)
+    if family == "gemma4":
+        return gemma4_processor(model_dir)
     if family in QWEN3_AND_INTERNVL_INPUTS:
         return processed_by_hand(family, model_dir)
     return AutoProcessor.from_pretrained(model_dir)
@@ -151,6 +167,27 @@ def processed_by_hand(family: str, model_dir: Path):
         text = [one.replace("<|image_pad|>", "<|image_pad|>" * int(count)) for one, count in zip(text, tokens)]
         encoded = tokenizer(text, **kwargs)
         image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        return {**encoded, **pixels, "mm_token_type_ids": (encoded["input_ids"] == image_id).long()}
+
+    return process
+
+
+def gemma4_processor(model_dir: Path):
+    """Gemma4Processor as it works (it needs torchvision for its video processor, not installed here): the image
+    processor's soft tokens per image, each <|image|> replaced as its replace_image_token does (<|image>, the soft
+    tokens, <image|>), then the tokenizer; mm_token_type_ids 1 on the image tokens (create_mm_token_type_ids), the
+    per-image counts dropped (its unused_input_names)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    image_processor, tokenizer = AutoImageProcessor.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+
+    def process(images, text, **kwargs) -> dict:
+        pixels = dict(image_processor(images=[image for row in images for image in row], return_tensors="pt"))
+        counts = pixels.pop("num_soft_tokens_per_image")
+        text = [one.replace("<|image|>", "<|image>" + "<|image|>" * int(count) + "<image|>")
+                for one, count in zip(text, counts)]
+        encoded = tokenizer(text, **kwargs)
+        image_id = tokenizer.convert_tokens_to_ids("<|image|>")
         return {**encoded, **pixels, "mm_token_type_ids": (encoded["input_ids"] == image_id).long()}
 
     return process
@@ -211,7 +248,9 @@ def test_the_collated_batch_is_what_the_familys_processor_makes(tmp_path, model_
         assert (batch.inputs["attention_mask"][i, :width] == expected["attention_mask"][i]).all()
     extra = {"gemma3": ["token_type_ids"], "idefics3": ["pixel_attention_mask"], "smolvlm": ["pixel_attention_mask"],
              "mllama": ["aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_mask"],
-             "mistral3": ["image_sizes"], **QWEN3_AND_INTERNVL_INPUTS}[family]
+             "mistral3": ["image_sizes"], **QWEN3_AND_INTERNVL_INPUTS,
+             "paddleocr_vl": ["image_grid_thw", "mm_token_type_ids"],
+             "gemma4": ["image_position_ids", "mm_token_type_ids"]}[family]
     assert set(batch.inputs) == {"input_ids", "attention_mask", "pixel_values", *extra}
     for key in ["pixel_values", *extra]:
         got, want = batch.inputs[key], expected[key]
@@ -343,6 +382,17 @@ def test_train_on_inputs_trains_no_part_of_an_images_text(tmp_path, model_dirs):
     assert (labels[:fake[0]] != -100).any()  # "User:" is trained
 
 
+def test_gemma4_audio_parts_are_refused_in_one_line_naming_multimodal_models(tmp_path, model_dirs):
+    """Gemma 4 (the E2B/E4B models) hears audio too; tuneloop trains its image side alone, so a row with an audio
+    part is refused naming the row and the feature, not trained without its audio."""
+    rows = caption_rows(tmp_path, 2, seed=8, size=(28, 28))
+    rows[1]["messages"][0]["content"].append({"type": "audio", "path": "clip.wav"})
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    config = write_config(tmp_path / "c.yml", **family_config(tmp_path, model_dirs("gemma4"), data, "gemma4"))
+    assert_user_error(run_in_process("preprocess", str(config)), "train.jsonl:2", "type 'audio'",
+                      "multimodal models beyond images")
+
+
 def test_gemma3_pan_and_scan_is_refused_naming_the_setting(tmp_path, model_dirs):
     """Pan-and-scan crops a wide image into extra views (more image text per image); tuneloop does not make them
     yet, so a processor that asks for them is refused rather than trained on rows of the wrong length."""
@@ -417,3 +467,22 @@ def test_a_family_whose_packed_sequences_would_mix_is_refused_naming_it(tmp_path
                                                                sample_packing=True))
     assert_user_error(run_in_process("preprocess", str(config)), "`sample_packing: True` packs rows",
                       "a gemma3 model's packed sequences are not kept apart", "families that pack: ")
+
+
+def test_llama4_is_refused_naming_its_torchvision_only_image_processor():
+    """Llama 4's image processor (which cuts the tiles its image text counts) is in transformers only as a
+    torchvision one: `check` refuses its hub id, and the model's config is refused, each naming why (PaddleOCR-VL's
+    hub id is accepted)."""
+    from transformers import Llama4Config
+
+    from tuneloop.config.load import config_from_dict
+    from tuneloop.data.images import vision_family
+    from tuneloop.errors import UserError
+
+    why = ".*Llama 4's image processor .* only as a torchvision one, with no PIL twin"
+    keys = {"datasets": [{"path": "x", "type": "chat_template"}], "processor_type": "AutoProcessor"}
+    with pytest.raises(UserError, match=r"(?s)is a Llama 4 vision-language model \(by its hub id\)" + why):
+        config_from_dict({**keys, "base_model": "meta-llama/Llama-4-Scout-17B-16E-Instruct"})
+    with pytest.raises(UserError, match="(?s)is a llama4 vision-language model; tuneloop trains " + why):
+        vision_family(Llama4Config(), "tiny-llama4")
+    assert config_from_dict({**keys, "base_model": "PaddlePaddle/PaddleOCR-VL"}).processor_type == "AutoProcessor"

@@ -256,6 +256,68 @@ def test_qwen3_vl_and_internvl_count_their_towers_positions(tmp_path, family):
                                                              rel=1e-9)
 
 
+def test_paddleocr_vl_counts_its_patch_grid_before_its_projectors_merge(tmp_path):
+    """PaddleOCR-VL's NaViT tower runs 4 patches of 14 pixels per image token, each image's attention apart, and its
+    projector merges them 2×2 once per token: two images of different sizes in one step, trained and with the tower
+    and projector frozen, the difference with and without them against FlopCounterMode."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+    from vision_family_models import save_paddleocr_vl
+
+    from tuneloop.data.images import VISION_FAMILIES
+    from tuneloop.plan.flops import image_flops, vision_weights
+
+    model = AutoModelForImageTextToText.from_pretrained(save_paddleocr_vl(tmp_path / "paddleocr_vl"),
+                                                        attn_implementation="eager")
+    image_id = model.config.image_token_id
+    with_images = torch.zeros(2, 12, dtype=torch.long) + 20
+    with_images[0, 1:5] = with_images[1, 1:3] = image_id
+    image_inputs = dict(pixel_values=torch.randn(24, 3, 14, 14), image_grid_thw=torch.tensor([[1, 4, 4], [1, 2, 4]]),
+                        mm_token_type_ids=(with_images == image_id).long())
+    for frozen in (False, True):
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(not frozen or not any(part in name.split(".") for part in ("visual", "projector")))
+        vision = vision_weights(model, model.config, VISION_FAMILIES["paddleocr_vl"])
+        assert (image_flops(vision, 4)[1], image_flops(vision, 2)[1]) == (16, 8)
+        measured_with = flop_counter_total(model, input_ids=with_images, **image_inputs)
+        measured_without = flop_counter_total(model, input_ids=torch.zeros(2, 12, dtype=torch.long) + 20)
+        assert measured_with - measured_without == pytest.approx(image_flops(vision, 4)[0] + image_flops(vision, 2)[0],
+                                                                 rel=1e-9), frozen
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_gemma4_counts_every_patch_of_its_budget_and_its_pooler(tmp_path, frozen):
+    """Gemma 4's image processor pads each image's patches to max_soft_tokens × 3² (630 here) and the tower runs
+    them all; its pooler averages them into 70 by a matmul, of which the image's own soft tokens (64 and 55) reach
+    the projection. A square and a wide image in one step, the difference with and without them against
+    FlopCounterMode."""
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+    from vision_family_models import save_gemma4
+
+    from tuneloop.data.images import VISION_FAMILIES
+    from tuneloop.plan.flops import image_flops, vision_weights
+
+    model_dir = save_gemma4(tmp_path / "gemma4")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, attn_implementation="eager")
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(not frozen or not ("vision_tower" in name or "embed_vision" in name))
+    image_processor = AutoImageProcessor.from_pretrained(model_dir)
+    vision = vision_weights(model, model.config, VISION_FAMILIES["gemma4"], image_processor)
+    pixels = image_processor(images=[Image.new("RGB", (28, 28)), Image.new("RGB", (56, 28))], return_tensors="pt")
+    tokens = pixels.pop("num_soft_tokens_per_image").tolist()
+    assert tokens == [64, 55]
+    with_images = torch.zeros(2, 80, dtype=torch.long) + 20
+    with_images[0, 1:65] = with_images[1, 1:56] = model.config.image_token_id
+    measured_with = flop_counter_total(model, input_ids=with_images, **pixels,
+                                       mm_token_type_ids=(with_images == model.config.image_token_id).long())
+    measured_without = flop_counter_total(model, input_ids=torch.zeros(2, 80, dtype=torch.long) + 20)
+    assert [image_flops(vision, count)[1] for count in tokens] == [630, 630]
+    assert measured_with - measured_without == pytest.approx(sum(image_flops(vision, count)[0] for count in tokens),
+                                                             rel=1e-9)
+
+
 # ---- preprocess --show ---------------------------------------------------------------------------------------
 def test_preprocess_show_collapses_each_images_tokens(tmp_path, llava_dir):
     rows = caption_rows(tmp_path, 3, seed=2)

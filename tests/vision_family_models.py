@@ -1,6 +1,7 @@
 """Tiny Gemma 3, Idefics3, SmolVLM, Mllama and Mistral 3 models and processors, built here from configs (nothing downloaded):
 hidden sizes of 32–64, one or two layers, 28-pixel vision patches (Qwen3-VL/3.5: 16-pixel, as theirs are), and
-Qwen3-VL, Qwen3.5 and InternVL folders with their image processor and tokenizer (their processors need torchvision).
+Qwen3-VL, Qwen3.5 and InternVL folders with their image processor and tokenizer (their processors need torchvision),
+and PaddleOCR-VL with its whole processor.
 test_vision_families.py trains them."""
 
 from __future__ import annotations
@@ -268,4 +269,80 @@ def save_internvl(target: Path) -> Path:
         image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"), image_seq_length=1, downsample_ratio=0.5)
     torch.manual_seed(0)
     InternVLForConditionalGeneration(config).save_pretrained(target)
+    return target
+
+
+# PaddleOCR-VL's hub template (PaddlePaddle/PaddleOCR-VL, ERNIE's turns) over text content: the content as it is
+PADDLEOCR_VL_TEMPLATE = ("<|begin_of_sentence|>{% for message in messages %}{% if message['role'] == 'user' %}"
+                         "{{ 'User: ' + message['content'] + '\n' }}{% elif message['role'] == 'assistant' %}"
+                         "{{ 'Assistant: ' + message['content'] + '<|end_of_sentence|>' }}{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}")
+
+
+def save_paddleocr_vl(target: Path) -> Path:
+    """PaddleOCR-VL: a 1-layer NaViT tower over 14-pixel patches (a 4×4 grid of learned positions, interpolated),
+    its projector merging 2×2 patches to a token, 28×28..56×56 pixels (1–4 image tokens), a 2-layer ERNIE decoder
+    with M-RoPE. Its processor needs no torchvision: the folder holds it whole."""
+    import torch
+    from transformers import PaddleOCRVLConfig, PaddleOCRVLForConditionalGeneration, PaddleOCRVLImageProcessorPil
+    from transformers import PaddleOCRVLProcessor
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "<|begin_of_sentence|>", "<|end_of_sentence|>", "<|IMAGE_START|>",
+                "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<|video_pad|>"]
+    tokenizer = tiny_tokenizer(specials, "</s>", "<pad>", bos_token="<s>", unk_token="<unk>",
+                               extra_special_tokens={"image_token": "<|IMAGE_PLACEHOLDER|>"})
+    tokenizer.chat_template = PADDLEOCR_VL_TEMPLATE
+    images = PaddleOCRVLImageProcessorPil(size={"shortest_edge": 28 * 28, "longest_edge": 56 * 56})
+    PaddleOCRVLProcessor(image_processor=images, tokenizer=tokenizer,
+                         chat_template=PADDLEOCR_VL_TEMPLATE).save_pretrained(target)
+    ids = tokenizer.convert_tokens_to_ids
+    config = PaddleOCRVLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         pad_token_id=ids("<pad>"), bos_token_id=ids("<s>"), eos_token_id=ids("</s>")),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=56, patch_size=14, spatial_merge_size=2),
+        image_token_id=ids("<|IMAGE_PLACEHOLDER|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|IMAGE_START|>"), vision_end_token_id=ids("<|IMAGE_END|>"))
+    torch.manual_seed(0)
+    PaddleOCRVLForConditionalGeneration(config).save_pretrained(target)
+    return target
+
+
+def save_gemma4(target: Path) -> Path:
+    """Gemma 4: a 1-layer tower over 4-pixel patches pooled 3×3 to a soft token, each image resized in proportion
+    within max_soft_tokens 70 (the least its image processor takes: 630 patches; a 28×28 square is 96×96 pixels, 64
+    soft tokens), a 2-layer decoder whose image tokens attend both ways (use_bidirectional_attention "vision", as
+    the larger models'). Its Gemma4Processor needs torchvision (videos): the folder holds the tokenizer (the image
+    tokens the processor reads from it) and the PIL image processor."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4ImageProcessorPil
+
+    from tuneloop.data.chat_template_texts import GEMMA4
+
+    specials = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>", "<|video|>",
+                "<|audio>", "<audio|>", "<|audio|>"]
+    tokenizer = tiny_tokenizer(specials, "<eos>", "<pad>", bos_token="<bos>", extra_special_tokens={
+        "image_token": "<|image|>", "boi_token": "<|image>", "eoi_token": "<image|>", "audio_token": "<|audio|>",
+        "boa_token": "<|audio>", "eoa_token": "<audio|>"})
+    tokenizer.chat_template = GEMMA4
+    tokenizer.save_pretrained(target)
+    Gemma4ImageProcessorPil(patch_size=4, max_soft_tokens=70, pooling_kernel_size=3).save_pretrained(target)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Gemma4Config(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=512,
+                         layer_types=["sliding_attention", "full_attention"], max_position_embeddings=512,
+                         hidden_size_per_layer_input=0, vocab_size_per_layer_input=len(tokenizer),
+                         use_bidirectional_attention="vision", pad_token_id=ids("<pad>"), eos_token_id=ids("<eos>"),
+                         bos_token_id=ids("<bos>")),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=3,
+                           position_embedding_size=64),
+        audio_config=None, boi_token_id=ids("<|image>"), eoi_token_id=ids("<image|>"),
+        image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"), boa_token_id=ids("<|audio>"),
+        eoa_token_index=ids("<audio|>"), audio_token_id=ids("<|audio|>"))
+    torch.manual_seed(0)
+    Gemma4ForConditionalGeneration(config).save_pretrained(target)
     return target

@@ -514,17 +514,20 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                       matmul_only_trained=sum(p.numel() for p in matmul_only_weights(model, cfg)),
                       hidden_matrices_trained=hidden_matrices_trained(model),
                       module_classes=classes, layer_classes=layer_classes, quantizable=quantizable, experts=experts,
-                      vision=_vision_weights(cfg, kind, model, config))
+                      vision=_vision_weights(cfg, kind, model, config, tokenizer))
 
 
-def _vision_weights(cfg: TuneloopConfig, kind: ModelKind, model, config):
-    """A vision-language model's image side, stage by stage, for the plan's FLOPs (plan/flops.py)."""
+def _vision_weights(cfg: TuneloopConfig, kind: ModelKind, model, config, tokenizer=None):
+    """A vision-language model's image side, stage by stage, for the plan's FLOPs (plan/flops.py), with the run's
+    image processor where the tokenizer carries it (Gemma 4's tower runs as many positions as it says)."""
     if kind != VISION_LANGUAGE:
         return None
-    from tuneloop.data.images import vision_family
+    from tuneloop.data.images import image_inputs_of, vision_family
     from tuneloop.plan.flops import vision_weights
 
-    return vision_weights(model, config, vision_family(config, cfg.base_model or cfg.base_model_config))
+    images = image_inputs_of(tokenizer)
+    return vision_weights(model, config, vision_family(config, cfg.base_model or cfg.base_model_config),
+                          images.image_processor if images is not None else None)
 
 
 def hidden_matrices_trained(model) -> int:

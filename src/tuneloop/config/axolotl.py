@@ -33,9 +33,10 @@ FEATURES = {
     "ray": ("launching on a Ray cluster", "launching on a Ray cluster (`use_ray`, `ray_num_workers`, "
             "`resources_per_worker`): tuneloop is launched with torchrun on each node (examples/slurm/ on Slurm)"),
     "multimodal": ("multimodal models", "multimodal models beyond LLaVA, Qwen2-VL/Qwen2.5-VL/Qwen3-VL/Qwen3.5, "
-                   "InternVL, Gemma 3, Mllama, Idefics3/SmolVLM and Mistral 3 (Gemma 3n/4, Llama 4, LFM2-VL, "
-                   "PaddleOCR-VL, ...), audio and video parts, packing of Qwen's, Gemma 3's and Mllama's "
-                   "rows, and streaming or preference training of vision-language models"),
+                   "InternVL, PaddleOCR-VL, Gemma 3/4, Mllama, Idefics3/SmolVLM and Mistral 3 (Gemma 3n, Gemma 4 "
+                   "unified, Llama 4 and LFM2-VL need torchvision or timm; GLM-4.6V, ...), audio and video parts, "
+                   "packing of Qwen's, Gemma's and Mllama's rows, and streaming or preference training of "
+                   "vision-language models"),
     "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading, "
                      "MXFP4 dequantized at load and int4/int8 QAT (GPTQ, torchao loading, fp8, NVFP4/MXFP4 QAT, QAT "
                      "under FSDP2 or DeepSpeed, 1-bit models)"),

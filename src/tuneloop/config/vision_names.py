@@ -15,16 +15,25 @@ from pathlib import Path
 
 # model types tuneloop trains (data/images.py's VISION_FAMILIES; kept here too so `check` stays torch-free: a test
 # holds the two equal)
-TRAINED_VISION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "idefics3", "smolvlm", "mllama", "mistral3",
-                        "qwen3_vl", "qwen3_5", "qwen3_5_moe", "internvl")
-TRAINED_VISION_WORDS = ("LLaVA, Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5, InternVL, Gemma 3, Idefics3 / SmolVLM, "
-                        "Llama 3.2 Vision (Mllama) and "
+TRAINED_VISION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "gemma4", "idefics3", "smolvlm", "mllama",
+                        "mistral3", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "internvl", "paddleocr_vl")
+TRAINED_VISION_WORDS = ("LLaVA, Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5, InternVL, Gemma 3 / Gemma 4, "
+                        "Idefics3 / SmolVLM, "
+                        "Llama 3.2 Vision (Mllama), PaddleOCR-VL and "
                         "Mistral 3 (Pixtral vision)")
 # families tuneloop knows and does not train, with why where it is more than "not yet" (`check` and the model's
 # config say it)
 VISION_FAMILY_WHY_NOT = {
+    # (timm builds MobileNetV5 on torchvision: it installs torchvision with it)
+    "gemma3n": "Gemma 3n's vision tower is timm's MobileNetV5, and timm needs torchvision, which tuneloop does not "
+               "depend on (its audio side is not trained either)",
+    "gemma4_unified": "the image processor of Gemma 4 unified (gemma-4-12B) is in transformers only as a torchvision "
+                      "one, with no PIL twin, and tuneloop reads images without torchvision (not one of its "
+                      "dependencies)",
     "lfm2_vl": "LFM2-VL's image processor is in transformers only as a torchvision one, with no PIL twin, and "
                "tuneloop reads images without torchvision (not one of its dependencies)",
+    "llama4": "Llama 4's image processor (its tiles and their image text) is in transformers only as a torchvision "
+              "one, with no PIL twin, and tuneloop reads images without torchvision (not one of its dependencies)",
 }
 
 # hub-id patterns (case-insensitive) -> (model type, family in words); the first match wins
@@ -35,6 +44,7 @@ FAMILY_NAMES = (
     (r"qwen3\.5|qwen3_5", "qwen3_5", "Qwen3.5 (vision)"),
     (r"qwen3-vl", "qwen3_vl", "Qwen3-VL"),
     (r"gemma-3n", "gemma3n", "Gemma 3n"),
+    (r"gemma-4-12b", "gemma4_unified", "Gemma 4 unified"),  # (transformers' gemma4_unified: google/gemma-4-12B-it)
     (r"gemma-4", "gemma4", "Gemma 4"),
     (r"gemma-3", "gemma3", "Gemma 3"),
     (r"llama-3\.2-\d+b-vision", "mllama", "Llama 3.2 Vision (Mllama)"),

@@ -210,8 +210,11 @@ def _content_text(content, row: SourceRow, number: int, image_placeholder: str |
             else:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 can = "'text' and 'image'" if image_placeholder is not None else "'text' (this is a text-only model)"
+                # (Gemma 4's and Gemma 3n's audio towers, video frames: tuneloop trains the image side alone)
+                beyond = (f"; {kind} asks for multimodal models beyond images, which tuneloop does not do yet"
+                          if kind in ("audio", "input_audio", "video") else "")
                 raise UserError(f"data: {row.where}: message {number} has a content part of type {kind!r}; this "
-                                f"model takes parts of type {can}")
+                                f"model takes parts of type {can}{beyond}")
         return "".join(texts)
     if content is None or isinstance(content, dict):
         raise UserError(f"data: {row.where}: message {number} has content {content!r}; expected text")

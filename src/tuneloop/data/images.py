@@ -40,7 +40,8 @@ class VisionFamily:
     # "cross" (Mllama: the one token stays; the decoder reads the image through cross-attention) or "framed"
     # (InternVL: the two framing tokens around the image token, as many times as the image's tiles have tokens);
     # "rows" (Mistral 3's Pixtral: per row of the resized image a row of image tokens and [IMG_BREAK], the last
-    # break [IMG_END])
+    # break [IMG_END]); "soft" (Gemma 4: start and end of image around as many soft tokens as the image, resized
+    # within the image processor's budget, has pooled patches)
     layout: str = "repeat"
     marker: str = ""  # the token the chat text holds per image, which the processor replaces ("": image_token)
     nested: bool = False  # the image processor takes each row's images as one list (its tensors are per row)
@@ -89,6 +90,15 @@ VISION_FAMILIES = {
     # grid, row by row; its vision tower and projector (the patch merger is in it)
     "mistral3": VisionFamily("mistral3", "[IMG]", "[IMG]", ("[IMG_BREAK]", "[IMG_END]"),
                              ("vision_tower", "multi_modal_projector"), layout="rows", packs=True),
+    # Gemma 4 (gemma-4-E2B/E4B/26B-A4B/31B): its template writes <|image|> for an image; the processor writes <|image>,
+    # a soft token per pooled patch of the image, <image|>. Its vision tower and the projection into the decoder
+    "gemma4": VisionFamily("gemma4", "<|image|>", "<|image|>", ("<|image>", "<image|>"),
+                           ("vision_tower", "embed_vision"), layout="soft"),
+    # PaddleOCR-VL (a NaViT tower on ERNIE-4.5): Qwen2-VL's arithmetic (14-pixel patches, 2×2 merged to a token by
+    # its projector) and M-RoPE over the row, under its own image tokens
+    "paddleocr_vl": VisionFamily("paddleocr_vl", "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
+                                 "<|IMAGE_PLACEHOLDER|>", ("<|IMAGE_START|>", "<|IMAGE_END|>"),
+                                 ("visual", "projector")),
 }
 
 
@@ -244,6 +254,9 @@ SHRINKS.update(qwen2_5_vl=SHRINKS["qwen2_vl"], smolvlm=SHRINKS["idefics3"],
 # Mistral 3: an image whose longer side is N pixels is at most (N / 28)² image tokens (14-pixel patches merged 2×2)
 SHRINKS["mistral3"] = ("processor_kwargs: {{size: {{longest_edge: N}}}} (an image is at most (N / 28)² image tokens) "
                        "or image_size")
+SHRINKS["paddleocr_vl"] = SHRINKS["qwen2_vl"]  # (14-pixel patches merged 2×2, max_pixels its image processor's too)
+# Gemma 4: every image is resized to fill max_soft_tokens (70, 140, 280, 560 or 1120), whatever its size
+SHRINKS["gemma4"] = "processor_kwargs: {{max_soft_tokens: 70}} (at most 70 image tokens an image)"
 
 
 def check_images_fit(counts: list[int], references: list[str], sizes: list[tuple[int, int]], sequence_len: int,
@@ -352,6 +365,9 @@ class ImageInputs:
             return self.processor.replace_image_token({"num_crops": [0]}, 0)
         if family.layout == "rows":
             return self.pixtral_rows(height, width)
+        if family.layout == "soft":
+            start, end = family.framing
+            return start + family.image_token * self.gemma4_soft_tokens(height, width) + end
         if family.layout == "framed":  # InternVL: its tiles (and thumbnail), tile_tokens each, between the framing
             tiles = self.image_processor.get_number_of_image_patches(height, width, dict(family.image_kwargs))
             start, end = family.framing
@@ -415,6 +431,24 @@ class ImageInputs:
         row_break, end = self.family.framing
         return ((self.family.image_token * cols + row_break) * rows)[:-len(row_break)] + end
 
+    def gemma4_soft_tokens(self, height: int, width: int) -> int:
+        """Gemma 4: the soft tokens of an image of this size, as its image processor makes them (its processor needs
+        torchvision for videos): resized in proportion to at most max_soft_tokens × pooling² patches, each side a
+        whole number of pooling × patch pixels, then pooled by pooling² patches to a token; its own function."""
+        from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
+
+        images = self.image_processor
+        pooling, patch = images.pooling_kernel_size, images.patch_size
+        if not images.do_resize:  # (the image as it is, cut to whole patches)
+            return (height // patch) * (width // patch) // pooling ** 2
+        try:
+            resized = get_aspect_ratio_preserving_size(height, width, patch, images.max_soft_tokens * pooling ** 2,
+                                                       pooling)
+        except ValueError as error:  # (an image too long and thin for the budget: the image processor raises too)
+            raise UserError(f"data: an image of {width}×{height} pixels cannot be resized for Gemma 4's image "
+                            f"processor: {error}; crop or pad it") from None
+        return (resized[0] // patch) * (resized[1] // patch) // pooling ** 2
+
     def batch_inputs(self, input_ids, references: list[list[str]]) -> dict:
         """A micro-batch's image inputs: its rows' images (as one list per row where the family's tensors are per
         row), and what the family reads beside them: Gemma 3's token types (image tokens attend to each other both
@@ -427,10 +461,13 @@ class ImageInputs:
             inputs = self.pixel_inputs([reference for row in references for reference in row])
         else:
             inputs = dict(self.image_processor(images=[self.opened(row) for row in references], return_tensors="pt"))
-        for unused in ("num_crops", "rows", "cols", "num_patches"):
+        for unused in ("num_crops", "rows", "cols", "num_patches", "num_soft_tokens_per_image"):
             inputs.pop(unused, None)
         if self.family.layout == "gemma3":
             inputs["token_type_ids"] = (input_ids == self.never_trained[0]).long()
+        if self.family.layout == "soft":  # Gemma 4: its larger models' image tokens attend to each other both ways
+            # (use_bidirectional_attention "vision"), each image's run of them found by these types
+            inputs["mm_token_type_ids"] = (input_ids == self.never_trained[0]).long()
         if "image_grid_thw" in inputs:  # Qwen2-VL/2.5-VL's and Qwen3-VL's M-RoPE finds the image tokens by these
             # types (transformers 5.24: without them Qwen2-VL and Qwen3-VL raise, and Qwen2.5-VL silently gives the
             # image tokens text positions)

@@ -267,7 +267,11 @@ def mfu(real_tokens_per_second: float | None, per_token: float | None, peak: flo
 #   where a trained weight comes before it. A frozen tower and projector (`freeze_mm_modules`, or LoRA on the
 #   language model only) cost their forward alone; LLaVA's layers after `vision_feature_layer` run forward only.
 # (Qwen3-VL's DeepStack mergers: per image token too, each over a middle layer's merged patches)
-PROJECTOR_PARTS = ("multi_modal_projector", "connector", "merger", "deepstack_merger_list")
+# (Gemma 4: every patch of its image processor's budget, max_soft_tokens × pooling², padding included; its
+# pooler's matmul averages them into max_soft_tokens; its embed_vision projects the image's own soft tokens)
+PROJECTOR_PARTS = ("multi_modal_projector", "connector", "merger", "deepstack_merger_list",
+                   "projector",  # (PaddleOCR-VL's: its 2×2 patch merge and MLP, once per image token)
+                   "embed_vision")  # (Gemma 4's projection of each soft token into the decoder)
 
 
 @dataclass(frozen=True)
@@ -293,6 +297,9 @@ class VisionWeights:
     context: int = 0  # positions one attends to within a tile (Idefics3); 0: the whole image
     window: int = 0  # Qwen2.5-VL: positions of a window in its windowed layers
     full_layers: tuple[int, ...] = ()  # Qwen2.5-VL: the layers that attend over the whole image
+    # Gemma 4: the soft tokens its pooler averages every position into, by a matmul (a one-hot matrix of them ×
+    # the positions, 2 FLOPs per pooled token, position and width; its input gradient where the tower trains)
+    pooled: int = 0
     why_not: str | None = None  # where the image side is not counted
 
     def weights(self, stage: str | None = None) -> tuple[int, int]:
@@ -301,9 +308,10 @@ class VisionWeights:
         return (sum(w for w, t in chosen if not t), sum(w for w, t in chosen if t))
 
 
-def vision_weights(model, config, family) -> VisionWeights:
+def vision_weights(model, config, family, image_processor=None) -> VisionWeights:
     """The image side's matmuls in forward order (the modules' order), from the model as it is built (adapter and
-    freezing included: the meta-device copy of model.model_facts)."""
+    freezing included: the meta-device copy of model.model_facts). `image_processor`: the run's, where the positions
+    the tower runs are its setting (Gemma 4's max_soft_tokens)."""
     import torch
 
     def as_counted(module) -> bool:  # model.count_matmul_weights's rule
@@ -336,7 +344,7 @@ def vision_weights(model, config, family) -> VisionWeights:
                 counted[int(weight.requires_grad)] += weight.numel()
             if in_projector:
                 stage, layer = "projector", -1
-            elif conv:
+            elif conv or "patch_embedder" in parts:  # (Gemma 4's patch embedding is a Linear over each patch)
                 stage, layer = "patch", -1
             elif layers_name is not None and name.startswith(layers_name + "."):
                 stage, layer = "layer", int(name[len(layers_name) + 1:].split(".")[0])
@@ -351,17 +359,20 @@ def vision_weights(model, config, family) -> VisionWeights:
     width = getattr(vision, "embed_dim", None) or vision.hidden_size
     return VisionWeights(family.name, tuple(matmuls), len(layer_list), width,
                          gradient_layers=_gradient_layers(config, len(layer_list)), in_text_count=tuple(counted),
-                         **_vision_shape(config, family.name, len(layer_list)))
+                         **_vision_shape(config, family.name, len(layer_list), image_processor))
 
 
-def _vision_shape(config, family: str, layers: int) -> dict:
+def _vision_shape(config, family: str, layers: int, image_processor=None) -> dict:
     """How many positions the tower runs per image, and how far each attends (see the notes above)."""
     vision = config.vision_config
+    if family == "gemma4":
+        return _gemma4_shape(vision, image_processor)
     if family in ("llava", "gemma3"):
         patches = (vision.image_size // vision.patch_size) ** 2
         cls = 1 if vision.model_type == "clip_vision_model" else 0  # (CLIP's class position; SigLIP has none)
         return {"fixed_positions": patches + cls, "cls": cls}
-    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe"):
+    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "paddleocr_vl"):
+        # (PaddleOCR-VL's tower runs the patch grid too, each image apart; its projector merges 2×2 after it)
         merge = vision.spatial_merge_size
         if family != "qwen2_5_vl":  # (Qwen2-VL's and Qwen3-VL's blocks all attend over the whole image)
             return {"positions_per_token": merge ** 2}
@@ -380,6 +391,17 @@ def _vision_shape(config, family: str, layers: int) -> dict:
     if family == "mistral3":  # Pixtral: the patch grid before the projector's patch merger, merge² patches a token
         return {"positions_per_token": config.spatial_merge_size ** 2}
     return {"why_not": f"not counted for {family}'s vision tower yet"}
+
+
+def _gemma4_shape(vision, image_processor) -> dict:
+    """Gemma 4: its image processor pads every image's patches to max_soft_tokens × pooling² (the budget the image
+    was resized within), and the tower runs them all (the padding masked out of attention, not out of the
+    matmuls); its pooler averages them into max_soft_tokens, of which the image's own are kept."""
+    if image_processor is None:
+        return {"why_not": "not counted for gemma4's vision tower without its image processor (the positions it runs "
+                           "are the processor's max_soft_tokens)"}
+    pooled = image_processor.max_soft_tokens
+    return {"fixed_positions": pooled * vision.pooling_kernel_size ** 2, "pooled": pooled}
 
 
 def _side(size) -> int:
@@ -438,6 +460,9 @@ def image_flops(vision: VisionWeights, tokens: int) -> tuple[float, int]:
                      if stage == "patch" or stage == "layer" and index <= layer)
         backward = before and layer < vision.gradient_layers
         flops += positions * 4 * vision.width * attends * (3 if backward else 1)
+    tower_trained = any(trained for stage, index, _, trained in vision.matmuls
+                        if stage in ("patch", "other") or stage == "layer" and index < vision.gradient_layers)
+    flops += vision.pooled * positions * 2 * vision.width * (2 if tower_trained else 1)  # (Gemma 4's pooler)
     for stage, layer, weights, trained in vision.matmuls:
         # (the pooling head's output is never read by these families: no gradient reaches it)
         reached = stage not in ("layer", "pooling") or layer < vision.gradient_layers
