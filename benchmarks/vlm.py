@@ -9,6 +9,8 @@ answers are of mixed length. Both rows of the table read the same files:
   tuneloop     fp32   tuneloop's real run (tuneloop.run.TrainingSession, what `tuneloop train` runs), `bf16: false`:
                       its token cache keeps the rows' text tokens and image references; the collator reads and
                       processes a micro-batch's images
+  tuneloop_bf16, trl_sft_bf16: the same pair at each tool's bf16 (tuneloop `bf16: auto`, TRL `bf16=True`), where the
+                      CPU computes bf16 natively; each against the TRL row of its own precision
   trl_sft      fp32   TRL's SFTTrainer as its docs set up a VLM: a `datasets` Dataset of `messages` and `images`
                       (an Image feature over the same PNG files), the processor as processing_class, TRL's own
                       DataCollatorForVisionLanguageModeling (it renders, tokenizes and processes each batch), and
@@ -45,7 +47,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import BenchHooks, child_env, peak_memory_mb  # noqa: E402  (light: torch loads in the children)
 
-VARIANTS = {"tuneloop": "fp32", "trl_sft": "fp32"}
+# variant -> its precision as the table says it; the bf16 pair runs where the CPU computes bf16 natively (else the
+# table says why it is left out): tuneloop at its default `bf16: auto` (its plan's choice), TRL with `bf16=True`
+VARIANTS = {"tuneloop": "fp32", "trl_sft": "fp32", "tuneloop_bf16": "bf16: auto", "trl_sft_bf16": "bf16"}
+PEER = {"tuneloop": "trl_sft", "trl_sft": "trl_sft", "tuneloop_bf16": "trl_sft_bf16", "trl_sft_bf16": "trl_sft_bf16"}
 PRESETS = {
     "quick": dict(train_rows=16, eval_rows=8, micro_batch_size=4, gradient_accumulation_steps=1, rounds=1),
     "default": dict(train_rows=64, eval_rows=16, micro_batch_size=4, gradient_accumulation_steps=2, rounds=3),
@@ -213,6 +218,7 @@ def run_child(job: dict, variant: str, round_index: int, threads: int, timeout: 
 
 def summarise(runs: dict[str, list[dict]]) -> list[dict]:
     rows, rounds = [], len(runs["tuneloop"])
+    runs = {name: got for name, got in runs.items() if got}
     speed = lambda r: r["real_tokens"] / r["train_seconds"]  # noqa: E731
     for name, got in runs.items():
         rows.append({
@@ -225,9 +231,10 @@ def summarise(runs: dict[str, list[dict]]) -> list[dict]:
             "padding_fraction": round(1 - got[0]["real_tokens"] / got[0]["computed_tokens"], 4),
             "peak_mem_mb": round(statistics.median(r["peak_mem_mb"] for r in got), 1),
             "final_loss": round(statistics.median(r["eval_loss"] for r in got), 4),
-            "ratio_vs_trl": round(statistics.median(speed(got[i]) / speed(runs["trl_sft"][i])
+            # (against the TRL row of the same precision)
+            "ratio_vs_trl": round(statistics.median(speed(got[i]) / speed(runs[PEER[name]][i])
                                                     for i in range(rounds)), 3),
-            "memory_vs_trl": round(statistics.median(got[i]["peak_mem_mb"] / runs["trl_sft"][i]["peak_mem_mb"]
+            "memory_vs_trl": round(statistics.median(got[i]["peak_mem_mb"] / runs[PEER[name]][i]["peak_mem_mb"]
                                                      for i in range(rounds)), 3),
             "per_round": [{k: r[k] for k in ("real_tokens", "train_seconds", "steps", "peak_mem_mb", "eval_loss")}
                           for r in got]})
@@ -242,13 +249,13 @@ def print_table(job: dict, rows: list[dict], threads: int) -> None:
           f"{job['micro_batch_size']} x {job['gradient_accumulation_steps']}, 1 epoch, lr {LEARNING_RATE:g} cosine, "
           f"cpu, {job['rounds']} round(s), {threads} thread(s)")
     print(f"   final loss = eval loss per target token on the {data['eval_rows']} held-out rows (same function for "
-          "both); x trl = within a round, then the median")
-    head = (f"{'variant':<10}{'precision':>10}{'real tok/s':>11}{'s/step':>8}{'steps':>6}{'pad %':>7}"
+          "every row); x trl = against the TRL row of the same precision, within a round, then the median")
+    head = (f"{'variant':<14}{'precision':>11}{'real tok/s':>11}{'s/step':>8}{'steps':>6}{'pad %':>7}"
             f"{'targets':>8}{'peak MB':>9}{'final loss':>11}{'x trl tok/s':>12}{'x trl mem':>10}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['name']:<10}{r['precision']:>10}{r['real_tokens_per_s']:>11.1f}{r['seconds_per_step']:>8.3f}"
+        print(f"{r['name']:<14}{r['precision']:>11}{r['real_tokens_per_s']:>11.1f}{r['seconds_per_step']:>8.3f}"
               f"{r['steps']:>6}{100 * r['padding_fraction']:>7.1f}{r['targets']:>8}{r['peak_mem_mb']:>9.0f}"
               f"{r['final_loss']:>11.4f}{r['ratio_vs_trl']:>12.2f}{r['memory_vs_trl']:>10.2f}")
     tokens = {(r["real_tokens"], r["image_tokens"]) for r in rows}
@@ -301,7 +308,8 @@ def child_tuneloop(job: dict) -> dict:
     from tuneloop.run import TrainingSession, load_run_config
 
     hooks = VisionBenchHooks(job["image_token_id"])
-    with TrainingSession(load_run_config(job["config_path"], [f"output_dir={job['output_dir']}"]), hooks) as session:
+    overrides = [f"output_dir={job['output_dir']}"] + (["bf16=auto"] if job["variant"].endswith("_bf16") else [])
+    with TrainingSession(load_run_config(job["config_path"], overrides), hooks) as session:
         result = session.run(overwrite=True)
     if result.error is not None or "model" not in hooks.kept:
         raise SystemExit(f"tuneloop train failed: {result.error or 'no final model'}")
@@ -378,7 +386,8 @@ def child_trl(job: dict) -> dict:
     args = SFTConfig(output_dir=job["output_dir"], per_device_train_batch_size=job["micro_batch_size"],
                      gradient_accumulation_steps=job["gradient_accumulation_steps"], num_train_epochs=1,
                      learning_rate=LEARNING_RATE, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0,
-                     max_grad_norm=1.0, optim="adamw_torch_fused", seed=SEED, bf16=False, use_cpu=True,
+                     max_grad_norm=1.0, optim="adamw_torch_fused", seed=SEED,
+                     bf16=job["variant"].endswith("_bf16"), use_cpu=True,
                      gradient_checkpointing=False, assistant_only_loss=True, max_length=None, logging_steps=1,
                      report_to="none", save_strategy="no")
     trainer = SFTTrainer(model=model, args=args, train_dataset=trl_dataset(job["train_file"]),
@@ -394,7 +403,7 @@ def child_trl(job: dict) -> dict:
 
 def child_main(job_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
-    result = child_tuneloop(job) if job["variant"] == "tuneloop" else child_trl(job)
+    result = child_tuneloop(job) if job["variant"].startswith("tuneloop") else child_trl(job)
     Path(job["result_file"]).write_text(json.dumps(result))
 
 
@@ -430,15 +439,20 @@ def main(argv=None) -> int:
         expected_rows = sorted(job.pop("rows_tokens"))
         print(f"prepared {job['data']['train_rows']} train / {job['data']['eval_rows']} held-out rows in "
               f"{time.perf_counter() - started:.1f} s (workdir {root})", flush=True)
-        runs = {name: [] for name in VARIANTS}
+        from tuneloop.hardware import native_bf16
+
+        variants = [name for name in VARIANTS if native_bf16() or not name.endswith("_bf16")]
+        if len(variants) < len(VARIANTS):
+            print("  bf16 rows left out: this CPU has no native bf16 (its bf16 products would be emulated)")
+        runs = {name: [] for name in variants}
         for round_index in range(job["rounds"]):
-            for name in VARIANTS:
+            for name in variants:
                 t0 = time.perf_counter()
                 result = run_child(job, name, round_index, args.threads, args.timeout)
                 if "rows" in result and result.pop("rows") != expected_rows:
                     raise SystemExit("TRL's collator made other token rows than tuneloop's cache: unfair comparison")
                 runs[name].append(result)
-                print(f"  round {round_index + 1}/{job['rounds']} {name:<9} {result['real_tokens']:>7} real tokens "
+                print(f"  round {round_index + 1}/{job['rounds']} {name:<13} {result['real_tokens']:>7} real tokens "
                       f"in {result['train_seconds']:.2f} s ({result['steps']} steps; eval loss "
                       f"{result['eval_loss']:.4f}; process {time.perf_counter() - t0:.1f} s)", flush=True)
         rows = summarise(runs)
