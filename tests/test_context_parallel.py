@@ -9,26 +9,15 @@ import json
 
 import pytest
 import torch
-from conftest import (assert_user_error, base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows,
-                      write_config, write_jsonl)
+from conftest import assert_user_error, base_config, read_metrics, run_in_process, run_two_ranks, write_config
+# (the tensor-parallel test's FSDP2 keys, rows (the `data` fixture), plan call, steps and measure)
+from test_tensor_parallel import FSDP, STEPS, data, planned, relative_difference  # noqa: F401  (data: a fixture)
 
 from tuneloop.data.collate import MicroBatch
 from tuneloop.engines.context_parallel import WHOLE_POSITIONS, ContextShare, check_context_parallel
 from tuneloop.errors import UserError
 
 CP = {"context_parallel_size": 2}
-FSDP = {"fsdp_version": 2, "fsdp_config": {"transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-                                           "state_dict_type": "SHARDED_STATE_DICT"}}
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return write_jsonl(tmp_path_factory.mktemp("data") / "train.jsonl", tiny_rows(64, seed=5))
-
-
-def planned(tmp_path, tiny_model_dir, data, world: int, name: str, **keys):
-    config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path, tiny_model_dir, data, **keys))
-    return run_in_process("plan", str(config), "--json", "--world-size", str(world))
 
 
 # ---- what it cannot run -------------------------------------------------------------------------------------------
@@ -107,18 +96,7 @@ def test_the_plan_counts_one_data_rank_halves_activations_and_adds_the_all_to_al
     assert "split over 2 context-parallel ranks" in cp["engine"] and "Ulysses all-to-alls" in cp["attention"]
 
 
-# ---- 2 gloo ranks, cp 2, against one process --------------------------------------------------------------------
-STEPS = {"optimizer": "adamw_torch", "learning_rate": 1e-2, "max_grad_norm": 1.0, "max_steps": 4,
-         "lr_scheduler": "cosine", "warmup_steps": 1, "num_epochs": 1, "micro_batch_size": 2,
-         "gradient_accumulation_steps": 2}
-
-
-def relative_difference(a: dict, b: dict) -> float:
-    assert set(a) == set(b)
-    num = sum(float((a[k] - b[k]).pow(2).sum()) for k in a)
-    return (num / sum(float(a[k].pow(2).sum()) for k in a)) ** 0.5
-
-
+# ---- 2 gloo ranks, cp 2, against one process (the tensor-parallel test's steps and measure) ------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["packed rows on DDP", "padded rows on FSDP2"])
 def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_model_dir, data, layout):
