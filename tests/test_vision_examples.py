@@ -15,12 +15,13 @@ from test_axolotl_configs import EXAMPLES, asks_for_vision, check
 from test_vision_language import caption_rows, save_llava, save_qwen2_vl
 from vision_family_models import (save_gemma3, save_idefics3, save_internvl, save_mistral3, save_mllama,
                                   save_qwen3_5, save_qwen3_5_moe, save_qwen3_vl, save_smolvlm)
-from vision_family_models import save_gemma4
+from vision_family_models import save_gemma4, save_qwen3_vl_moe
 
 TWINS = {"llava": save_llava, "qwen2_vl": save_qwen2_vl, "qwen2_5_vl": lambda d: save_qwen2_vl(d, version="2.5"),
          "gemma3": save_gemma3, "idefics3": save_idefics3, "smolvlm": save_smolvlm, "mllama": save_mllama,
          "mistral3": save_mistral3, "qwen3_vl": save_qwen3_vl, "qwen3_5": save_qwen3_5,
-         "qwen3_5_moe": save_qwen3_5_moe, "internvl": save_internvl, "gemma4": save_gemma4}
+         "qwen3_5_moe": save_qwen3_5_moe, "qwen3_vl_moe": save_qwen3_vl_moe, "internvl": save_internvl,
+         "gemma4": save_gemma4}
 
 
 def trained_family_examples() -> list[str]:

@@ -1,7 +1,8 @@
 """More vision-language families (data/images.py's VISION_FAMILIES): Gemma 3 (soft tokens framed by start/end of image,
 token types for its two-way attention over an image), Idefics3 and SmolVLM (images split into tiles and a global
 image, row-col tags), Mllama (one `<|image|>` token, cross-attention over the image's tiles), Qwen3-VL and Qwen3.5
-(Qwen2-VL's image pads and M-RoPE inputs; Qwen3.5's linear-attention decoder, dense and mixture-of-experts), InternVL
+(Qwen2-VL's image pads and M-RoPE inputs; Qwen3.5's linear-attention decoder, dense and mixture-of-experts; Qwen3-VL
+on a mixture of experts too), GLM-4.1V / GLM-4.5V (the same under its own image tokens), InternVL
 (tiles and a thumbnail between <img> and </img>), PaddleOCR-VL (Qwen2-VL's arithmetic under its own image
 tokens; Llama 4 is refused: its image processor needs torchvision). Each runs on a tiny model
 and processor built from configs (tests/vision_family_models.py, nothing downloaded) over coloured squares: the
@@ -21,8 +22,9 @@ from conftest import assert_user_error, read_metrics, run_in_process, write_conf
 from test_vision_language import COLOURS, QUESTION, caption_rows, plan_of, vlm_config
 from vision_family_models import save_gemma3, save_idefics3, save_mistral3, save_mllama, save_smolvlm
 from vision_family_models import save_internvl, save_qwen3_5, save_qwen3_5_moe, save_qwen3_vl
+from vision_family_models import save_qwen3_vl_moe
 from vision_family_models import save_paddleocr_vl
-from vision_family_models import save_gemma4
+from vision_family_models import save_gemma4, save_glm4v
 
 # family -> (builder, chat_template (None: the tokenizer's own, as axolotl uses for SmolVLM), the image marker in the
 # chat text, the image token, framing tokens, vision module-name parts, two image sizes (width, height))
@@ -52,14 +54,17 @@ IMAGE_TOKENS["mistral3"] = (4, 2)
 # tiles (2×2 or 1×2) plus the thumbnail, 1 token each
 _QWEN_IMAGE = ("<|vision_start|><|image_pad|><|vision_end|>", "<|image_pad|>", ("<|vision_start|>", "<|vision_end|>"),
                ("visual",), [(64, 64), (64, 32)])
-FAMILIES.update({"qwen3_vl": (save_qwen3_vl, None, *_QWEN_IMAGE), "qwen3_5": (save_qwen3_5, "qwen3_5", *_QWEN_IMAGE),
+FAMILIES.update({"qwen3_vl": (save_qwen3_vl, None, *_QWEN_IMAGE),
+                 "qwen3_vl_moe": (save_qwen3_vl_moe, None, *_QWEN_IMAGE),
+                 "qwen3_5": (save_qwen3_5, "qwen3_5", *_QWEN_IMAGE),
                  "qwen3_5_moe": (save_qwen3_5_moe, "qwen3_5", *_QWEN_IMAGE),
                  "internvl": (save_internvl, None, "<IMG_CONTEXT>\n", "<IMG_CONTEXT>", ("<img>", "</img>"),
                               ("vision_tower", "multi_modal_projector"), [(56, 56), (56, 28)])})
-IMAGE_TOKENS.update({"qwen3_vl": (4, 2), "qwen3_5": (4, 2), "qwen3_5_moe": (4, 2), "internvl": (5, 3)})
+IMAGE_TOKENS.update({"qwen3_vl": (4, 2), "qwen3_vl_moe": (4, 2), "qwen3_5": (4, 2), "qwen3_5_moe": (4, 2),
+                     "internvl": (5, 3)})
 # the model inputs beside input_ids, attention_mask and pixel_values (Qwen's M-RoPE reads the grid and token types)
-QWEN3_AND_INTERNVL_INPUTS = {**dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"), ["image_grid_thw",
-                                                                                     "mm_token_type_ids"]),
+QWEN3_AND_INTERNVL_INPUTS = {**dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
+                                             ["image_grid_thw", "mm_token_type_ids"]),
                              "internvl": []}
 # PaddleOCR-VL: Qwen2-VL's image text under its own tokens, 14-pixel patches merged 2×2 (56×56: 4 tokens, 56×28: 2);
 # its processor builds here (no video half), so the reference is the processor itself
@@ -72,6 +77,15 @@ IMAGE_TOKENS["paddleocr_vl"] = (4, 2)
 FAMILIES["gemma4"] = (save_gemma4, "gemma4", "<|image|>", "<|image|>", ("<|image>", "<image|>"),
                       ("vision_tower", "embed_vision"), [(28, 28), (56, 28)])
 IMAGE_TOKENS["gemma4"] = (64, 55)
+
+# GLM-4.1V and GLM-4.5V (Qwen2-VL's image text under its own tokens; the tokenizer's own template): 14-pixel
+# patches merged 2×2 (56×56: 4 tokens, 56×28: 2); its processor needs torchvision (videos): built by hand as Qwen's
+_GLM_IMAGE = ("<|begin_of_image|><|image|><|end_of_image|>", "<|image|>", ("<|begin_of_image|>", "<|end_of_image|>"),
+              ("visual",), [(56, 56), (56, 28)])
+FAMILIES.update({"glm4v": (save_glm4v, None, *_GLM_IMAGE),
+                 "glm4v_moe": (lambda target: save_glm4v(target, moe=True), None, *_GLM_IMAGE)})
+IMAGE_TOKENS.update({"glm4v": (4, 2), "glm4v_moe": (4, 2)})
+QWEN3_AND_INTERNVL_INPUTS.update(dict.fromkeys(("glm4v", "glm4v_moe"), ["image_grid_thw", "mm_token_type_ids"]))
 
 
 @pytest.fixture(scope="module")
@@ -147,10 +161,11 @@ def pixtral_processor(model_dir: Path):
 
 
 def processed_by_hand(family: str, model_dir: Path):
-    """Qwen3-VL's (Qwen3.5's) and InternVL's processors need torchvision (their video half), not installed here: the
-    folder's image processor and tokenizer, with the image text their processors' replace_image_token writes from
-    the image processor's output (Qwen: the grid's patches over merge_size², then mm_token_type_ids 1 on the image
-    tokens; InternVL: <img>, the tiles' image_seq_length tokens each (1 here), </img>), one image a text."""
+    """Qwen3-VL's (Qwen3.5's), GLM-4V's and InternVL's processors need torchvision (their video half), not installed
+    here: the folder's image processor and tokenizer, with the image text their processors' replace_image_token
+    writes from the image processor's output (Qwen and GLM-4V: the grid's patches over merge_size² of the image
+    token, then mm_token_type_ids 1 on the image tokens; InternVL: <img>, the tiles' image_seq_length tokens each (1
+    here), </img>), one image a text."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
     image_processor, tokenizer = AutoImageProcessor.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
@@ -164,9 +179,10 @@ def processed_by_hand(family: str, model_dir: Path):
             return {**tokenizer(text, **kwargs), **pixels}
         pixels = dict(image_processor(images=flat, return_tensors="pt"))
         tokens = pixels["image_grid_thw"].prod(-1) // image_processor.merge_size ** 2
-        text = [one.replace("<|image_pad|>", "<|image_pad|>" * int(count)) for one, count in zip(text, tokens)]
+        image = FAMILIES[family][3]  # (GLM-4V's <|image|>, Qwen's <|image_pad|>)
+        text = [one.replace(image, image * int(count)) for one, count in zip(text, tokens)]
         encoded = tokenizer(text, **kwargs)
-        image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        image_id = tokenizer.convert_tokens_to_ids(image)
         return {**encoded, **pixels, "mm_token_type_ids": (encoded["input_ids"] == image_id).long()}
 
     return process

@@ -350,15 +350,25 @@ def test_check_refuses_a_vision_family_tuneloop_cannot_train_by_its_config_or_hu
                                         + re.escape(TRAINED_VISION_WORDS) + " so far, and this family asks for "
                                         "multimodal"):
         config_from_dict({**keys, "base_model": "google/gemma-3n-E4B-it"})
-    local = tmp_path / "tiny-glm4v"
+    local = tmp_path / "tiny-idefics2"  # (glm4v, the example here before, is trained now)
     local.mkdir()
-    (local / "config.json").write_text('{"model_type": "glm4v"}')
-    with pytest.raises(UserError, match="is a glm4v vision-language model \\(by .*config.json\\)"):
+    (local / "config.json").write_text('{"model_type": "idefics2"}')
+    with pytest.raises(UserError, match="is a idefics2 vision-language model \\(by .*config.json\\)"):
         config_from_dict({**keys, "base_model": str(local)})
     for trained in ("google/gemma-3-4b-it", "HuggingFaceTB/SmolVLM2-2.2B-Instruct", "HuggingFaceM4/Idefics3-8B-Llama3",
                     "meta-llama/Llama-3.2-11B-Vision-Instruct", "Qwen/Qwen3.5-9B", "Qwen/Qwen3-VL-8B-Instruct",
-                    "OpenGVLab/InternVL3_5-8B-HF"):
+                    "OpenGVLab/InternVL3_5-8B-HF", "Qwen/Qwen3-VL-30B-A3B-Instruct", "zai-org/GLM-4.1V-9B-Thinking",
+                    "zai-org/GLM-4.5V", "zai-org/GLM-4.6V-Flash"):
         assert config_from_dict({**keys, "base_model": trained}).processor_type == "AutoProcessor"
+    from types import SimpleNamespace
+
+    from tuneloop.config.vision_names import named_vision_family
+
+    # the mixture-of-experts names before the dense ones' patterns (GLM-4.6V-Flash is GLM-4.1V's architecture)
+    named = {"Qwen/Qwen3-VL-30B-A3B-Instruct": "qwen3_vl_moe", "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl",
+             "zai-org/GLM-4.5V": "glm4v_moe", "zai-org/GLM-4.6V-Flash": "glm4v"}
+    for hub_id, model_type in named.items():
+        assert named_vision_family(SimpleNamespace(base_model=hub_id, base_model_config=None))[0] == model_type
     assert config_from_dict({**keys, "base_model": "Qwen/Qwen2.5-VL-7B-Instruct"}).processor_type == "AutoProcessor"
     assert config_from_dict({**keys, "base_model": "someone/unknown-vlm"}).processor_type == "AutoProcessor"
     for mistral3 in ("mistralai/Mistral-Small-3.1-24B-Instruct-2503", "mistralai/Ministral-3-8B-Instruct-2512"):

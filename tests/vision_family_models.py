@@ -204,6 +204,26 @@ def save_qwen3_vl(target: Path) -> Path:
     return target
 
 
+def save_qwen3_vl_moe(target: Path) -> Path:
+    """Qwen3-VL-MoE (the 30B-A3B's architecture): Qwen3-VL's tower and decoder, its MLPs 2 experts (1 a token)."""
+    import torch
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    from tuneloop.data.chat_template_texts import QWEN2_VL
+
+    vocab, ids = _qwen3_vl_folder(target, QWEN2_VL)
+    config = Qwen3VLMoeConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_experts=2, num_experts_per_tok=1, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(_QWEN3_VISION, deepstack_visual_indexes=[0]), **ids)
+    torch.manual_seed(0)
+    Qwen3VLMoeForConditionalGeneration(config).save_pretrained(target)
+    return target
+
+
 def save_qwen3_5(target: Path) -> Path:
     """Qwen3.5 (the 9B's architecture): the shared tower, a 2-layer decoder of one gated delta-net (linear attention)
     layer and one full-attention layer, M-RoPE over a quarter of each head."""
@@ -236,6 +256,51 @@ def _save_qwen3_5(target: Path, config_class, model_class, **mlp) -> Path:
         vision_config=_QWEN3_VISION, **ids)
     torch.manual_seed(0)
     model_class(config).save_pretrained(target)
+    return target
+
+
+# GLM-4.1V's hub template over text content (zai-org/GLM-4.1V-9B-Thinking: [gMASK]<sop>, a role tag and newline
+# before each message), without its thinking block
+GLM4V_TEMPLATE = ("[gMASK]<sop>{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] }}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+
+
+def save_glm4v(target: Path, moe: bool = False) -> Path:
+    """GLM-4.1V (moe: GLM-4.5V/4.6V, its MLPs after the first layer 2 routed experts, 1 a token, and a shared one):
+    its folder without its processor (it needs torchvision for videos, not installed here): the tokenizer and the PIL
+    twin of its image processor, 14-pixel patches merged 2×2, 28×28..56×56 pixels (1–4 image tokens); a 1-block
+    tower whose 4×4 grid of learned positions is interpolated, its 2×2 downsampling convolution and merger; a 2-layer
+    decoder with M-RoPE
+    over half of each head."""
+    import torch
+    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessorPil
+    from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
+
+    specials = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|begin_of_image|>",
+                "<|end_of_image|>", "<|image|>", "<|begin_of_video|>", "<|end_of_video|>", "<|video|>"]
+    tokenizer = tiny_tokenizer(specials, "<|endoftext|>", "<|endoftext|>")
+    tokenizer.chat_template = GLM4V_TEMPLATE
+    tokenizer.save_pretrained(target)
+    # (its size bounds the pixels of 2 frames: an image counts twice)
+    Glm4vImageProcessorPil(size={"shortest_edge": 2 * 28 * 28, "longest_edge": 2 * 56 * 56}, patch_size=14,
+                           merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(target)
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                 "mrope_section": [2, 1, 1]})
+    if moe:
+        text.update(head_dim=16, moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=1,
+                    n_shared_experts=1, first_k_dense_replace=1)
+    config = (Glm4vMoeConfig if moe else Glm4vConfig)(
+        text_config=text,
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, image_size=56,
+                           out_hidden_size=64, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=ids("<|image|>"), video_token_id=ids("<|video|>"),
+        image_start_token_id=ids("<|begin_of_image|>"), image_end_token_id=ids("<|end_of_image|>"),
+        video_start_token_id=ids("<|begin_of_video|>"), video_end_token_id=ids("<|end_of_video|>"))
+    torch.manual_seed(0)
+    (Glm4vMoeForConditionalGeneration if moe else Glm4vForConditionalGeneration)(config).save_pretrained(target)
     return target
 
 

@@ -33,8 +33,8 @@ FEATURES = {
     "ray": ("launching on a Ray cluster", "launching on a Ray cluster (`use_ray`, `ray_num_workers`, "
             "`resources_per_worker`): tuneloop is launched with torchrun on each node (examples/slurm/ on Slurm)"),
     "multimodal": ("multimodal models", "multimodal models beyond LLaVA, Qwen2-VL/Qwen2.5-VL/Qwen3-VL/Qwen3.5, "
-                   "InternVL, PaddleOCR-VL, Gemma 3/4, Mllama, Idefics3/SmolVLM and Mistral 3 (Gemma 3n, Gemma 4 "
-                   "unified, Llama 4 and LFM2-VL need torchvision or timm; GLM-4.6V, ...), audio and video parts, "
+                   "GLM-4.xV, InternVL, PaddleOCR-VL, Gemma 3/4, Mllama, Idefics3/SmolVLM and Mistral 3 (Gemma 3n, "
+                   "Gemma 4 unified, Llama 4 and LFM2-VL need torchvision or timm), audio and video parts, "
                    "packing of Qwen's, Gemma's and Mllama's rows, and streaming or preference training of "
                    "vision-language models"),
     "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading, "

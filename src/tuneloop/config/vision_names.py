@@ -16,10 +16,11 @@ from pathlib import Path
 # model types tuneloop trains (data/images.py's VISION_FAMILIES; kept here too so `check` stays torch-free: a test
 # holds the two equal)
 TRAINED_VISION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "gemma3", "gemma4", "idefics3", "smolvlm", "mllama",
-                        "mistral3", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "internvl", "paddleocr_vl")
+                        "mistral3", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "internvl", "paddleocr_vl",
+                        "glm4v", "glm4v_moe")
 TRAINED_VISION_WORDS = ("LLaVA, Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5, InternVL, Gemma 3 / Gemma 4, "
                         "Idefics3 / SmolVLM, "
-                        "Llama 3.2 Vision (Mllama), PaddleOCR-VL and "
+                        "Llama 3.2 Vision (Mllama), PaddleOCR-VL, GLM-4.1V / GLM-4.5V / GLM-4.6V and "
                         "Mistral 3 (Pixtral vision)")
 # families tuneloop knows and does not train, with why where it is more than "not yet" (`check` and the model's
 # config say it)
@@ -42,6 +43,7 @@ FAMILY_NAMES = (
     (r"qwen2-vl", "qwen2_vl", "Qwen2-VL"),
     (r"llava", "llava", "LLaVA"),
     (r"qwen3\.5|qwen3_5", "qwen3_5", "Qwen3.5 (vision)"),
+    (r"qwen3-vl-\d+b-a\d+b", "qwen3_vl_moe", "Qwen3-VL (mixture of experts)"),  # (Qwen3-VL-30B-A3B, -235B-A22B)
     (r"qwen3-vl", "qwen3_vl", "Qwen3-VL"),
     (r"gemma-3n", "gemma3n", "Gemma 3n"),
     (r"gemma-4-12b", "gemma4_unified", "Gemma 4 unified"),  # (transformers' gemma4_unified: google/gemma-4-12B-it)
@@ -57,6 +59,8 @@ FAMILY_NAMES = (
     (r"lfm2-vl", "lfm2_vl", "LFM2-VL"),
     (r"paddleocr-vl", "paddleocr_vl", "PaddleOCR-VL"),
     (r"voxtral", "voxtral", "Voxtral (audio)"),
+    # (GLM-4.5V/4.6V: a mixture of experts; GLM-4.6V-Flash is dense, GLM-4.1V's architecture)
+    (r"glm-4\.[56]v(?!-flash)", "glm4v_moe", "GLM-4.5V / GLM-4.6V"),
     (r"glm-4\.\dv", "glm4v", "GLM-4V"),
 )
 

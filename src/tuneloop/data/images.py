@@ -62,6 +62,8 @@ class VisionFamily:
 
 _QWEN_VL = dict(placeholder="<|vision_start|><|image_pad|><|vision_end|>", image_token="<|image_pad|>",
                 framing=("<|vision_start|>", "<|vision_end|>"), vision_modules=("visual",))  # (the merger is in it)
+_GLM4V = dict(placeholder="<|begin_of_image|><|image|><|end_of_image|>", image_token="<|image|>",
+              framing=("<|begin_of_image|>", "<|end_of_image|>"), vision_modules=("visual",))  # (merger in it)
 _IDEFICS3 = dict(placeholder="<image>", image_token="<image>",
                  framing=("<fake_token_around_image>", "<global-img>",
                           *(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7))),
@@ -79,8 +81,13 @@ VISION_FAMILIES = {
                            layout="cross", nested=True),
     # Qwen3-VL and Qwen3.5 (its vision half, on a hybrid linear-attention decoder): Qwen2-VL's image text and M-RoPE
     "qwen3_vl": VisionFamily("qwen3_vl", **_QWEN_VL),
+    "qwen3_vl_moe": VisionFamily("qwen3_vl_moe", **_QWEN_VL),  # (Qwen3-VL-30B-A3B: the same, on a mixture of experts)
     "qwen3_5": VisionFamily("qwen3_5", **_QWEN_VL),
     "qwen3_5_moe": VisionFamily("qwen3_5_moe", **_QWEN_VL),  # (Qwen3.5-35B-A3B: the same, on a mixture of experts)
+    # GLM-4.1V and GLM-4.5V/4.6V (glm4v_moe): Qwen2-VL's arithmetic (14-pixel patches merged 2×2 by the tower's
+    # downsampling and merger) and M-RoPE over the row, under its own image tokens
+    "glm4v": VisionFamily("glm4v", **_GLM4V),
+    "glm4v_moe": VisionFamily("glm4v_moe", **_GLM4V),
     # InternVL 3/3.5 (transformers' -hf layout): its template writes <IMG_CONTEXT> for an image; the processor
     # writes <img>, the image's tiles' context tokens (its thumbnail too when it has more than one), </img>
     "internvl": VisionFamily("internvl", "<IMG_CONTEXT>\n", "<IMG_CONTEXT>", ("<img>", "</img>"),
@@ -249,11 +256,16 @@ SHRINKS = {"qwen2_vl": "processor_kwargs: {{max_pixels: {pixels}}} (an image is 
            "gemma3": None, "llava": None, "mllama": None}
 SHRINKS.update(qwen2_5_vl=SHRINKS["qwen2_vl"], smolvlm=SHRINKS["idefics3"],
                # (16-pixel patches: about max_pixels / 1024 tokens, so the max_pixels offered is on the safe side)
-               **dict.fromkeys(("qwen3_vl", "qwen3_5", "qwen3_5_moe"), SHRINKS["qwen2_vl"].replace("784", "1024")),
+               **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
+                                SHRINKS["qwen2_vl"].replace("784", "1024")),
                internvl="processor_kwargs: {{max_patches: 1}} (one tile per image)")
 # Mistral 3: an image whose longer side is N pixels is at most (N / 28)² image tokens (14-pixel patches merged 2×2)
 SHRINKS["mistral3"] = ("processor_kwargs: {{size: {{longest_edge: N}}}} (an image is at most (N / 28)² image tokens) "
                        "or image_size")
+# GLM-4V: its size bounds the pixels of 2 frames (an image counts twice), 784 pixels an image token
+SHRINKS["glm4v"] = SHRINKS["glm4v_moe"] = (
+    "processor_kwargs: {{size: {{shortest_edge: 12544, longest_edge: {pixels}}}}} (an image is about longest_edge / "
+    "1568 tokens) or image_size")
 SHRINKS["paddleocr_vl"] = SHRINKS["qwen2_vl"]  # (14-pixel patches merged 2×2, max_pixels its image processor's too)
 # Gemma 4: every image is resized to fill max_soft_tokens (70, 140, 280, 560 or 1120), whatever its size
 SHRINKS["gemma4"] = "processor_kwargs: {{max_soft_tokens: 70}} (at most 70 image tokens an image)"
@@ -468,8 +480,8 @@ class ImageInputs:
         if self.family.layout == "soft":  # Gemma 4: its larger models' image tokens attend to each other both ways
             # (use_bidirectional_attention "vision"), each image's run of them found by these types
             inputs["mm_token_type_ids"] = (input_ids == self.never_trained[0]).long()
-        if "image_grid_thw" in inputs:  # Qwen2-VL/2.5-VL's and Qwen3-VL's M-RoPE finds the image tokens by these
-            # types (transformers 5.24: without them Qwen2-VL and Qwen3-VL raise, and Qwen2.5-VL silently gives the
+        if "image_grid_thw" in inputs:  # Qwen2-VL/2.5-VL's, Qwen3-VL's and GLM-4V's M-RoPE finds the image tokens
+            # by these types (transformers 5.24: without them Qwen2-VL and Qwen3-VL raise, and Qwen2.5-VL silently gives the
             # image tokens text positions)
             inputs["mm_token_type_ids"] = (input_ids == self.never_trained[0]).long()
         if self.family.layout == "cross":

@@ -266,10 +266,12 @@ def mfu(real_tokens_per_second: float | None, per_token: float | None, peak: flo
 #   weight) where it is trained, its input's gradient (2 per weight, and twice the forward of a layer's attention)
 #   where a trained weight comes before it. A frozen tower and projector (`freeze_mm_modules`, or LoRA on the
 #   language model only) cost their forward alone; LLaVA's layers after `vision_feature_layer` run forward only.
-# (Qwen3-VL's DeepStack mergers: per image token too, each over a middle layer's merged patches)
+# (Qwen3-VL's DeepStack mergers: per image token too, each over a middle layer's merged patches; GLM-4V's tower
+# counts as Qwen2-VL's, its 2×2 downsampling convolution and merger per image token)
 # (Gemma 4: every patch of its image processor's budget, max_soft_tokens × pooling², padding included; its
 # pooler's matmul averages them into max_soft_tokens; its embed_vision projects the image's own soft tokens)
 PROJECTOR_PARTS = ("multi_modal_projector", "connector", "merger", "deepstack_merger_list",
+                   "downsample",  # (GLM-4V's 2×2 convolution after its blocks: once per image token)
                    "projector",  # (PaddleOCR-VL's: its 2×2 patch merge and MLP, once per image token)
                    "embed_vision")  # (Gemma 4's projection of each soft token into the decoder)
 
@@ -371,7 +373,8 @@ def _vision_shape(config, family: str, layers: int, image_processor=None) -> dic
         patches = (vision.image_size // vision.patch_size) ** 2
         cls = 1 if vision.model_type == "clip_vision_model" else 0  # (CLIP's class position; SigLIP has none)
         return {"fixed_positions": patches + cls, "cls": cls}
-    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "paddleocr_vl"):
+    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "paddleocr_vl",
+                  "glm4v", "glm4v_moe"):
         # (PaddleOCR-VL's tower runs the patch grid too, each image apart; its projector merges 2×2 after it)
         merge = vision.spatial_merge_size
         if family != "qwen2_5_vl":  # (Qwen2-VL's and Qwen3-VL's blocks all attend over the whole image)
