@@ -317,6 +317,22 @@ def test_zero_in_bf16_saves_its_fp32_masters_as_ddp_saves_fp32(tmp_path, tiny_mo
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
 
 
+def test_a_bf16_run_follows_an_accelerator_made_without_precision_in_the_same_process(tmp_path, tiny_model_dir,
+                                                                                        data):
+    """A notebook that ran the HF Trainer (or its own Accelerator) holds accelerate's process-wide state with
+    another precision; accelerate refuses a second Accelerator that differs, so the run forgets that state."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    Accelerator(cpu=True)  # mixed_precision "no", as the Trainer's fp32 default
+    try:
+        config = config_file(tmp_path, tiny_model_dir, data, max_steps=1, bf16=True)
+        result = run_in_process("train", str(config))
+        assert result.returncode == 0, result.stderr[-3000:]
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def test_a_signal_after_the_last_step_says_the_final_model_is_being_saved_and_a_second_one_says_it_was_not(
         tmp_path):
     script = tmp_path / "signals.py"

@@ -123,6 +123,10 @@ class TrainingSession:
         from tuneloop.resolved import resolve_run
 
         self.resolved = resolve_run(self.cfg)
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            # a process that made its own Accelerator before (a notebook that ran the HF Trainer, a test) left
+            # accelerate's process-wide state with its precision, and accelerate would refuse ours
+            _forget_accelerate_state()
         timeout = timedelta(seconds=self.cfg.ddp_timeout) if self.cfg.ddp_timeout else None
         join_process_group(self.resolved.engine, timeout)  # (before Accelerate's, which then uses it)
         handlers = [InitProcessGroupKwargs(timeout=timeout)] if timeout else []
