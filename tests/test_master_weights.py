@@ -122,6 +122,31 @@ def test_two_ddp_ranks_with_masters_equal_one_process(tmp_path, tiny_model_dir, 
     assert difference < 1e-5
 
 
+def test_an_adapters_frozen_base_is_held_in_bf16_and_trains_autocasts_adapter_to_the_bit(tmp_path, tiny_model_dir,
+                                                                                          data):
+    """LoRA under bf16: the frozen base's matmul weights are held in bf16 (autocast's cast of them, made once), so
+    the adapter after four AdamW steps (gradient checkpointing on: the recompute reads them too) is the one an fp32
+    base under autocast gives, bit for bit, and the base holds, as planned, half the bytes."""
+    keys = {**FOUR_ADAMW_STEPS, "bf16": True, "adapter": "lora", "lora_r": 4, "lora_alpha": 8,
+            "lora_target_linear": True, "gradient_checkpointing": True}
+    held_bf16 = train(tmp_path, tiny_model_dir, data, "frozen_bf16", **keys)
+    autocast = train(tmp_path, tiny_model_dir, data, "autocast", master_weights=False, **keys)
+    plan = json.loads((held_bf16 / "plan.json").read_text())
+    assert plan["resolved"]["precision"]["frozen_bf16"] is True
+    assert "the frozen base's matmul weights held in bf16" in plan["precision"]
+    assert json.loads((autocast / "plan.json").read_text())["resolved"]["precision"]["frozen_bf16"] is False
+    ours, theirs = (load_file(out / "adapter_model.safetensors") for out in (held_bf16, autocast))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[key], theirs[key]) for key in ours)
+    trained = {key: value for key, value in ours.items() if "lora_B" in key}
+    assert any(bool(value.abs().sum()) for value in trained.values())  # (B starts at 0: the adapter moved)
+
+    matmul_weights = sum(tensor.numel() for name, tensor in load_file(tiny_model_dir / "model.safetensors").items()
+                         if name.endswith("proj.weight"))
+    held = json.loads((held_bf16 / "summary.json").read_text())["held_bytes_per_rank"][0]["weights"]
+    held_fp32 = json.loads((autocast / "summary.json").read_text())["held_bytes_per_rank"][0]["weights"]
+    assert held == held_fp32 - matmul_weights * 2 == plan["memory"]["per_rank_bytes"]["weights"]
+
+
 @pytest.mark.parametrize("keys, named", [
     ({"bf16": False}, "needs bf16 mixed precision"),
     ({"bf16": True, "adapter": "lora", "lora_r": 4, "lora_target_linear": True}, "needs a full fine-tune"),

@@ -419,6 +419,7 @@ class ModelFacts:
     embeddings_trained: bool = True  # the input embeddings are trained (not under LoRA without modules_to_save)
     # trained weights only matmuls read: held in bf16 beside fp32 masters under bf16 (engines/masters.py)
     matmul_only_trained: int = 0
+    matmul_only_frozen: int = 0  # the frozen ones: held in bf16 under bf16 beside an adapter (engines/masters.py)
     hidden_matrices_trained: int = 0  # trained weights Muon orthogonalises (muon.is_hidden_matrix): its states
     # (weights, trained) of the output projection the chunked loss meets; (0, False) without the chunked loss
     head_weights: tuple[int, bool] = (0, False)
@@ -512,6 +513,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                       embedding_rows=len(tokenizer) - grown if tokenizer is not None else 0,
                       embeddings_trained=embeddings_trained,
                       matmul_only_trained=sum(p.numel() for p in matmul_only_weights(model, cfg)),
+                      matmul_only_frozen=sum(p.numel() for p in matmul_only_weights(model, cfg, trained=False)),
                       hidden_matrices_trained=hidden_matrices_trained(model),
                       module_classes=classes, layer_classes=layer_classes, quantizable=quantizable, experts=experts,
                       vision=_vision_weights(cfg, kind, model, config, tokenizer))

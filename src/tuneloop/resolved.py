@@ -29,11 +29,15 @@ class Precision:
     # the model computes with bf16 weights and the optimizer steps fp32 master copies of them (engines/masters.py);
     # False: fp32 weights that autocast casts in every forward (or the 16-bit weights `bfloat16` loads)
     masters: bool = False
+    # an adapter's frozen base holds its matmul weights in bf16: autocast's cast of them, made once (masters.py)
+    frozen_bf16: bool = False
 
     @property
     def name(self) -> str:
         if self.masters:
             return "bf16 mixed precision with bf16 compute weights and fp32 masters"
+        if self.frozen_bf16:
+            return "bf16 mixed precision with the frozen base's matmul weights held in bf16"
         return PRECISION_NAMES[self.mixed]
 
     def __str__(self) -> str:
@@ -66,6 +70,7 @@ class Resolved:
     def to_json(self) -> dict:
         return {"precision": None if self.precision is None else {"mixed": self.precision.mixed,
                                                                   "masters": self.precision.masters,
+                                                                  "frozen_bf16": self.precision.frozen_bf16,
                                                                   "name": self.precision.name,
                                                                   "why": self.precision.why},
                 "attention": {"asked": self.attention.asked, "used": self.attention.used, "note": self.attention.note},
@@ -202,11 +207,24 @@ def precision(cfg) -> Precision:
     masters, why_not = master_weights(cfg, mixed.mixed)
     if masters:
         return replace(mixed, masters=True, why=f"{mixed.why}; master_weights: {cfg.master_weights}")
+    if frozen_weights_in_bf16(cfg, mixed.mixed):
+        return replace(mixed, frozen_bf16=True, why=f"{mixed.why}; master_weights: {cfg.master_weights}")
     if why_not and cfg.master_weights is True:  # (config/rules.py refuses what the config alone rules out)
         from tuneloop.errors import UserError
 
         raise UserError(f"config: `master_weights: true` needs {why_not}")
     return mixed
+
+
+def frozen_weights_in_bf16(cfg, mixed: str) -> bool:
+    """An adapter's frozen base holds its matmul weights in bf16 under bf16 mixed precision (engines/masters.py):
+    autocast would cast them to bf16 in every forward anyway, and they never change. Where the base is not fp32
+    (`bfloat16`/`float16`, 4- and 8-bit), where the engine keeps its own precision (FSDP2, DeepSpeed), and under
+    DoRA (its magnitude reads the base weight's fp32 norm in every forward) they stay as loaded;
+    `master_weights: false` keeps them fp32 too."""
+    return (mixed == "bf16" and cfg.adapter is not None and cfg.master_weights is not False
+            and not (cfg.bfloat16 or cfg.float16 or cfg.load_in_4bit or cfg.load_in_8bit or cfg.peft_use_dora)
+            and (cfg.engine is None or cfg.engine.name == "ddp"))
 
 
 def master_weights(cfg, mixed: str) -> tuple[bool, str | None]:

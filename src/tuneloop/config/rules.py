@@ -656,8 +656,8 @@ def master_weights_blocker(cfg, mixed: str) -> str | None:
     if mixed != "bf16":
         return "bf16 mixed precision (`bf16: true`, or `bf16: auto` on a machine with native bf16)"
     if cfg.adapter:
-        return ("a full fine-tune: an adapter trains fp32 weights beside a frozen base (`bfloat16: true` loads the "
-                "base in bf16)")
+        return ("a full fine-tune: an adapter's frozen base needs no masters (under `master_weights: auto` its "
+                "matmul weights are held in bf16; `bfloat16: true` loads the whole base in bf16)")
     if cfg.bfloat16 or cfg.float16:
         return "fp32 weights to keep as masters (`bfloat16`/`float16` load 16-bit weights with no fp32 copy)"
     if cfg.engine is not None and cfg.engine.name != "ddp":  # (None: the sharding keys were refused, and said)

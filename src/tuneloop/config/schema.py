@@ -288,7 +288,8 @@ class TuneloopConfig(Strict):
     float16: bool = False  # the same in fp16
     float32: bool = False  # the default: fp32 weights (mixed precision computes in bf16 where asked)
     # tuneloop's key: under bf16, the model computes with bf16 weights and the optimizer steps fp32 masters of them
-    # (auto: wherever the run can, resolved.master_weights says where; false: fp32 weights cast by autocast)
+    # (auto: wherever the run can, resolved.master_weights says where, and beside an adapter the frozen base's
+    # projections held in bf16, resolved.frozen_weights_in_bf16; false: fp32 weights cast by autocast)
     master_weights: Union[bool, Literal["auto"]] = "auto"
     # outputs, logging, eval, saves
     output_dir: Annotated[str, WATCHING] = "./model-out"

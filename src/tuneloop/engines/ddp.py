@@ -33,6 +33,7 @@ class DDPSpec(EngineSpec):
 
 class DDPEngine(Engine):
     masters = None  # the fp32 masters (masters.MasterWeights), under bf16 with masters
+    frozen_bf16: list = []  # an adapter's frozen base weights held in bf16 (masters.hold_frozen_in_bf16)
     last = True  # the micro-batch being run is its step's last (set by `accumulating`)
 
     def prepare(self, module):
@@ -47,6 +48,10 @@ class DDPEngine(Engine):
             self.optimizer = build_optimizer(self.cfg, module.model, self.masters.named_masters(module.model))
             self.runner = module
             return self.runner, self.optimizer
+        if self.plan.resolved.precision.frozen_bf16:
+            from tuneloop.engines.masters import hold_frozen_in_bf16
+
+            self.frozen_bf16 = hold_frozen_in_bf16(module.model, self.cfg)
         optimizer = build_optimizer(self.cfg, module.model)
         self.runner, self.optimizer = self.accelerator.prepare(module, optimizer)
         return self.runner, self.optimizer
@@ -86,6 +91,11 @@ class DDPEngine(Engine):
     def training_ended(self) -> None:
         if self.masters is not None:
             self.masters.release()
+        if self.frozen_bf16:
+            from tuneloop.engines.masters import restore_fp32
+
+            restore_fp32(self.frozen_bf16)
+            self.frozen_bf16 = []
 
     def full_state_dict(self) -> dict | None:
         """With masters: the model's weights as the masters hold them (fp32), for checkpoints and the saved model."""

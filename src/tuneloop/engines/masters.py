@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 
-def matmul_only_weights(model: torch.nn.Module, cfg=None) -> list[torch.nn.Parameter]:
-    """The trained fp32 weights that only matmuls read: what autocast would cast in every forward and backward (less
-    the output head where the run's loss meets it in chunks)."""
+def matmul_only_weights(model: torch.nn.Module, cfg=None, trained: bool = True) -> list[torch.nn.Parameter]:
+    """The trained (or, `trained=False`, the frozen) fp32 weights that only matmuls read: what autocast would cast in
+    every forward and backward (less the output head where the run's loss meets it in chunks)."""
     from tuneloop.output_head import loss_meets_head_in_chunks, output_head
 
     matmul_only: dict[int, bool] = {}
@@ -41,11 +41,32 @@ def matmul_only_weights(model: torch.nn.Module, cfg=None) -> list[torch.nn.Param
         matmul = matmul and not any(key in module_name.split(".") for key in kept)
         for name, param in module.named_parameters(recurse=False):
             matmul_only[id(param)] = matmul_only.get(id(param), True) and matmul and name == "weight"
-    return [param for param in _trained(model) if matmul_only.get(id(param)) and param.dtype == torch.float32]
+    return [param for param in _trained(model, trained)
+            if matmul_only.get(id(param)) and param.dtype == torch.float32]
 
 
-def _trained(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in {id(p): p for p in model.parameters()}.values() if p.requires_grad and p.is_floating_point()]
+def _trained(model: torch.nn.Module, trained: bool = True) -> list[torch.nn.Parameter]:
+    return [p for p in {id(p): p for p in model.parameters()}.values()
+            if p.requires_grad == trained and p.is_floating_point()]
+
+
+def hold_frozen_in_bf16(model: torch.nn.Module, cfg=None) -> list[torch.nn.Parameter]:
+    """An adapter's frozen base, under bf16: its matmul-only weights held in bf16 (they never change, so they need no
+    master). Autocast casts a frozen weight in every forward, and again in a checkpointed layer's recompute (its
+    cast cache keeps only weights that require a gradient); the bf16 weight is that cast, made once: the products,
+    and so the adapter's gradients, are autocast's to the bit, and the base takes half its bytes. Returns the weights
+    cast, for `restore_fp32`."""
+    frozen = matmul_only_weights(model, cfg, trained=False)
+    for param in frozen:
+        param.data = param.data.to(torch.bfloat16)
+    return frozen
+
+
+def restore_fp32(frozen: list[torch.nn.Parameter]) -> None:
+    """Training is over: the frozen weights fp32 again, as a caller that runs the model without autocast needs them
+    (their values stay the bf16 ones; what the run saves, the adapter, never held them)."""
+    for param in frozen:
+        param.data = param.data.float()
 
 
 class MasterWeights:

@@ -322,7 +322,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     slice_tokens = -(-counts.max_micro_batch_tokens // resolved.engine.mesh(world_size).cp)
     estimate = estimate_memory(cfg, facts, slice_tokens, precision, resolved.engine, world_size,
                                device_memory_gb, generated_positions=generated,
-                               masters=resolved.precision.masters)
+                               masters=resolved.precision.masters, frozen_bf16=resolved.precision.frozen_bf16)
     from tuneloop.allocator import tune_host_allocator
     from tuneloop.packed_attention import PER_SEQUENCE_SDPA, split_summary
     from tuneloop.plan.compile_choice import shape_key

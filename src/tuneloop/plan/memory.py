@@ -64,7 +64,8 @@ def device_memory_gb() -> tuple[str, float | None]:
 
 def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str, engine,
                     world_size: int = 1, device_gb: float | None = None,
-                    generated_positions: int = 0, masters: bool = False) -> MemoryEstimate:
+                    generated_positions: int = 0, masters: bool = False,
+                    frozen_bf16: bool = False) -> MemoryEstimate:
     """Memory per rank. Weights, gradients and optimizer state are divided by the world size where the engine
     shards them (FSDP2 all three, ZeRO-1 the optimizer, ZeRO-2 also gradients, ZeRO-3 all three) and moved to
     host memory where it offloads them: each engine says its share (engines/: `per_rank`). `device_gb` overrides
@@ -72,9 +73,9 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     online RL's positions in one generation batch (its completions × their longest prompt + completion), whose KV
     cache is held while it generates, when the training activations are not. `masters`: the trained weights only
     matmuls read are held in bf16 for the model and in fp32 for the optimizer; every gradient is fp32
-    (engines/masters.py)."""
+    (engines/masters.py). `frozen_bf16`: an adapter's frozen base holds its matmul-only weights in bf16."""
     params = facts.parameters
-    whole = whole_bytes(cfg, facts, precision, engine, masters)
+    whole = whole_bytes(cfg, facts, precision, engine, masters, frozen_bf16)
     weight_bytes = whole.weight_bytes
     share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
     activations = _activations(cfg, facts, tokens_per_micro_batch, precision)
@@ -98,7 +99,8 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer)})
 
 
-def whole_bytes(cfg, facts: ModelFacts, precision: str, engine, masters: bool = False) -> WholeBytes:
+def whole_bytes(cfg, facts: ModelFacts, precision: str, engine, masters: bool = False,
+                frozen_bf16: bool = False) -> WholeBytes:
     """One whole copy of what training holds, before the engine divides it (the memory estimate's and the
     communication's starting point: plan/comm.py)."""
     config = facts.text_config
@@ -113,6 +115,8 @@ def whole_bytes(cfg, facts: ModelFacts, precision: str, engine, masters: bool = 
     bf16_copies = facts.matmul_only_trained if masters else 0  # held in bf16, with fp32 masters the optimizer steps
     if masters:  # (the other weights stay fp32 and are stepped as they are; every gradient is fp32)
         held_weights, trained_bytes = params * 4 - bf16_copies * 2, 4
+    if frozen_bf16:  # (an adapter's frozen base: its matmul-only weights in bf16, no masters: they never change)
+        held_weights -= facts.matmul_only_frozen * 2
     if cfg.adapter:
         held_weights += trainable * trained_bytes  # the adapter's own weights, beside the base
     weight_bytes = held_weights / max(params, 1)  # as held on average (the reference copy, the engines' shares)
