@@ -1,6 +1,6 @@
 """One prepared script for a session that is lent a GPU: check tuneloop's CUDA paths, then benchmark.
 
-    python benchmarks/gpu_check.py --out DIR [--skip-bench]
+    python benchmarks/gpu_check.py --out DIR [--skip-bench] [--skip-mfu] [--only CHECK,...]
 
 Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_check.json:
   1. environment: torch, CUDA device, bf16 support, flash-attn and bitsandbytes availability;
@@ -8,15 +8,31 @@ Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_ch
      sdpa, eager and, when flash-attn is installed, flash_attention_2 (the varlen path);
   3. a bf16 `tuneloop train` run (bf16: auto, fused AdamW by default) of a tiny LLaMA: plan == run,
      finite losses, the mixed precision really used;
-  4. torch.compile of the model's forward + backward (tuneloop does not compile yet: is it worth it?);
-  5. QLoRA: two steps where bitsandbytes and CUDA are there;
-  6. a packed bf16 DPO run (rl: dpo, full fine-tuning with its frozen reference): plan == run, first loss ln 2;
-  7. one-device FSDP2 and DeepSpeed ZeRO-2 runs (bf16, packed) of the embedded model when `tuneloop setup` has
+  4. torch.compile of the model's forward + backward, eager against compiled: the first call's cost and the steady
+     step on this device. tuneloop compiles under `torch_compile: auto` (the default) where its plan predicts the
+     run repays it (plan/compile_choice.py: from this machine's records of earlier compiled and eager runs of the
+     same shape, else only for runs predicted to last over 30 minutes eager), and always or never under
+     `torch_compile: true` / `false`; these are the numbers that decision weighs;
+  5. the chunked loss against whole logits at SmolLM2's vocabulary, 8 × 4096 tokens under bf16 autocast (value,
+     gradients, time, peak memory) and, on CUDA where `liger_kernel` imports, Liger's fused linear cross-entropy
+     beside them. The device machine cannot reach PyPI: put the wheel in benchmarks/wheels/ (git-ignored) with
+     `pip download liger-kernel --no-deps -d benchmarks/wheels`, carry that folder (the device tool's `carry`),
+     and the check installs it (--no-deps, into a folder of its own) when liger_kernel is missing;
+  6. context parallel's Ulysses exchange around each attention kernel (flash-attention's varlen path on a GPU) on
+     one rank: logits on packed rows equal SDPA's;
+  7. QLoRA: two steps where bitsandbytes and CUDA are there;
+  8. a packed bf16 DPO run (rl: dpo, full fine-tuning with its frozen reference): plan == run, first loss ln 2;
+  9. one-device FSDP2 and DeepSpeed ZeRO-2 runs (bf16, packed) of the embedded model when `tuneloop setup` has
      built it, else the tiny one: plan == run, finite losses, the plan's bytes per rank against the engine's,
      peak memory against the estimate;
-  8. context parallel's Ulysses exchange around each attention kernel (flash-attention's varlen path on a GPU) on
-     one rank: logits on packed rows equal SDPA's;
-  9. the GPU benchmark (`compare.py --gpu`), unless --skip-bench.
+ 10. MFU of a ~1B LLaMA (TinyLlama's shape, random weights, no download): `tuneloop train` of packed rows of varied
+     length at 2048 tokens, bf16: auto, flash-attention 2 where installed else SDPA, 25 steps, once as a full
+     fine-tune and once as LoRA (r 16, every linear layer). tuneloop's own MFU (against the device's dense bf16
+     data-sheet peak) and real tokens/s, beside the goals: 40% full, 30% LoRA (`meets_goal`; missing it is
+     reported, not a failure: ok is ran + plan == run). ~2-3 minutes on an H200; --skip-mfu leaves it out,
+     --mfu-smoke runs it with a 2-layer model (so on a CPU too), --mfu-micro-batch / --mfu-sequence-len /
+     --mfu-attention change the runs;
+ 11. the GPU benchmark (`compare.py --gpu`), unless --skip-bench.
 On a CPU machine the same script runs with the GPU-only parts skipped, which is how it was checked.
 """
 
@@ -33,6 +49,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+WHEELS = REPO / "benchmarks" / "wheels"  # git-ignored: wheels carried to a machine that cannot reach PyPI
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests"))  # conftest's tiny tokenizer/model builders and row maker
 
@@ -146,45 +163,116 @@ def check_bf16_train(workdir: Path, model_dir: Path) -> dict:
             "mfu": summary.get("mfu"), "peak": plan.get("peak_source")}
 
 
-def check_chunked_loss(device: str) -> dict:
+def liger_loss(workdir: Path, device: str):
+    """(Liger's fused linear cross-entropy summed over tokens, its version), or (None, why not). Liger's kernels are
+    Triton, so CUDA only. Where `liger_kernel` does not import but a wheel lies in benchmarks/wheels/ (put there by
+    `pip download liger-kernel --no-deps -d benchmarks/wheels`), the wheel is installed with --no-deps into a
+    folder of this run (its one dependency beside torch, triton, comes with the CUDA image's torch)."""
+    import importlib
+    import importlib.util
+
+    import torch
+
+    if device != "cuda":
+        return None, "needs CUDA (Liger's kernels are Triton)"
+    if importlib.util.find_spec("liger_kernel") is None:
+        wheels = sorted(WHEELS.glob("liger_kernel-*.whl"))
+        if not wheels:
+            return None, (f"liger_kernel is not installed and no wheel is in {WHEELS} (`pip download liger-kernel "
+                          "--no-deps -d benchmarks/wheels`, and carry that folder)")
+        target = workdir / "liger"
+        install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
+                                  "--no-compile", "--target", str(target), str(wheels[-1])],
+                                 capture_output=True, text=True)
+        if install.returncode != 0:
+            return None, f"installing {wheels[-1].name} failed: {install.stderr[-800:]}"
+        sys.path.insert(0, str(target))
+        importlib.invalidate_caches()
+    try:
+        import liger_kernel  # noqa: F401
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except Exception as error:  # (an import that breaks on this torch/triton is reported, not fatal)
+        return None, f"liger_kernel does not import: {type(error).__name__}: {error}"[:800]
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("liger-kernel")
+    except PackageNotFoundError:
+        found = getattr(liger_kernel, "__version__", "installed")
+    # forward(lin_weight, _input, target, bias=None) -> the loss (a CrossEntropyOutput only where z-loss, token
+    # accuracy or predicted tokens are asked for, which they are not). accum_dtype fp32: the head's gradient is
+    # summed over Liger's chunks in fp32 (by default in the weight's bf16), as one autocast matmul sums it
+    try:
+        return LigerFusedLinearCrossEntropyLoss(reduction="sum", accum_dtype=torch.float32), f"{found}, fp32 accum"
+    except TypeError:  # (older releases have no accum_dtype)
+        return LigerFusedLinearCrossEntropyLoss(reduction="sum"), found
+
+
+def check_chunked_loss(workdir: Path, device: str) -> dict:
     """The chunked loss against whole logits at SmolLM2's vocabulary, 8 x 4096 tokens (6.4 GB of fp32 logits):
-    the same value and gradients under bf16 autocast, and the peak memory and time of each."""
+    the same value and gradients under bf16 autocast, and the peak memory and time of each. On CUDA, Liger's
+    fused linear cross-entropy beside them where it imports (or installs from benchmarks/wheels/: liger_loss):
+    its Triton kernels take the bf16 hidden states and head weight as a bf16 model hands them (cast from the same
+    fp32 leaves, so the gradients compare), not autocast."""
     import torch
     import torch.nn.functional as F
 
     from tuneloop.train.chunked_loss import chunked_linear_cross_entropy
 
+    liger, liger_about = liger_loss(workdir, device)
     tokens = 8 * 4096 if device == "cuda" else 2048
     torch.manual_seed(0)
     hidden = torch.randn(tokens, 576, device=device, requires_grad=True)
     weight = (torch.randn(49152, 576, device=device) * 0.02).requires_grad_()
     targets = torch.randint(0, 49152, (tokens,), device=device)
     results = {}
-    for name in ("plain", "chunked"):
+    # on CUDA the first call warms up (cuBLAS handles; Liger's Triton kernels compile): timed apart, then the best
+    # of two more; on a CPU one call each
+    calls = 3 if device == "cuda" else 1
+    for name in ("plain", "chunked") + (("liger",) if liger is not None else ()):
         hidden.grad = weight.grad = None
         if device == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        with torch.autocast(device, dtype=torch.bfloat16):
-            if name == "plain":
-                loss = F.cross_entropy((hidden @ weight.t()).float(), targets, reduction="sum")
+        seconds = []
+        for _ in range(calls):
+            hidden.grad = weight.grad = None
+            start = time.perf_counter()
+            if name == "liger":
+                loss = liger(weight.to(torch.bfloat16), hidden.to(torch.bfloat16), targets)
+                loss = getattr(loss, "loss", loss)
             else:
-                loss = chunked_linear_cross_entropy(hidden, weight, targets)
-        loss.backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        results[name] = {"loss": float(loss), "seconds": round(time.perf_counter() - start, 4),
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    if name == "plain":
+                        loss = F.cross_entropy((hidden @ weight.t()).float(), targets, reduction="sum")
+                    else:
+                        loss = chunked_linear_cross_entropy(hidden, weight, targets)
+            loss.backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - start)
+            value = float(loss.detach())
+            del loss
+        results[name] = {"loss": value, "seconds": round(min(seconds[1:] or seconds), 4),
                          "grads": (hidden.grad.clone(), weight.grad.clone())}
         if device == "cuda":
+            results[name]["first_call_seconds"] = round(seconds[0], 4)
             results[name]["peak_extra_gb"] = round((torch.cuda.max_memory_allocated() - before) / 1e9, 3)
-    pairs = zip(results["chunked"]["grads"], results["plain"]["grads"])
-    relative = [float((a - b).norm() / b.norm()) for a, b in pairs]
+    agreement, ok = {}, True
+    for name in results:
+        if name == "plain":
+            continue
+        pairs = zip(results[name]["grads"], results["plain"]["grads"])
+        relative = [float((a - b).norm() / b.norm()) for a, b in pairs]
+        agreement[name] = [round(r, 5) for r in relative]
+        ok = ok and abs(results[name]["loss"] / results["plain"]["loss"] - 1) < 1e-3 and max(relative) < 2e-2
     for result in results.values():
         result.pop("grads")
-    ok = abs(results["chunked"]["loss"] / results["plain"]["loss"] - 1) < 1e-3 and max(relative) < 2e-2
-    return {"ok": ok, "tokens": tokens, "grad_relative_diff": [round(r, 5) for r in relative], **results}
+    return {"ok": ok, "tokens": tokens, "grad_relative_diff": agreement.pop("chunked"),
+            **({"liger_grad_relative_diff": agreement["liger"]} if "liger" in agreement else {}),
+            "liger_kernel": liger_about, **results}
 
 
 def check_dpo_train(workdir: Path, model_dir: Path) -> dict:
@@ -330,6 +418,138 @@ def check_context_parallel_kernel(model_dir: Path, device: str) -> dict:
     return {"ok": all(results[k] <= tolerance[k] for k in results), "max_abs_logit_difference": results}
 
 
+MFU_GOALS = {"full": 0.40, "lora": 0.30}  # the share of the device's dense bf16 peak each run should reach
+# TinyLlama-1.1B's shape (random weights, saved once): a ~1B model whose matmuls can fill a GPU
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "vocab_size": 32000}
+SMOKE_LLAMA = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 32000}
+TOKENS_PER_WORD = 2.2  # the tiny tokenizer on the tests' corpus words (2.14 measured over 1000 words)
+
+
+def save_random_llama(target: Path, tokenizer_dir: Path, shape: dict, sequence_len: int, device: str) -> Path:
+    """A LLaMA of `shape` with random weights (seed 0), built on `device` and saved in bf16 with the tiny tokenizer
+    (its ~400 tokens are ids of the model's larger vocabulary: the head still computes every row)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(max_position_embeddings=sequence_len, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the training runs are other processes
+    return target
+
+
+def varied_rows(count: int, sequence_len: int, seed: int = 11) -> list[dict]:
+    """Alpaca rows of the tests' words whose lengths spread from ~5% to ~85% of sequence_len tokens, so that packing
+    fills rows with sequences of many lengths and none is dropped as too long."""
+    import random
+
+    import conftest
+
+    rng = random.Random(seed)
+    words = " ".join(conftest.CORPUS).split()
+    longest = int(sequence_len * 0.85 / TOKENS_PER_WORD)
+    return [{"instruction": " ".join(rng.choices(words, k=rng.randint(3, 12))), "input": "",
+             "output": " ".join(rng.choices(words, k=rng.randint(max(2, longest // 20), longest)))}
+            for _ in range(count)]
+
+
+def mfu_settings(device: str, smoke: bool, micro_batch: int | None, sequence_len: int | None,
+                 attention: str | None) -> dict:
+    """The shape of the MFU runs: a ~1B LLaMA at 2048 tokens a row on a GPU, micro-batch by the device's memory
+    (8 rows = 16k tokens a step on a 100+ GB card: tuneloop's plan puts the full fine-tune at ~71 GB, 51 of them
+    activations, and LoRA at ~56); `smoke`: a 2-layer model, to run the same code path on a CPU."""
+    import importlib.util
+
+    import torch
+
+    if smoke:
+        settings = {"shape": SMOKE_LLAMA, "sequence_len": 256, "micro_batch_size": 2, "steps": 4}
+    else:
+        memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+        settings = {"shape": LLAMA_1B, "sequence_len": 2048, "steps": 25,
+                    "micro_batch_size": 8 if memory_gb >= 100 else 4 if memory_gb >= 60 else 2 if memory_gb >= 35
+                    else 1}
+    if micro_batch:
+        settings["micro_batch_size"] = micro_batch
+    if sequence_len:
+        settings["sequence_len"] = sequence_len
+    flash = device == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    settings["attention"] = attention or ("flash_attention_2" if flash else "sdpa")
+    return settings
+
+
+def check_mfu(workdir: Path, tokenizer_dir: Path, device: str, smoke: bool = False, micro_batch: int | None = None,
+              sequence_len: int | None = None, attention: str | None = None) -> dict:
+    """tuneloop's MFU on a ~1B LLaMA (TinyLlama's shape, random weights), `tuneloop train` through the CLI: packed
+    rows of varied length at 2048 tokens, bf16: auto, flash-attention 2 where installed (else SDPA), eager
+    (`torch_compile: false`: what `auto` picks for a run this short), ~25 steps; a full fine-tune, then LoRA r 16 on
+    every linear layer. MFU and real tokens/s are the run's own (summary.json: after the first step, against the
+    peak plan.json names: the data sheet's dense bf16 figure on a GPU it knows). ok: each run ran its planned steps
+    with finite losses; `meets_goal` says whether it reached MFU_GOALS (not a failure when it does not)."""
+    import math
+
+    import conftest
+
+    if device != "cuda" and not smoke:
+        return {"ok": None, "skipped": "needs CUDA (--mfu-smoke runs the same path with a tiny model anywhere)"}
+    settings = mfu_settings(device, smoke, micro_batch, sequence_len, attention)
+    length, rows_per_step = settings["sequence_len"], settings["micro_batch_size"]
+    start = time.perf_counter()
+    model_dir = save_random_llama(workdir / "llama_mfu", tokenizer_dir, settings["shape"], length, device)
+    built_seconds = round(time.perf_counter() - start, 1)
+    # rows of ~45% of sequence_len on average, packed: enough for every step with a quarter to spare
+    count = int(settings["steps"] * rows_per_step / 0.45 * 1.25) + 8
+    data = conftest.write_jsonl(workdir / "mfu.jsonl", varied_rows(count, length))
+    runs = {}
+    for kind in ("full", "lora"):
+        adapter = ({"adapter": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_linear": True,
+                    "learning_rate": 2e-4} if kind == "lora" else {"learning_rate": 2e-5})
+        keys = conftest.base_config(workdir / f"mfu_{kind}", model_dir, data, sample_packing=True,
+                                    sequence_len=length, micro_batch_size=rows_per_step,
+                                    gradient_accumulation_steps=1, max_steps=settings["steps"], num_epochs=1,
+                                    bf16="auto", attn_implementation=settings["attention"], torch_compile=False,
+                                    logging_steps=5, dataset_prepared_path=str(workdir / "mfu_prepared"),
+                                    **adapter)
+        result = conftest.run_cli("train", str(conftest.write_config(workdir / f"mfu_{kind}.yml", **keys)),
+                                  timeout=300)
+        out = workdir / f"mfu_{kind}" / "out"
+        if result.returncode != 0:
+            runs[kind] = {"ok": False, "stderr": result.stderr[-2000:]}
+            continue
+        plan = json.loads((out / "plan.json").read_text())
+        summary = json.loads((out / "summary.json").read_text())
+        losses = [m["loss"] for m in conftest.read_metrics(out) if "loss" in m]
+        utilisation, goal = summary.get("mfu"), MFU_GOALS[kind]
+        peak = plan.get("peak_flops")
+        runs[kind] = {
+            "ok": summary["steps"] == plan["total_steps"] and bool(losses) and all(map(math.isfinite, losses)),
+            "mfu": utilisation, "goal": goal,
+            "meets_goal": utilisation is not None and utilisation >= goal,
+            "real_tokens_per_second": summary.get("real_tokens_per_second_after_first_step"),
+            "model_tflops_per_second": round(utilisation * peak / 1e12, 3) if utilisation and peak else None,
+            "peak": plan.get("peak_source"), "steps": summary["steps"], "planned": plan["total_steps"],
+            "first_step_seconds": summary.get("first_step_seconds"), "train_seconds": summary.get("train_seconds"),
+            "losses": [round(loss, 4) for loss in losses], "precision": plan.get("precision"),
+            "attention": plan.get("attention"), "attention_context": plan.get("attention_context"),
+            "flops_per_token": plan.get("flops_per_token"), "estimated_memory_gb": plan.get("estimated_memory_gb"),
+            "peak_memory_gb": summary.get("peak_memory_gb"), "seconds": summary.get("seconds")}
+        print(f"  mfu {kind}: {utilisation if utilisation is None else f'{utilisation:.1%}'} (goal {goal:.0%}), "
+              f"{runs[kind]['real_tokens_per_second']} real tok/s, {summary['steps']}/{plan['total_steps']} steps, "
+              f"{plan.get('attention')}, peak {plan.get('peak_source')}", flush=True)
+    return {"ok": all(run["ok"] for run in runs.values()), "smoke": smoke, "model_built_seconds": built_seconds,
+            "sequence_len": length, "micro_batch_size": rows_per_step, "steps": settings["steps"],
+            "attention_asked": settings["attention"], **runs}
+
+
 def run(name: str, function, *args) -> dict:
     start = time.perf_counter()
     try:
@@ -345,11 +565,31 @@ def run(name: str, function, *args) -> dict:
     return result
 
 
+CHECKS = ("packed_equals_alone", "bf16_train", "compile", "chunked_loss", "context_parallel_kernel", "qlora", "dpo",
+          "fsdp2_train", "zero2_train", "mfu")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".", help="folder for gpu_check.json (and gpu_bench.json)")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--skip-mfu", action="store_true", help="leave out the ~1B model's MFU runs (~2-3 min on "
+                        "an H200)")
+    parser.add_argument("--mfu-smoke", action="store_true", help="the MFU check with a 2-layer model at 256 tokens, "
+                        "on any device (a CPU too): the code path, not the numbers")
+    parser.add_argument("--mfu-micro-batch", type=int, help="rows per micro-batch of the MFU runs (default: by the "
+                        "GPU's memory, 8 on 100 GB or more)")
+    parser.add_argument("--mfu-sequence-len", type=int, help="tokens per row of the MFU runs (default 2048)")
+    parser.add_argument("--mfu-attention", help="attn_implementation of the MFU runs (default: flash_attention_2 "
+                        "where flash-attn is installed, else sdpa; sdpa_per_sequence splits packed rows instead of "
+                        "masking them)")
+    parser.add_argument("--only", help=f"comma-separated checks to run (the environment always): {', '.join(CHECKS)}")
     args = parser.parse_args()
+    only = set(args.only.split(",")) if args.only else set(CHECKS)
+    if unknown := only - set(CHECKS):
+        parser.error(f"--only: unknown checks {', '.join(sorted(unknown))}")
+    if args.skip_mfu:
+        only.discard("mfu")
     os.environ["HF_HUB_OFFLINE"] = "1"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -358,18 +598,23 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="tuneloop-gpu-check-") as temp:
         workdir = Path(temp)
         tokenizer_dir, model_dir = build_tiny(workdir)
-        report["packed_equals_alone"] = run("packed == alone", check_packed_equals_alone, workdir, model_dir,
-                                            tokenizer_dir, device)
-        report["bf16_train"] = run("bf16 train", check_bf16_train, workdir, model_dir)
-        report["compile"] = run("torch.compile", check_compile, model_dir, device)
-        report["chunked_loss"] = run("chunked loss", check_chunked_loss, device)
-        report["context_parallel_kernel"] = run("context parallel kernel", check_context_parallel_kernel, model_dir,
-                                                device)
-        report["qlora"] = run("qlora train", check_qlora_train, workdir, model_dir)
-        report["dpo"] = run("dpo train", check_dpo_train, workdir, model_dir)
-        for engine in ("fsdp2", "zero2"):
-            report[f"{engine}_train"] = run(f"{engine} train (one device)", check_sharded_train, workdir, model_dir,
-                                            engine)
+        checks = {
+            "packed_equals_alone": ("packed == alone", check_packed_equals_alone, workdir, model_dir, tokenizer_dir,
+                                    device),
+            "bf16_train": ("bf16 train", check_bf16_train, workdir, model_dir),
+            "compile": ("torch.compile", check_compile, model_dir, device),
+            "chunked_loss": ("chunked loss", check_chunked_loss, workdir, device),
+            "context_parallel_kernel": ("context parallel kernel", check_context_parallel_kernel, model_dir, device),
+            "qlora": ("qlora train", check_qlora_train, workdir, model_dir),
+            "dpo": ("dpo train", check_dpo_train, workdir, model_dir),
+            **{f"{engine}_train": (f"{engine} train (one device)", check_sharded_train, workdir, model_dir, engine)
+               for engine in ("fsdp2", "zero2")},
+            "mfu": ("mfu (~1B LLaMA, full and LoRA)", check_mfu, workdir, tokenizer_dir, device, args.mfu_smoke,
+                    args.mfu_micro_batch, args.mfu_sequence_len, args.mfu_attention),
+        }
+        for key, (name, function, *arguments) in checks.items():
+            if key in only:
+                report[key] = run(name, function, *arguments)
     if device == "cuda" and not args.skip_bench:
         bench = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--gpu", "--json",
                                 str(out / "gpu_bench.json")], text=True)
