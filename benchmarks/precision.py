@@ -9,6 +9,8 @@ steps), interleaved A B C D, A B C D ... for `--rounds` rounds:
   masters     `bf16: true` (the default's meaning under `bf16: auto` on a machine with native bf16): bf16 compute
               weights, fp32 masters stepped by the optimizer, fp32 gradients (engines/masters.py)
   pure_bf16   `bfloat16: true`: bf16 weights and bf16 optimizer updates, no fp32 copy (axolotl's `bf16: true`)
+  auto        `bf16: true` with `master_weights: auto`, the default: masters for a full fine-tune; beside an adapter
+              (`--set adapter=lora ...`, against `autocast`) the frozen base's projections held in bf16
 
 Throughput is tuneloop's own: real tokens/s over the training loop after its first step (summary.json; the
 evals between steps are in the time, alike in every variant). Ratios are taken within each round, then the median. The eval loss is
@@ -34,6 +36,7 @@ VARIANTS = {
     "autocast": ["bf16=true", "master_weights=false"],
     "masters": ["bf16=true", "master_weights=true"],
     "pure_bf16": ["bf16=true", "bfloat16=true"],
+    "auto": ["bf16=true"],
 }
 
 
@@ -45,7 +48,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-steps", type=int, default=None, help="fewer steps than the quickstart's 14")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="a comma-separated subset (autocast, if given, "
+    parser.add_argument("--variants", default="fp32,autocast,masters,pure_bf16", help="a comma-separated subset (autocast, if given, "
                         "and fp32 are the ratios' references)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="for every variant")
     parser.add_argument("--json", metavar="FILE")

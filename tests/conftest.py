@@ -16,6 +16,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["HF_HUB_OFFLINE"] = "1"  # tests never reach a model hub
 
+def pytest_collection_modifyitems(items):
+    """The modules with the most end-to-end (slow) runs first, each module's tests together and in their order:
+    the two workers start on the long runs and finish on short tests, rather than one waiting idle while the other
+    ends on a two-minute benchmark. (Whole modules move, so a module's fixtures are still built once a worker.)"""
+    slow_in = {}
+    for item in items:
+        slow_in.setdefault(item.module.__name__, 0)
+        slow_in[item.module.__name__] += item.get_closest_marker("slow") is not None
+    order = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-slow_in[item.module.__name__], order[id(item)]))
+
+
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"

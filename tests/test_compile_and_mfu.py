@@ -91,7 +91,7 @@ def test_the_gpu_table_knows_the_common_training_gpus_and_not_others():
 @pytest.mark.slow
 def test_step_lines_and_summary_carry_mfu_from_the_plans_numbers(tmp_path, tiny_model_dir, data):
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, max_steps=3,
-                                                              peak_tflops=0.002))
+                                                              peak_tflops=0.002, val_set_size=0.2, eval_steps=1))
     result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "MFU against 0.002 TFLOPS per CPU (peak_tflops)" in result.stdout
@@ -102,8 +102,10 @@ def test_step_lines_and_summary_carry_mfu_from_the_plans_numbers(tmp_path, tiny_
         assert line["mfu"] == pytest.approx(line["real_tokens_per_second"] * plan["flops_per_token"] / 2e9,
                                             rel=1e-3, abs=1e-4)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["mfu"] == pytest.approx(summary["real_tokens_per_second_after_first_step"]
+    # the steps' own pace: the evals inside the loop (and their unforeseen FLOPs) are left out of MFU
+    assert summary["mfu"] == pytest.approx(summary["real_tokens_per_second_of_the_steps"]
                                            * plan["flops_per_token"] / 2e9, rel=1e-3)
+    assert summary["real_tokens_per_second_of_the_steps"] > summary["real_tokens_per_second_after_first_step"]
     assert f"MFU {summary['mfu']:.1%}" in result.stdout
 
 

@@ -465,13 +465,18 @@ def summary_of(outcome, plan, seconds: dict | None = None) -> dict:
 
     after_first = per_second(outcome.real_tokens - outcome.first_step_real_tokens,
                              outcome.train_seconds - (outcome.first_step_seconds or 0))
-    utilisation = mfu(after_first, plan.flops_per_token, plan.peak_flops)
+    # MFU is the training steps' use of the device: the evals' and checkpoints' time is left out, as their FLOPs
+    # are not counted (the throughput above keeps them: it is what the user waits for)
+    steps_only = per_second(outcome.real_tokens - outcome.first_step_real_tokens,
+                            outcome.training_seconds - (outcome.first_step_seconds or 0))
+    utilisation = mfu(steps_only, plan.flops_per_token, plan.peak_flops)
     return {"steps": outcome.steps, "planned_steps": plan.total_steps, "tokens": outcome.tokens,
             "targets_collated": outcome.targets_collated, "real_tokens": outcome.real_tokens,
             "train_seconds": round(outcome.train_seconds, 4),
             "real_tokens_per_second": per_second(outcome.real_tokens, outcome.train_seconds),
             "first_step_seconds": round(outcome.first_step_seconds, 3) if outcome.first_step_seconds else None,
             "real_tokens_per_second_after_first_step": after_first,
+            "real_tokens_per_second_of_the_steps": steps_only,  # after the first, evals and saves left out
             "mfu": round(utilisation, 4) if utilisation is not None else None,
             "stopped_by": outcome.stopped_by,
             "first_eval_loss": outcome.evals[0]["eval_loss"] if outcome.evals else None,
