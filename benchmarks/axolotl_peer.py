@@ -306,12 +306,13 @@ def build_inputs(workdir: Path) -> tuple[Path, Path]:
     return model, data
 
 
-def write_configs(workdir: Path, model: Path, data: Path, steps: int, axolotl_bf16) -> dict[str, Path]:
+def write_configs(workdir: Path, model: Path, data: Path, steps: int, axolotl_bf16,
+                  tuneloop_keys: dict | None = None) -> dict[str, Path]:
     common = {"base_model": str(model), "datasets": [{"path": str(data), "ds_type": "json", "type": "chat_template"}],
               **SHARED, "max_steps": steps}
     configs = {
         "tuneloop": {**common, "bf16": "auto", "dataset_prepared_path": str(workdir / "prepared-tuneloop"),
-                     "output_dir": str(workdir / "out-tuneloop")},
+                     "output_dir": str(workdir / "out-tuneloop"), **(tuneloop_keys or {})},
         "axolotl": {**common, "bf16": axolotl_bf16, "attn_implementation": "sdpa",
                     "dataset_prepared_path": str(workdir / "prepared-axolotl"),
                     "output_dir": str(workdir / "out-axolotl"), "plugins": ["axolotl_peer_plugin.PeerPlugin"],
@@ -466,6 +467,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS for both tools")
     parser.add_argument("--axolotl-bf16", default="true", choices=["true", "auto"],
                         help="axolotl's bf16 key (auto means fp16 on a CPU: see above)")
+    parser.add_argument("--tuneloop-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a key of tuneloop's config (YAML value), e.g. bfloat16=true: axolotl's bf16 weights")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="axolotl's venv (made the first time)")
     parser.add_argument("--json", type=Path, default=REPO / "outputs" / "axolotl_peer.json")
     parser.add_argument("--keep", type=Path, help="a folder for the configs, logs and outputs (default: temporary)")
@@ -489,7 +492,9 @@ def main(argv=None) -> int:
     try:
         model, data = build_inputs(workdir)
         axolotl_bf16 = True if args.axolotl_bf16 == "true" else "auto"
-        configs = write_configs(workdir, model, data, args.steps, axolotl_bf16)
+        tuneloop_keys = {key: yaml.safe_load(value) for key, _, value in
+                         (item.partition("=") for item in args.tuneloop_set)}
+        configs = write_configs(workdir, model, data, args.steps, axolotl_bf16, tuneloop_keys)
         print(f"axolotl {version} ({args.venv}); tokenizing once for each tool ...", flush=True)
         for tool, command in (("tuneloop", [sys.executable, "-m", "tuneloop", "preprocess", str(configs["tuneloop"])]),
                               ("axolotl", [str(python), "-m", "axolotl.cli.preprocess", str(configs["axolotl"])])):
@@ -524,7 +529,7 @@ def main(argv=None) -> int:
     medians = {key: round(statistics.median(values), 3) for key, values in ratios.items()}
     t, a = runs["tuneloop"][0], runs["axolotl"][0]
     precisions = {
-        "tuneloop": f"bf16: auto -> {t['precision']}",
+        "tuneloop": f"bf16: auto{''.join(', ' + item for item in args.tuneloop_set)} -> {t['precision']}",
         "axolotl": (f"bf16: {args.axolotl_bf16} -> Trainer bf16={a['trainer_bf16']} fp16={a['trainer_fp16']}, "
                     "parameters " + ", ".join(f"{n / 1e6:.1f}M {d.replace('torch.', '')}"
                                          for d, n in (a["parameter_dtypes"] or {}).items()) + " (no fp32 master copy)"),

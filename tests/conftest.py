@@ -47,6 +47,9 @@ def compile_records_of_the_suite(tmp_path_factory):
     """Every test plans `torch_compile: auto` from the suite's own records (plan/compile_choice.py), never from
     what this machine ran before; subprocesses inherit the variable."""
     os.environ["TUNELOOP_COMPILE_RECORDS"] = str(tmp_path_factory.mktemp("compile_records") / "records.json")
+    # and measures peak FLOPS into its own file: with two busy workers a probe reads low, and this machine's cache
+    # would keep that figure for the user's runs
+    os.environ["TUNELOOP_PEAK_FLOPS"] = str(tmp_path_factory.mktemp("peak_flops") / "peak_flops.json")
 
 
 def tiny_rows(count: int, seed: int = 0) -> list[dict]:
