@@ -542,17 +542,17 @@ def main(argv=None) -> int:
     for tool in runs:
         print(f"  {tool:<9} {precisions[tool]}")
     print(f"  attention: tuneloop {t['attention']}; axolotl sdpa (block-diagonal mask over the packed row)")
-    head = (f"{'tool':<10}{'precision':<10}{'real tok/s':>16}{'first step s':>16}{'peak RSS GB':>16}"
-            f"{'final loss':>16}{'real tokens':>13}")
+    head = (f"{'tool':<10}{'precision':<10}{'real tok/s':>22}{'first step s':>22}{'peak RSS GB':>22}"
+            f"{'final loss':>24}{'real tokens':>13}")
     print(head + "\n" + "-" * len(head))
 
     def joined(got: list[dict], key: str, form: str) -> str:
         return ", ".join(format(r[key], form) for r in got)
 
     for tool, got in runs.items():
-        print(f"{tool:<10}{short[tool]:<10}{joined(got, 'tokens_per_second', '.0f'):>16}"
-              f"{joined(got, 'first_step_wall_seconds', '.1f'):>16}{joined(got, 'peak_rss_gb', '.2f'):>16}"
-              f"{joined(got, 'final_loss', '.3f'):>16}{got[0]['real_tokens']:>13}")
+        print(f"{tool:<10}{short[tool]:<10} {joined(got, 'tokens_per_second', '.0f'):>21}"
+              f" {joined(got, 'first_step_wall_seconds', '.1f'):>21} {joined(got, 'peak_rss_gb', '.2f'):>21}"
+              f" {joined(got, 'final_loss', '.3f'):>23}{got[0]['real_tokens']:>13}")
     head = f"{'ratio (per round; median)':<44}{'precision':<10}{'machine':<40}"
     print("\n" + head + "\n" + "-" * (len(head) + 24))
     for key, words in (("tokens_per_second", "tuneloop / axolotl real tok/s"),
