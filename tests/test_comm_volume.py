@@ -1,8 +1,8 @@
 """The plan's communication per rank per step (plan/comm.py) against the bytes 2 real gloo ranks put on the wire.
 
 The measurement is the kernel's, not a re-derivation: each rank reads TCP_INFO (tcpi_bytes_sent,
-tcpi_bytes_received) of every TCP socket it holds (gloo's connections to the other rank; the launcher's store is
-left out) after each optimizer step, through the run's own hooks (`phase("zero_grad")` ends a step), and the
+tcpi_bytes_received) of every TCP socket it holds after each optimizer step, and the test counts the connections
+whose other end is the other rank's (gloo's; the launcher's store and anything else are left out), through the run's own hooks (`phase("zero_grad")` ends a step), and the
 bytes of steps 2 and 3 are compared with what the plan promised per step. gloo's own framing and the loss's and
 the norm's scalar reductions ride along: a percent or so on this tiny model.
 
@@ -22,9 +22,10 @@ from pathlib import Path
 TCP_INFO_BYTES_RECEIVED, TCP_INFO_BYTES_SENT = 128, 200  # offsets in Linux's struct tcp_info (4.19 and later)
 
 
-def tcp_bytes(skip_port: int | None) -> tuple[int, int]:
-    """(sent, received) over this process's TCP connections, as the kernel counts them (payload, no headers)."""
-    sent = received = 0
+def tcp_bytes(skip_port: int | None) -> list[list[int]]:
+    """[local port, peer port, sent, received] of each of this process's TCP connections, as the kernel counts them
+    (payload, no headers). The test keeps the connections whose other end is the other rank's (gloo's)."""
+    sockets = []
     for name in os.listdir("/proc/self/fd"):
         try:
             if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
@@ -36,15 +37,23 @@ def tcp_bytes(skip_port: int | None) -> tuple[int, int]:
             try:
                 if probe.type != socket.SOCK_STREAM or probe.family not in (socket.AF_INET, socket.AF_INET6):
                     continue
-                ports = {probe.getsockname()[1], probe.getpeername()[1]}
+                local, peer = probe.getsockname()[1], probe.getpeername()[1]
+                ports = {local, peer}
                 info = probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
             except OSError:  # a listening socket, or one being closed
                 continue
         if skip_port in ports or len(info) < TCP_INFO_BYTES_SENT + 8:
             continue
-        sent += struct.unpack_from("Q", info, TCP_INFO_BYTES_SENT)[0]
-        received += struct.unpack_from("Q", info, TCP_INFO_BYTES_RECEIVED)[0]
-    return sent, received
+        sockets.append([local, peer, struct.unpack_from("Q", info, TCP_INFO_BYTES_SENT)[0],
+                        struct.unpack_from("Q", info, TCP_INFO_BYTES_RECEIVED)[0]])
+    return sockets
+
+
+def between_ranks(mine: list[list[int]], theirs: list[list[int]]) -> tuple[int, int]:
+    """(sent, received) over the connections whose other end is among the other rank's."""
+    ends = {(local, peer) for local, peer, *_ in theirs}
+    kept = [(sent, received) for local, peer, sent, received in mine if (peer, local) in ends]
+    return sum(sent for sent, _ in kept), sum(received for _, received in kept)
 
 
 def probe_main(config: str, out: str) -> int:
@@ -56,7 +65,7 @@ def probe_main(config: str, out: str) -> int:
 
     class AfterEachStep(RunHooks):
         def __init__(self):
-            self.counts: list[tuple[int, int]] = []
+            self.counts: list[list[list[int]]] = []
 
         def phase(self, name: str):
             return self._counted() if name == "zero_grad" else contextlib.nullcontext()
@@ -120,10 +129,11 @@ def test_the_plans_bytes_per_step_are_what_gloo_sends(tmp_path, tiny_model_dir):
         assert process.returncode == 0, out[-2000:] + err[-4000:]
         plan = json.loads((run_dir / "out" / "plan.json").read_text())
         promised = plan["communication"]["bytes_per_rank_per_step"]
+        counts = [json.loads((tmp_path / f"{name}-counts" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
         for rank in (0, 1):
-            counts = json.loads((tmp_path / f"{name}-counts" / f"rank{rank}.json").read_text())
-            assert len(counts) == STEPS["max_steps"]
-            sent, received = ((counts[2][i] - counts[0][i]) / 2 for i in (0, 1))  # steps 2 and 3
+            assert len(counts[rank]) == STEPS["max_steps"]
+            after_step = [between_ranks(counts[rank][step], counts[1 - rank][step]) for step in (0, 2)]
+            sent, received = ((after_step[1][i] - after_step[0][i]) / 2 for i in (0, 1))  # steps 2 and 3
             measured[name, rank] = sent
             print(f"\n{name} rank {rank}: sent {sent:.0f} B, received {received:.0f} B per step; plan {promised} "
                   f"({plan['communication']['words']})")

@@ -162,7 +162,8 @@ def test_the_cpu_peak_is_the_best_of_the_first_probes_and_a_figure_below_fewer_t
         tmp_path, monkeypatch):
     """A probe that runs beside other work reads low, and the cached figure is every later run's MFU: the first
     runs probe again and keep the best; a figure for 2 threads below the 1-thread one (the 2 cores were shared
-    when it was taken) is measured again. (The probe's readings are given here: what is tested is what is kept.)"""
+    when it was taken) is measured again; the ranks of one launch take the first one's figure. (The probe's
+    readings are given here: what is tested is what is kept.)"""
     from tuneloop.plan import flops
 
     cache = tmp_path / "peaks.json"
@@ -176,4 +177,10 @@ def test_the_cpu_peak_is_the_best_of_the_first_probes_and_a_figure_below_fewer_t
     known[two_threads] = 4e9  # a bare figure (the older format), below the 1-thread one
     cache.write_text(json.dumps(known))
     assert flops.measured_peak("no", 2)[0] == 1e12
-    assert json.loads(cache.read_text())[two_threads] == {"flops": 1e12, "probes": 2}
+    assert json.loads(cache.read_text())[two_threads] == {"flops": 1e12, "probes": 2, "launch": None}
+    # the ranks of one launch plan with one figure: the second rank reads what the first measured (their plans,
+    # and what they send each other, would differ otherwise)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "one-launch")
+    assert flops.measured_peak("no", 2)[0] == 3e12 and readings == []
+    readings.append(5e12)
+    assert flops.measured_peak("no", 2)[0] == 3e12 and readings == [5e12]

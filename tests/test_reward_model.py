@@ -22,7 +22,10 @@ from tuneloop.run import _forget_accelerate_state
 from tuneloop.train.reward_model import BradleyTerryLoss
 
 WORDS = " ".join(CORPUS).split()
-EXAMPLE = Path(__file__).parents[2] / "shared" / "axolotl-examples" / "qwen3" / "reward-model.yaml"
+# (../shared beside the checkout, or the workplace's /work/shared for a checkout elsewhere, as test_axolotl_configs)
+SHARED = next((p for p in (Path(__file__).parents[2] / "shared", Path("/work/shared"))
+               if (p / "axolotl-examples").is_dir()), Path(__file__).parents[2] / "shared")
+EXAMPLE = SHARED / "axolotl-examples" / "qwen3" / "reward-model.yaml"
 ONE_SGD_STEP = {"optimizer": "sgd", "learning_rate": 1.0, "max_grad_norm": 0, "max_steps": 1,
                 "lr_scheduler": "constant"}
 

@@ -175,9 +175,12 @@ def measured_peak(precision: str, threads: int = 1) -> tuple[float, str]:
         known = _read_cache(cache)
         flops, probes = _cached(known.get(key))
         fewer = [_cached(known.get(key_for(count)))[0] or 0.0 for count in range(1, threads)] if not cuda else []
-        if flops is None or probes < PEAK_PROBES or any(figure > flops for figure in fewer):
+        # the ranks of one launch take the figure the first of them measured: their plans must agree
+        launch = _launch_id()
+        same_launch = launch is not None and isinstance(known.get(key), dict) and known[key].get("launch") == launch
+        if flops is None or not same_launch and (probes < PEAK_PROBES or any(figure > flops for figure in fewer)):
             flops = max(flops or 0.0, _probe("cuda" if cuda else "cpu", dtype, threads))
-            known[key] = {"flops": flops, "probes": probes + 1}
+            known[key] = {"flops": flops, "probes": probes + 1, "launch": launch}
             if lock is not None:
                 _write_cache(cache, known)
         return float(flops), where
@@ -230,6 +233,17 @@ def _affordable_size(dtype, seconds: float = PROBE_PRODUCT_SECONDS, small: int =
     if rate >= SLOW_DTYPE_FLOPS:
         return PROBE_SIZE["cpu"]
     return max(small, int((rate * seconds / 2) ** (1 / 3)))
+
+
+def _launch_id() -> str | None:
+    """What the processes of one launch share (torchrun's run id, or the rendezvous address); None for a process
+    started alone."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return os.environ["TORCHELASTIC_RUN_ID"] + "@" + os.environ.get("MASTER_ADDR", "") + ":" + \
+            os.environ.get("MASTER_PORT", "")
+    if os.environ.get("MASTER_PORT") and os.environ.get("WORLD_SIZE", "1") != "1":
+        return os.environ.get("MASTER_ADDR", "") + ":" + os.environ["MASTER_PORT"]
+    return None
 
 
 def _cached(entry) -> tuple[float | None, int]:
