@@ -184,3 +184,33 @@ def test_the_cpu_peak_is_the_best_of_the_first_probes_and_a_figure_below_fewer_t
     assert flops.measured_peak("no", 2)[0] == 3e12 and readings == []
     readings.append(5e12)
     assert flops.measured_peak("no", 2)[0] == 3e12 and readings == [5e12]
+
+
+def test_a_run_that_measures_the_peak_trains_what_a_run_that_read_it_from_the_cache_trains(
+        tmp_path, tiny_model_dir, data, monkeypatch):
+    """The peak is probed while the plan is built, after the seed is set; a run that probed started its adapter (and
+    drew its dropout) elsewhere than one that read the cache (CI's two-rank resume test failed so: the straight run
+    probed, the crashed one did not). The probe draws from a generator of its own, and the model is seeded again
+    just before it is built."""
+    from tuneloop.plan import flops
+
+    cache = tmp_path / "peaks.json"
+    monkeypatch.setenv(flops.PEAK_CACHE_ENV, str(cache))
+    monkeypatch.setitem(flops.PROBE_SIZE, "cpu", 256)  # (a smaller square: the draw, not the figure, is tested)
+    keys = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.2, lora_target_modules=["q_proj", "v_proj"],
+                max_steps=2, bf16=False)
+    adapters = {}
+    for name in ("probed", "cached"):
+        config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path / name, tiny_model_dir, data, **keys))
+        result = run_in_process("train", str(config))
+        assert result.returncode == 0, result.stderr[-2000:]
+        adapters[name] = load_file(tmp_path / name / "out" / "adapter_model.safetensors")
+        if name == "probed":  # the next run reads the figure: three probes are on record
+            known = json.loads(cache.read_text())
+            assert known, "the first run measured no peak"
+            cache.write_text(json.dumps({key: dict(entry, probes=3) for key, entry in known.items()}))
+    for key, value in adapters["probed"].items():
+        assert torch.equal(value, adapters["cached"][key]), key
+    before = torch.get_rng_state()
+    flops._probe("cpu", torch.float32, 1)
+    assert torch.equal(torch.get_rng_state(), before)  # the probe moves no one else's draws

@@ -170,6 +170,8 @@ class TrainingSession:
                 self.output_lock = None
 
     def _run(self, overwrite: bool, force_resume: bool, ignore_memory_estimate: bool, started: float) -> RunResult:
+        from accelerate.utils import set_seed
+
         from tuneloop.config.schema import result_settings
         from tuneloop.hardware import check_hardware
         from tuneloop.model import apply_run_template, load_model
@@ -213,6 +215,9 @@ class TrainingSession:
         clock = time.perf_counter()
         # a sharded engine's checkpoint may hold its weights only in shards: the loop loads them into the model
         on_meta = resolved.engine.builds_on_meta(accelerator.process_index, accelerator.num_processes)
+        # seeded again: what ran since the seed was set draws or not by the state of this host's caches (the peak
+        # probe, a data cache filled or read), and a fresh model's or an adapter's first weights must not follow
+        set_seed(cfg.seed)
         model = load_model(cfg, resolved, tokenizer, checkpoint=None if resolved.engine.sharded else resume,
                            on_meta=on_meta)
         reference_model, reference = self._reference(model, tokenizer, rows, resume)

@@ -199,8 +199,7 @@ def _probe(device: str, dtype, threads: int) -> float:
     try:
         if device == "cpu":  # a dtype this CPU has no fast kernel for (bf16 without AVX512-BF16/AMX: ~2 GFLOPS, 95 s
             size = min(size, _affordable_size(dtype))  # for one 2048² product) is measured on smaller squares
-        a = torch.randn(size, size, device=device).to(dtype)
-        b = torch.randn(size, size, device=device).to(dtype)
+        a, b = _operands(size, dtype, device)
         best = float("inf")
         for _ in range(PROBE_REPEATS + 1):  # the first is a warm-up
             if device == "cuda":
@@ -215,6 +214,16 @@ def _probe(device: str, dtype, threads: int) -> float:
     return 2 * size**3 / best
 
 
+def _operands(size: int, dtype, device: str):
+    """Two random squares drawn from a generator of their own: the probe runs while the plan is built, after the
+    run's seed is set, and a draw from torch's global generator would move every later one (the adapter's
+    initial weights, dropout) in a run that probed against one that read the cache."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(size, size, generator=generator).to(device=device, dtype=dtype) for _ in range(2))
+
+
 # below this rate at 256² a dtype has no fast kernel here (emulated bf16 on an AVX2 CPU: ~2 GFLOPS); above it the
 # probe keeps its full size, whose 2048² product a fast kernel finishes in well under a second
 SLOW_DTYPE_FLOPS = 10e9
@@ -225,7 +234,7 @@ def _affordable_size(dtype, seconds: float = PROBE_PRODUCT_SECONDS, small: int =
     full probe size where the dtype is not clearly slow (a small product underrates a fast kernel's rate)."""
     import torch
 
-    a, b = torch.randn(small, small).to(dtype), torch.randn(small, small).to(dtype)
+    a, b = _operands(small, dtype, "cpu")
     torch.mm(a, b)
     start = time.perf_counter()
     torch.mm(a, b)
