@@ -16,6 +16,8 @@ from test_tensor_parallel import FSDP, STEPS, data, planned, relative_difference
 from tuneloop.data.collate import MicroBatch
 from tuneloop.engines.context_parallel import WHOLE_POSITIONS, ContextShare, check_context_parallel
 from tuneloop.errors import UserError
+from tuneloop.run_files import complete_checkpoints
+from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
 
 CP = {"context_parallel_size": 2}
 
@@ -102,11 +104,10 @@ def test_the_plan_counts_one_data_rank_halves_activations_and_adds_the_all_to_al
 def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_model_dir, data, layout):
     """Both cp ranks read the same rows (one data rank) and each runs half of every row's positions; packed
     sequences cross the split. The weights, the weight change after 4 clipped AdamW steps, the logged losses (and
-    eval losses) and the counts are one process's; the plan's steps are the run's. On FSDP2 the run's checkpoint at
-    step 2 (DCP shards over dp_shard × cp) resumes on 2 cp ranks and ends with its weights bit for bit, and the
-    saved folder is a plain model (no trace of the exchange in its config)."""
-    import shutil
-
+    eval losses) and the counts are one process's; the plan's steps are the run's. On FSDP2 a run killed (-9) half-way
+    through step 3's save resumes from its step-2 checkpoint (DCP shards over dp_shard × cp) on 2 cp ranks and ends
+    with the uninterrupted run's weights bit for bit; one process is refused that checkpoint, naming both layouts.
+    The saved folder is a plain model (no trace of the exchange in its config)."""
     from safetensors.torch import load_file
 
     packed = layout.startswith("packed")
@@ -143,17 +144,23 @@ def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_
     if packed:
         return
     assert "tuneloop_ulysses" not in (tmp_path / "cp" / "out" / "config.json").read_text()
-    resumed_dir = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "cp" / "out" / "checkpoint-2", resumed_dir / "out" / "checkpoint-2")
-    one_rank = write_config(resumed_dir / "one.yml", **base_config(resumed_dir, tiny_model_dir, data, **STEPS, **keys,
+    # kill -9 in the middle of step 3's save (a checkpoint a step: 1 and 2 are whole), then auto-resume
+    crashed_dir = tmp_path / "crashed"
+    crashed_dir.mkdir()
+    config = write_config(crashed_dir / "run.yml", **base_config(crashed_dir, tiny_model_dir, data, **STEPS, **keys,
+                                                                 **CP, save_strategy="steps", save_steps=1,
+                                                                 auto_resume_from_checkpoints=True))
+    crashed = run_two_ranks("train", str(config), env={CRASH_DURING_SAVE_ENV: "3"})
+    assert crashed.returncode != 0
+    out = crashed_dir / "out"
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+    one_rank = write_config(crashed_dir / "one.yml", **base_config(crashed_dir, tiny_model_dir, data, **STEPS, **keys,
                                                                    auto_resume_from_checkpoints=True))
     assert_user_error(run_in_process("train", str(one_rank)),  # another layout: both named (--force-resume reshards)
                       "mesh (mesh dp_replicate 1 × dp_shard 1 × tp 1 × cp 2 → None)", "context_parallel_size (2 → None)")
-    config = write_config(resumed_dir / "run.yml", **base_config(resumed_dir, tiny_model_dir, data, **STEPS, **keys,
-                                                                 **CP, auto_resume_from_checkpoints=True))
     resumed = run_two_ranks("train", str(config))
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
-    again = load_file(resumed_dir / "out" / "model.safetensors")
+    again = load_file(out / "model.safetensors")
     assert again.keys() == cp.keys() and all(torch.equal(again[k], cp[k]) for k in cp)
 
 
