@@ -288,3 +288,37 @@ def test_merged_qwen2_vl_holds_its_image_processor_and_tokenizer_and_computes_wh
                                  eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                                  pad_token_id=tokenizer.pad_token_id)
     assert answers[1] == tokenizer.decode(output[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_infer_resizes_images_as_the_run_did(runs, tmp_path):
+    """A run trained with axolotl's `image_size` resized each image before its processor (letterboxed to a square);
+    the saved processor does not know it, the run's run_config.yml does: `infer` on the folder gives the model the
+    pixels training gave it."""
+    import argparse
+    import shutil
+
+    import yaml
+    from PIL import Image, ImageOps
+    from transformers import AutoProcessor
+
+    from tuneloop.use.commands import load_for_inference
+
+    folder = tmp_path / "out"
+    shutil.copytree(out_of(runs["full"]), folder)
+    recorded = yaml.safe_load((folder / "run_config.yml").read_text())
+    (folder / "run_config.yml").write_text(yaml.safe_dump({**recorded, "image_size": 64}, sort_keys=False))
+    picture = tmp_path / "wide.png"
+    square("red", (60, 20), seed=5).save(picture)
+
+    args = argparse.Namespace(config=None, model=str(folder), base=None)
+    model, tokenizer, vision = load_for_inference(args)
+    ids, references = vision.encode([{"role": "user", "content": [{"type": "image", "path": str(picture)},
+                                                                  {"type": "text", "text": QUESTION}]}], "a prompt")
+    pixels = vision.batch_inputs(torch.tensor([ids]), [references], model)["pixel_values"]
+    processor = AutoProcessor.from_pretrained(folder)
+    letterboxed = processor.image_processor(images=[ImageOps.pad(rgb(picture), (64, 64), Image.Resampling.BILINEAR,
+                                                                         color=(0, 0, 0))],
+                                            return_tensors="pt")["pixel_values"]
+    as_it_is = processor.image_processor(images=[rgb(picture)], return_tensors="pt")["pixel_values"]
+    assert torch.equal(pixels, letterboxed.to(pixels.dtype))
+    assert not torch.equal(letterboxed, as_it_is)  # (the resize shows in the pixels)

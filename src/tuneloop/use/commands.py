@@ -211,8 +211,15 @@ def load_for_inference(args, images_in: str | None = None):
                         "vision-language model's folder")
     tokenizer = load_tokenizer_of(folder)
     # (the processor before the model: a folder without one is said before the weights load)
-    vision = (VisionPrompts(folder_image_inputs(folder, config, tokenizer, trust_remote_code), tokenizer)
-              if vision_model else None)
+    vision = None
+    if vision_model:
+        # the images resized as the run resized them (axolotl's image_size is no processor setting: it is not in the
+        # saved processor, but in the run's config)
+        run = _run_config_of(cfg, folder)
+        inputs = folder_image_inputs(folder, config, tokenizer, trust_remote_code,
+                                     image_size=run.image_size if run is not None else None,
+                                     resample=(run.image_resize_algorithm if run is not None else None) or "bilinear")
+        vision = VisionPrompts(inputs, tokenizer)
     quantized = _quantized_base_of_run(cfg, folder) if folder.is_adapter else None
     if quantized is not None:  # a QLoRA / 8-bit run's adapter on its base quantized as it was trained (as eval does)
         from tuneloop.adapters import keep_4bit_layout
@@ -265,22 +272,26 @@ def command_merge(args) -> int:
     return 0
 
 
+def _run_config_of(cfg, folder):
+    """The config the folder's run trained with: CONFIG, else the run_config.yml a tuneloop run leaves in its
+    output_dir (beside the model or adapter, or above a checkpoint's); None for a folder no tuneloop run left."""
+    if cfg is not None:
+        return cfg
+    from tuneloop.config import load_config as load_yaml
+    from tuneloop.run_files import RUN_CONFIG
+
+    found = [folder.path / RUN_CONFIG, folder.path.parent / RUN_CONFIG]
+    run_config = next((path for path in found if path.is_file()), None)
+    return load_yaml(str(run_config)) if run_config is not None else None
+
+
 def _quantized_base_of_run(cfg, folder):
-    """(the bitsandbytes config, the weights' dtype) the adapter's run loaded its base with: from CONFIG, or the
-    run_config.yml a tuneloop run leaves in its output_dir (beside the adapter, or above a checkpoint's); None for
-    a LoRA on full-precision weights."""
+    """(the bitsandbytes config, the weights' dtype) the adapter's run loaded its base with (CONFIG's, or its
+    run_config.yml's); None for a LoRA on full-precision weights."""
     from tuneloop.model import quantized_base
 
-    if cfg is None:
-        from tuneloop.config import load_config as load_yaml
-        from tuneloop.run_files import RUN_CONFIG
-
-        found = [folder.path / RUN_CONFIG, folder.path.parent / RUN_CONFIG]
-        run_config = next((path for path in found if path.is_file()), None)
-        if run_config is None:
-            return None
-        cfg = load_yaml(str(run_config))
-    return quantized_base(cfg)
+    cfg = _run_config_of(cfg, folder)
+    return quantized_base(cfg) if cfg is not None else None
 
 
 # ---- export --------------------------------------------------------------------------------------

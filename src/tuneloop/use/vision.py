@@ -127,9 +127,10 @@ def load_processor_of(folder: ModelFolder, trust_remote_code: bool = False):
                     "needs its processor (preprocessor_config.json) beside it: copy the base model's there")
 
 
-def folder_image_inputs(folder: ModelFolder, config, tokenizer, trust_remote_code: bool = False):
+def folder_image_inputs(folder: ModelFolder, config, tokenizer, trust_remote_code: bool = False, image_size=None,
+                        resample: str = "bilinear"):
     """data/images.py's ImageInputs for a saved folder: its family (from the config), its saved processor with its
-    saved tokenizer, the ids never trained."""
+    saved tokenizer, the ids never trained; `image_size` and `resample`: the run's resize (axolotl's keys)."""
     from tuneloop.data.images import ImageInputs, _tile_tokens, _token_pixels, vision_family
 
     family = vision_family(config, str(folder.path))
@@ -142,8 +143,8 @@ def folder_image_inputs(folder: ModelFolder, config, tokenizer, trust_remote_cod
                         f"({family.image_token} {' '.join(family.framing)})")
     # (_tile_tokens: Idefics3/SmolVLM's tokens per tile from the model config, as a run computes it; _token_pixels:
     # Mistral 3's pixels per image token)
-    return ImageInputs(family, image_processor, processor, tuple(ids), _tile_tokens(config, family),
-                       token_pixels=_token_pixels(config, family))
+    return ImageInputs(family, image_processor, processor, tuple(ids), _tile_tokens(config, family), image_size,
+                       resample, token_pixels=_token_pixels(config, family))
 
 
 @dataclass
