@@ -10,6 +10,7 @@ bookkeeping). Self CPU time, so nothing is counted twice; names are a rough guid
 
     python benchmarks/step_profile.py                      # the quickstart at its defaults, steps 3-6
     python benchmarks/step_profile.py --set attn_implementation=sdpa --set sequence_len=1024
+    python benchmarks/step_profile.py --config my_run.yml --top 20
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--config", default=str(REPO / "examples" / "quickstart.yml"),
+                        help="the run to profile (default: the quickstart)")
     parser.add_argument("--top", type=int, default=0, help="also print the N operators with the most self time")
     args = parser.parse_args(argv)
 
@@ -71,7 +74,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="tuneloop-profile-") as folder:
         overrides = [*args.set, f"output_dir={folder}/out", "eval_on_start=false", "evals_per_epoch=0",
                      f"max_steps={args.skip + args.steps + 1}", "torch_compile=false"]
-        with TrainingSession(load_run_config(str(REPO / "examples" / "quickstart.yml"), overrides), hooks) as session:
+        with TrainingSession(load_run_config(args.config, overrides), hooks) as session:
             result = session.run(overwrite=True)
     if result.error is not None or hooks.inside is None:
         raise SystemExit(f"the run did not reach the profiled steps: {result.error}")
@@ -82,7 +85,8 @@ def main(argv=None) -> int:
     whole = sum(totals.values())
     if args.top:
         print(hooks.inside.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
-    print(f"\nsteps {args.skip + 1}-{args.skip + args.steps} of the quickstart{' with ' + ', '.join(args.set) if args.set else ''}"
+    run = "the quickstart" if Path(args.config).resolve() == REPO / "examples" / "quickstart.yml" else args.config
+    print(f"\nsteps {args.skip + 1}-{args.skip + args.steps} of {run}{' with ' + ', '.join(args.set) if args.set else ''}"
           f" ({torch.get_num_threads()} threads), self CPU time of torch's operators: "
           f"{whole / 1e6 / args.steps:.2f} s a step")
     for group, micros in sorted(totals.items(), key=lambda item: -item[1]):

@@ -12,6 +12,8 @@ and `freeze_mm_modules` leaves the vision tower and projector as they were."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 from pathlib import Path
 
@@ -446,6 +448,20 @@ def per_sequence_losses(model, batch) -> list[float]:
     return sums
 
 
+@contextlib.contextmanager
+def splitting_always():
+    """Every packed row split at its sequences (the kernel weighs the split's fixed cost per call against the row's
+    mask, and would keep a short test row whole)."""
+    from tuneloop import packed_attention
+
+    costs = dict(packed_attention.CALL_COST)
+    packed_attention.CALL_COST.update({name: 0 for name in costs})
+    try:
+        yield
+    finally:
+        packed_attention.CALL_COST.update(costs)
+
+
 @pytest.mark.parametrize("family", PACKED_FAMILIES + ["llava"])
 def test_packed_rows_give_each_sequence_the_loss_it_has_alone(tmp_path, model_dirs, family):
     """`sample_packing: true` on a family whose packed sequences stay apart: a packed row of three sequences (their
@@ -456,6 +472,8 @@ def test_packed_rows_give_each_sequence_the_loss_it_has_alone(tmp_path, model_di
     from tuneloop.config import config_from_dict
     from tuneloop.data.collate import collator_for
     from tuneloop.data.images import image_inputs_of
+    from tuneloop import packed_attention
+    from tuneloop.packed_attention import PER_SEQUENCE_SDPA, loadable
     from tuneloop.resolved import resolve_run
     from tuneloop.run import prepare_data
 
@@ -467,14 +485,25 @@ def test_packed_rows_give_each_sequence_the_loss_it_has_alone(tmp_path, model_di
         data = write_jsonl(tmp_path / "t.jsonl", mixed_rows(tmp_path, family, 3, seed=4))
         keys = family_config(tmp_path, model_dir, data, family, sample_packing=True)
     cfg = config_from_dict(keys)
-    tokenizer, rows = prepare_data(cfg, resolve_run(cfg))
+    resolved = resolve_run(cfg)
+    tokenizer, rows = prepare_data(cfg, resolved)
     images = image_inputs_of(tokenizer)
     pad = tokenizer.pad_token_id
     packed = collator_for(rows.store, pad, True, images=images)([[0, 1, 2]])
     alone = collator_for(rows.store, pad, False, images=images)([[0], [1], [2]])
     assert packed.inputs["input_ids"].shape[0] == 1 and (packed.inputs["position_ids"] == 0).sum() >= 3
-    model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-    assert per_sequence_losses(model, packed) == pytest.approx(per_sequence_losses(model, alone), rel=1e-5)
+    # both ways each kernel a packed run may use: transformers' SDPA under the row's block-diagonal mask, and SDPA
+    # per sequence (what a packed run on a CPU chooses: the tower's own attention, not causal, stays whole)
+    assert resolved.attention.used == PER_SEQUENCE_SDPA
+    expected = None
+    for kernel in ("sdpa", PER_SEQUENCE_SDPA):
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, attn_implementation=loadable(kernel)).eval()
+        if expected is None:
+            expected = per_sequence_losses(model, alone)
+        with splitting_always():
+            assert per_sequence_losses(model, packed) == pytest.approx(expected, rel=1e-5), kernel
+        if kernel == PER_SEQUENCE_SDPA:  # (the language model's layers did split the row: its sequences' lengths)
+            assert len(packed_attention._last_split[1][0]) == 3
 
 
 def test_a_family_whose_packed_sequences_would_mix_is_refused_naming_it(tmp_path, model_dirs):

@@ -55,14 +55,17 @@ def loadable(name: str | None) -> str | None:
 def model_can_split(model_config) -> bool:
     """Whether the model's class runs its attention through transformers' attention interface (it says so with
     `_supports_attention_backend`): others (Falcon's own table of classes, remote code) would fail to load under a
-    registered name or ignore it."""
-    from transformers import AutoModelForCausalLM
+    registered name or ignore it. A vision-language model's class (LLaVA's, Idefics3's, ...) says it for its
+    language model and its tower alike; the tower's attention is not causal, and runs SDPA unsplit here."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    try:
-        model_class = AutoModelForCausalLM._model_mapping[type(model_config)]
-    except (KeyError, ValueError):
-        return False
-    return bool(getattr(model_class, "_supports_attention_backend", False))
+    for auto_class in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        try:
+            model_class = auto_class._model_mapping[type(model_config)]
+        except (KeyError, ValueError):
+            continue
+        return bool(getattr(model_class, "_supports_attention_backend", False))
+    return False
 
 
 def packed_lengths(positions, width: int, rows: int | None = None) -> list[list[int]] | None:
