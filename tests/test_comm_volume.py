@@ -116,10 +116,13 @@ def launch(config: Path, out: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_the_plans_bytes_per_step_are_what_gloo_sends(tmp_path, tiny_model_dir):
-    """DDP and FSDP2 (reshard_after_forward), 2 ranks, 2 micro-batches a step, fp32: both launched at once."""
+    """DDP, FSDP2 (reshard_after_forward) and tensor parallel (tp 2: its layers' activation all-reduces, no data
+    ranks to reduce over; rows padded to sequence_len, since the plan counts the largest micro-batch), 2 ranks,
+    2 micro-batches a step, fp32: all launched at once."""
     data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(64, seed=3))
     runs = {}
-    for name, keys in (("ddp", {}), ("fsdp2", FSDP)):
+    for name, keys in (("ddp", {}), ("fsdp2", FSDP),
+                       ("tp", {**FSDP, "tensor_parallel_size": 2, "pad_to_sequence_len": True})):
         run_dir = tmp_path / name
         config = write_config(tmp_path / f"{name}.yml", **base_config(run_dir, tiny_model_dir, data, **STEPS, **keys))
         runs[name] = (run_dir, launch(config, tmp_path / f"{name}-counts"))
@@ -183,6 +186,24 @@ def test_zero_stages_as_deepspeed_moves_them(stage, expected):
     spec = DeepSpeedSpec(shards_weights=stage >= 3, shards_gradients=stage >= 2, shards_optimizer=True, stage=stage,
                          config={"bf16": {"enabled": "auto"}})
     assert communication_per_step(spec, WHOLE, 8, accumulation=4, precision="bf16").total == pytest.approx(expected)
+
+
+def test_tensor_parallel_reduces_once_per_split_projection_and_fsdp2_moves_one_tp_ranks_share():
+    """Under tp 2, each layer's 2 row-wise and 5 column-wise projections all-reduce a micro-batch's hidden states
+    once each (forward and backward); FSDP2 over the data ranks gathers and reduces what one tp rank holds: the
+    root whole, the layers halved."""
+    from dataclasses import replace
+
+    whole = replace(WHOLE, micro_batch_tokens=4096, hidden_size=1024, rowwise_projections=2, colwise_projections=5)
+    spec = FSDP2Spec(shards_weights=True, shards_gradients=True, shards_optimizer=True,
+                     mesh_keys=MeshKeys(dp_shard=4, tp=2, written=True))
+    sent = communication_per_step(spec, whole, 8, accumulation=2, precision="bf16")
+    held = 100e6 + 900e6 / 2  # parameters one tp rank holds
+    gathers = 2 * 3 / 4 * 2 * held * 2  # bf16, forward and backward, 2 micro-batches
+    reduce = 3 / 4 * 4 * held
+    activations = 7 * 20 * 2 * (2 * 1 / 2 * 4096 * 1024 * 2)
+    assert sent.total == pytest.approx(gathers + reduce + activations)
+    assert "7 a layer" in sent.words()
 
 
 def test_context_parallel_adds_its_all_to_alls_and_averages_over_its_ranks():

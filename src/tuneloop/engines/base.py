@@ -39,6 +39,10 @@ class WholeBytes:
     # and the hidden size
     micro_batch_tokens: int = 0
     hidden_size: int = 0
+    # ... and how many of a layer's projections are split row-wise (their outputs summed over the tp ranks in the
+    # forward) and column-wise (their inputs' gradients summed in the backward): the model's tp table's
+    rowwise_projections: int = 0
+    colwise_projections: int = 0
     # and context parallel's exchange: the widths of one token's queries (and attention output) and keys (values)
     attention_width: int = 0
     kv_width: int = 0

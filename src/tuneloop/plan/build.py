@@ -378,6 +378,7 @@ def _text_matmul_weights(facts) -> tuple[int, int]:
 
 def _communication(cfg, resolved, facts, world_size: int, micro_batch_tokens: int) -> dict:
     """What each rank sends per optimizer step (plan/comm.py), with the line the plan prints."""
+    from tuneloop.engines.tensor_parallel import layer_table
     from tuneloop.plan.comm import communication_per_step
     from tuneloop.plan.memory import whole_bytes
 
@@ -390,9 +391,11 @@ def _communication(cfg, resolved, facts, world_size: int, micro_batch_tokens: in
     head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     # (+ tensor and context parallel's activations)
+    kinds = list(layer_table(facts.config).values())
     whole = replace(whole_bytes(cfg, facts, precision, resolved.engine, masters),
                     micro_batch_tokens=micro_batch_tokens, hidden_size=hidden, attention_width=heads * head_dim,
-                    kv_width=kv_heads * head_dim)
+                    kv_width=kv_heads * head_dim, rowwise_projections=kinds.count("rowwise"),
+                    colwise_projections=kinds.count("colwise"))
     sent = communication_per_step(resolved.engine, whole,
                                   world_size, cfg.gradient_accumulation_steps, precision, masters,
                                   backend="nccl" if torch.cuda.is_available() else "gloo")

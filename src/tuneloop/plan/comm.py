@@ -31,13 +31,14 @@ rotary table's few hundred bytes), the padding of odd-sized shards, ZeRO-3's sma
 (below stage3_param_persistence_threshold): each under a percent for a real model.
 
 Tensor and context parallelism add their own traffic per layer (`model_parallel_transfers`): TP all-reduces
-hidden states, CP (Ulysses) exchanges q, k, v and the attention output with all-to-alls. Under CP the gradient
+hidden states (once per split projection), and FSDP2 under TP gathers and reduces one tp rank's share of the layers;
+CP (Ulysses) exchanges q, k, v and the attention output with all-to-alls. Under CP the gradient
 collectives run over data × cp ranks (DDP averages over every rank; FSDP2 shards over dp_shard × cp).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tuneloop.engines.base import EngineSpec, WholeBytes
 from tuneloop.engines.mesh import Mesh
@@ -106,13 +107,15 @@ def model_parallel_transfers(whole: WholeBytes, mesh: Mesh, accumulation: int, p
     width = 2 if precision in ("bf16", "fp16") else 4
     transfers = []
     if mesh.tp > 1:
-        # the row-wise o_proj and down_proj sum their outputs over the tp ranks in the forward, and the column-wise
-        # q/k/v and gate/up sum their inputs' gradients in the backward: 4 all-reduces of a micro-batch's hidden
-        # states per layer
+        # each row-wise projection (LLaMA's o_proj, down_proj) sums its output over the tp ranks in the forward,
+        # and each column-wise one (q, k, v, gate, up) its input's gradient in the backward, one all-reduce of a
+        # micro-batch's hidden states each: torch's ColwiseParallel makes its own input replicated, so q, k and v
+        # reduce apart (7 a LLaMA layer; measured on the wire: tests/test_comm_volume.py)
         hidden_states = whole.micro_batch_tokens * whole.hidden_size * width
-        per_step = 4 * whole.layers * accumulation * all_reduce(hidden_states, mesh.tp)
-        transfers.append(Transfer(f"tensor-parallel all-reduces of {WIDTH_NAMES.get(width, 'fp32')} hidden states",
-                                  per_step))
+        reduces = whole.rowwise_projections + whole.colwise_projections
+        per_step = reduces * whole.layers * accumulation * all_reduce(hidden_states, mesh.tp)
+        transfers.append(Transfer(f"tensor-parallel all-reduces of {WIDTH_NAMES.get(width, 'fp32')} hidden states "
+                                  f"({reduces} a layer, at the largest micro-batch)", per_step))
     if mesh.cp > 1:
         # Ulysses (context_parallel.py): per layer, all-to-alls of q, k, v (this rank's slice of every head to
         # every position of its heads) and of the output back, and the same four in the backward; an all-to-all
@@ -134,6 +137,12 @@ def _ddp(whole: WholeBytes, mesh: Mesh, masters: bool) -> list[Transfer]:
 def _fsdp2(engine, whole: WholeBytes, mesh: Mesh, accumulation: int, precision: str,
            backend: str) -> list[Transfer]:
     shard, replicas = mesh.dp_shard * mesh.cp, mesh.dp_replicate  # (FSDP2 shards over dp_shard × cp)
+    if mesh.tp > 1:  # each tp rank's data ranks gather and reduce its share of the layers, and the whole rest
+        from tuneloop.engines.tensor_parallel import split_share
+
+        share = split_share(whole, mesh.tp)
+        whole = replace(whole, weights=whole.weights * share, gradients=whole.gradients * share,
+                        parameters=round(whole.parameters * share), trainable=round(whole.trainable * share))
     gathered_width = 2 if precision in ("bf16", "fp16") and not whole.unsharded_weights else None
     gathered = (whole.parameters * gathered_width if gathered_width
                 else whole.weights - whole.unsharded_weights)
