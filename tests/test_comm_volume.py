@@ -116,13 +116,15 @@ def launch(config: Path, out: Path) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_the_plans_bytes_per_step_are_what_gloo_sends(tmp_path, tiny_model_dir):
-    """DDP, FSDP2 (reshard_after_forward) and tensor parallel (tp 2: its layers' activation all-reduces, no data
-    ranks to reduce over; rows padded to sequence_len, since the plan counts the largest micro-batch), 2 ranks,
-    2 micro-batches a step, fp32: all launched at once."""
+    """DDP, FSDP2 (reshard_after_forward), tensor parallel (tp 2: its layers' activation all-reduces, no data
+    ranks to reduce over) and context parallel on DDP (cp 2: Ulysses' all-to-alls, and the gradients averaged
+    over the cp ranks), the last two with rows padded to sequence_len, since the plan counts the largest
+    micro-batch; 2 ranks, 2 micro-batches a step, fp32: all launched at once."""
     data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(64, seed=3))
     runs = {}
     for name, keys in (("ddp", {}), ("fsdp2", FSDP),
-                       ("tp", {**FSDP, "tensor_parallel_size": 2, "pad_to_sequence_len": True})):
+                       ("tp", {**FSDP, "tensor_parallel_size": 2, "pad_to_sequence_len": True}),
+                       ("cp", {"context_parallel_size": 2, "pad_to_sequence_len": True})):
         run_dir = tmp_path / name
         config = write_config(tmp_path / f"{name}.yml", **base_config(run_dir, tiny_model_dir, data, **STEPS, **keys))
         runs[name] = (run_dir, launch(config, tmp_path / f"{name}-counts"))
