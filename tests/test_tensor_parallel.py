@@ -144,3 +144,23 @@ def test_two_tensor_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_m
     resumed_difference = relative_difference(load_file(resumed_dir / "out" / "model.safetensors"), one)
     print(f"tp 2 checkpoint-2 resumed on one FSDP2 process vs one process: {resumed_difference:.3g}")
     assert resumed_difference < 1e-5
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_plans_activations_divide_the_heads_and_mlp_part_over_the_tp_ranks(checkpointing):
+    """Of a layer's 34 values per token and hidden unit (Korthikanti et al. 2022), the 24 of the heads and the MLP
+    are split over the tp ranks and the 10 around them stay whole; checkpointed layers' inputs stay whole too. The
+    loss's logits chunk is whole on every tp rank (the head is)."""
+    from types import SimpleNamespace
+
+    from tuneloop.plan.memory import _activations
+
+    text = SimpleNamespace(hidden_size=1024, num_hidden_layers=8, vocab_size=32000)
+    facts = SimpleNamespace(text_config=text, chunked_loss=True)
+    cfg = SimpleNamespace(gradient_checkpointing=checkpointing)
+    tokens, per_layer = 4096, 4096 * 1024 * 2
+    logits = _activations(cfg, facts, tokens, "bf16") - (per_layer * (8 + 34) if checkpointing
+                                                           else per_layer * 8 * 34)
+    for tp in (1, 2, 4):
+        layers = per_layer * (8 + 10 + 24 / tp) if checkpointing else per_layer * 8 * (10 + 24 / tp)
+        assert _activations(cfg, facts, tokens, "bf16", tp) == pytest.approx(layers + logits)

@@ -319,10 +319,12 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     if counts.rollout:  # one generation batch per rank: its completions, each as long as the longest can be
         generated = counts.rollout["completions_per_rank"] * int(counts.sequence_lengths.max())
     # (context parallel: each rank holds its slice of every row's activations)
-    slice_tokens = -(-counts.max_micro_batch_tokens // resolved.engine.mesh(world_size).cp)
+    mesh = resolved.engine.mesh(world_size)
+    slice_tokens = -(-counts.max_micro_batch_tokens // mesh.cp)
     estimate = estimate_memory(cfg, facts, slice_tokens, precision, resolved.engine, world_size,
                                device_memory_gb, generated_positions=generated,
-                               masters=resolved.precision.masters, frozen_bf16=resolved.precision.frozen_bf16)
+                               masters=resolved.precision.masters, frozen_bf16=resolved.precision.frozen_bf16,
+                               tensor_parallel=mesh.tp)
     from tuneloop.allocator import tune_host_allocator
     from tuneloop.packed_attention import PER_SEQUENCE_SDPA, split_summary
     from tuneloop.plan.compile_choice import shape_key

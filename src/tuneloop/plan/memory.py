@@ -23,6 +23,11 @@ from tuneloop.output_head import chunk_tokens
 from tuneloop.rl_methods import keeps_reference_copy
 
 ACTIVATION_VALUES_PER_TOKEN_HIDDEN = 34
+# of those, what tensor parallel leaves whole on every tp rank (the layer norms' and the residual stream's; the
+# projections' inputs and dropout masks): the rest, the heads' and the MLP's own, is divided over the tp ranks
+# (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models": 10 + 24 / t without
+# sequence parallel, which tuneloop does not do)
+ACTIVATION_VALUES_WHOLE_UNDER_TP = 10
 
 
 @dataclass(kw_only=True)
@@ -65,7 +70,7 @@ def device_memory_gb() -> tuple[str, float | None]:
 def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str, engine,
                     world_size: int = 1, device_gb: float | None = None,
                     generated_positions: int = 0, masters: bool = False,
-                    frozen_bf16: bool = False) -> MemoryEstimate:
+                    frozen_bf16: bool = False, tensor_parallel: int = 1) -> MemoryEstimate:
     """Memory per rank. Weights, gradients and optimizer state are divided by the world size where the engine
     shards them (FSDP2 all three, ZeRO-1 the optimizer, ZeRO-2 also gradients, ZeRO-3 all three) and moved to
     host memory where it offloads them: each engine says its share (engines/: `per_rank`). `device_gb` overrides
@@ -73,12 +78,13 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     online RL's positions in one generation batch (its completions × their longest prompt + completion), whose KV
     cache is held while it generates, when the training activations are not. `masters`: the trained weights only
     matmuls read are held in bf16 for the model and in fp32 for the optimizer; every gradient is fp32
-    (engines/masters.py). `frozen_bf16`: an adapter's frozen base holds its matmul-only weights in bf16."""
+    (engines/masters.py). `frozen_bf16`: an adapter's frozen base holds its matmul-only weights in bf16.
+    `tensor_parallel`: the tp ranks a layer's heads and MLP are split over (their activations with them)."""
     params = facts.parameters
     whole = whole_bytes(cfg, facts, precision, engine, masters, frozen_bf16)
     weight_bytes = whole.weight_bytes
     share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
-    activations = _activations(cfg, facts, tokens_per_micro_batch, precision)
+    activations = _activations(cfg, facts, tokens_per_micro_batch, precision, tensor_parallel)
     gb = 1e9
     device, here_gb = device_memory_gb()
     if device_gb is not None:
@@ -169,19 +175,23 @@ def quantized_weights_bytes(cfg, facts: ModelFacts) -> tuple[float, float] | Non
     return packed + (facts.parameters - weights) * 4, scales
 
 
-def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str) -> float:
-    """The usual per-layer count (ACTIVATION_VALUES_PER_TOKEN_HIDDEN values per token and hidden unit), plus the
-    logits and their gradient in fp32: one chunk's with the chunked loss, the whole micro-batch's otherwise."""
+def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str,
+                 tensor_parallel: int = 1) -> float:
+    """The usual per-layer count (ACTIVATION_VALUES_PER_TOKEN_HIDDEN values per token and hidden unit, the heads'
+    and MLP's part divided over the tp ranks), plus the logits and their gradient in fp32: one chunk's with the
+    chunked loss, the whole micro-batch's otherwise (the head is whole on every tp rank)."""
     config = facts.text_config
     act_bytes = 2 if precision in ("bf16", "fp16") else 4
     hidden = getattr(config, "hidden_size", 0)
     layers = getattr(config, "num_hidden_layers", 0)
     vocab = getattr(config, "vocab_size", 0)
     per_layer = tokens_per_micro_batch * hidden * act_bytes
-    if cfg.gradient_checkpointing:  # layer inputs kept, one layer recomputed at a time
-        activations = per_layer * (layers + ACTIVATION_VALUES_PER_TOKEN_HIDDEN)
+    values = ACTIVATION_VALUES_WHOLE_UNDER_TP + (
+        ACTIVATION_VALUES_PER_TOKEN_HIDDEN - ACTIVATION_VALUES_WHOLE_UNDER_TP) / tensor_parallel
+    if cfg.gradient_checkpointing:  # layer inputs kept (whole on every tp rank), one layer recomputed at a time
+        activations = per_layer * (layers + values)
     else:
-        activations = per_layer * layers * ACTIVATION_VALUES_PER_TOKEN_HIDDEN
+        activations = per_layer * layers * values
     if facts.chunked_loss:  # one chunk's fp32 logits and their gradient, and the head's gradient buffer
         activations += min(tokens_per_micro_batch, chunk_tokens(vocab)) * vocab * 4 * 2 + vocab * hidden * 4
     else:  # the whole micro-batch's logits in fp32 and their gradient
