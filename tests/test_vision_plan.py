@@ -465,3 +465,79 @@ def test_a_jpeg_cut_short_is_refused_when_preparing(tmp_path, llava_dir):
     rows[1]["messages"][0]["content"][0]["path"] = "images/cut.jpg"
     refused_writing_nothing(tmp_path, llava_dir, rows, {}, "train.jsonl:2", f"cannot decode image {jpeg}",
                             "image file is truncated")
+
+
+# ---- memory: the tower's activations ---------------------------------------------------------------------------
+@pytest.mark.parametrize("ffn", [256, 512])
+def test_the_towers_activations_are_what_autograd_saves_for_its_backward(ffn):
+    """A CLIP tower of width 128 over 224-pixel images (257 positions each), every layer reached by the loss: what
+    autograd saves in its forward (saved-tensor hooks; its weights and the pixels left out) is the plan's count to
+    within 5%, at an MLP of twice and of four times the width; a frozen tower saves nothing, and is counted so."""
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    from tuneloop.data.images import VISION_FAMILIES
+    from tuneloop.plan.flops import vision_weights
+    from tuneloop.plan.memory import vision_activation_bytes
+
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=300, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=128, intermediate_size=ffn,
+                           num_hidden_layers=2, num_attention_heads=4, image_size=224, patch_size=14),
+        image_token_id=299, vision_feature_layer=-1, vision_feature_select_strategy="default")
+    config.vision_config._attn_implementation = "sdpa"
+    model = LlavaForConditionalGeneration(config)
+    pixels = torch.randn(3, 3, 224, 224)
+
+    def saved_by_the_tower() -> int:
+        weights = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+        saved = {}
+
+        def keep(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in weights and storage.data_ptr() != pixels.untyped_storage().data_ptr():
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            model.model.vision_tower(pixels)
+        return sum(saved.values())
+
+    vision = vision_weights(model, config, VISION_FAMILIES["llava"])
+    counted = vision_activation_bytes(vision, 3 * 257, "fp32", checkpointing=False)
+    measured = saved_by_the_tower()
+    print(f"\nMLP {ffn}: autograd saved {measured:,} bytes, the plan counts {counted:,.0f}")
+    assert counted == pytest.approx(measured, rel=0.05)
+    for parameter in model.model.vision_tower.parameters():
+        parameter.requires_grad_(False)
+    frozen = vision_weights(model, config, VISION_FAMILIES["llava"])
+    assert saved_by_the_tower() == 0 and vision_activation_bytes(frozen, 3 * 257, "fp32", False) == 0
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_plans_memory_counts_the_towers_activations_for_a_micro_batchs_images(tmp_path, llava_dir, frozen):
+    """The tiny LLaVA (vision_feature_layer -2: of its 3 layers the loss reaches 2), rows of two images, 2 rows a
+    micro-batch: the plan's tower activations are the count for 4 images' 20 positions; none when frozen."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from tuneloop.data.images import VISION_FAMILIES
+    from tuneloop.plan.flops import vision_weights
+    from tuneloop.plan.memory import vision_activation_bytes
+
+    rows = caption_rows(tmp_path, 8, seed=1)
+    for row in rows:
+        row["messages"][0]["content"].insert(0, dict(row["messages"][0]["content"][0]))
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    keys = vlm_config(tmp_path, llava_dir, data, micro_batch_size=2, bf16=False, freeze_mm_modules=frozen or None)
+    counted = plan_of(write_config(tmp_path / "c.yml", **keys))["memory"]["per_rank_bytes"].get("vision_activations")
+    if frozen:
+        assert counted is None
+        return
+    config = AutoConfig.from_pretrained(llava_dir)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    vision = vision_weights(model, config, VISION_FAMILIES["llava"])
+    assert vision.gradient_layers == 2
+    assert counted == int(vision_activation_bytes(vision, 4 * 5, "fp32", False)) > 0

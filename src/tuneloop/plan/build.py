@@ -321,10 +321,18 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     # (context parallel: each rank holds its slice of every row's activations)
     mesh = resolved.engine.mesh(world_size)
     slice_tokens = -(-counts.max_micro_batch_tokens // mesh.cp)
+    vision_activations = 0.0
+    if facts.vision is not None and counts.first_epoch_batches:  # the tower's, at the micro-batch of most positions
+        from tuneloop.plan.flops import largest_micro_batch_tower_positions, row_image_tokens
+        from tuneloop.plan.memory import vision_activation_bytes
+
+        positions = largest_micro_batch_tower_positions(facts.vision, row_image_tokens(store),
+                                                        counts.first_epoch_batches)
+        vision_activations = vision_activation_bytes(facts.vision, positions, precision, cfg.gradient_checkpointing)
     estimate = estimate_memory(cfg, facts, slice_tokens, precision, resolved.engine, world_size,
                                device_memory_gb, generated_positions=generated,
                                masters=resolved.precision.masters, frozen_bf16=resolved.precision.frozen_bf16,
-                               tensor_parallel=mesh.tp)
+                               tensor_parallel=mesh.tp, vision_activations=vision_activations)
     from tuneloop.allocator import tune_host_allocator
     from tuneloop.packed_attention import PER_SEQUENCE_SDPA, split_summary
     from tuneloop.plan.compile_choice import shape_key

@@ -521,6 +521,36 @@ def image_flops(vision: VisionWeights, tokens: int) -> tuple[float, int]:
     return flops, positions
 
 
+def row_image_tokens(store, block: int = 50_000) -> list[list[int]]:
+    """Each row's images' token counts, in row order (the store's [reference, tokens] pairs), read in blocks."""
+    from tuneloop.data.token_store import IMAGES
+
+    if store is None or not getattr(store, "has_images", False):
+        return []
+    offsets, rows = store.image_offsets, []
+    with open(store.folder / IMAGES, "rb") as handle:
+        for start in range(0, len(store), block):
+            stop = min(start + block, len(store))
+            handle.seek(int(offsets[start]))
+            text = handle.read(int(offsets[stop]) - int(offsets[start]))
+            for first, last in zip(offsets[start:stop], offsets[start + 1:stop + 1]):
+                begin = int(first - offsets[start])
+                rows.append([count for _, count in json.loads(text[begin:begin + int(last - first)])])
+    return rows
+
+
+def largest_micro_batch_tower_positions(vision: VisionWeights, per_row: list[list[int]], micro_batches) -> int:
+    """The most positions the vision tower runs for one micro-batch (epoch 0's, as the plan deals them: padded
+    micro-batches are lists of rows, packed ones lists of packed rows of rows)."""
+    largest = 0
+    for batches in micro_batches or []:
+        for micro in batches:
+            rows = [row for entry in micro for row in (entry if isinstance(entry, (list, tuple)) else [entry])]
+            positions = sum(image_positions(vision, tokens)[0] for row in rows for tokens in per_row[row])
+            largest = max(largest, positions)
+    return largest
+
+
 def image_token_counts(store, block: int = 50_000) -> np.ndarray:
     """Every image's token count over a vision-language store's rows (data/token_store.py keeps each row's
     [reference, tokens] pairs as JSON text), read in blocks of rows."""

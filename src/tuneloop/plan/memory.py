@@ -46,6 +46,7 @@ class MemoryEstimate:
     engine: str = "one process"  # how the ranks share the model (the engine's description)
     world_size: int = 1
     gathered_gb: float = 0.0  # a sharded model's weights gathered whole while they compute (root + 2 layers)
+    vision_activations_gb: float = 0.0  # of activations_gb, a vision-language model's tower's
     host_gb: float = 0.0  # offloaded to host memory, per rank
     generation_gb: float = 0.0  # online RL: the KV cache of a step's generation (it and the activations never meet)
     per_rank_bytes: dict | None = None  # unrounded weights/optimizer bytes per rank (compared with the engine's own)
@@ -70,7 +71,8 @@ def device_memory_gb() -> tuple[str, float | None]:
 def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str, engine,
                     world_size: int = 1, device_gb: float | None = None,
                     generated_positions: int = 0, masters: bool = False,
-                    frozen_bf16: bool = False, tensor_parallel: int = 1) -> MemoryEstimate:
+                    frozen_bf16: bool = False, tensor_parallel: int = 1,
+                    vision_activations: float = 0.0) -> MemoryEstimate:
     """Memory per rank. Weights, gradients and optimizer state are divided by the world size where the engine
     shards them (FSDP2 all three, ZeRO-1 the optimizer, ZeRO-2 also gradients, ZeRO-3 all three) and moved to
     host memory where it offloads them: each engine says its share (engines/: `per_rank`). `device_gb` overrides
@@ -79,12 +81,13 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     cache is held while it generates, when the training activations are not. `masters`: the trained weights only
     matmuls read are held in bf16 for the model and in fp32 for the optimizer; every gradient is fp32
     (engines/masters.py). `frozen_bf16`: an adapter's frozen base holds its matmul-only weights in bf16.
-    `tensor_parallel`: the tp ranks a layer's heads and MLP are split over (their activations with them)."""
+    `tensor_parallel`: the tp ranks a layer's heads and MLP are split over (their activations with them).
+    `vision_activations`: a vision-language model's tower's, for the largest micro-batch (vision_activation_bytes)."""
     params = facts.parameters
     whole = whole_bytes(cfg, facts, precision, engine, masters, frozen_bf16)
     weight_bytes = whole.weight_bytes
     share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
-    activations = _activations(cfg, facts, tokens_per_micro_batch, precision, tensor_parallel)
+    activations = _activations(cfg, facts, tokens_per_micro_batch, precision, tensor_parallel) + vision_activations
     gb = 1e9
     device, here_gb = device_memory_gb()
     if device_gb is not None:
@@ -102,7 +105,9 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         device_gb=round(device_total, 2) if device_total else None, reference_gb=round(reference, 3),
         engine=engine.describe(world_size), world_size=world_size, gathered_gb=round(share.gathered / gb, 3),
         host_gb=round(share.host / gb, 3), generation_gb=round(generation / gb, 3),
-        per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer)})
+        vision_activations_gb=round(vision_activations / gb, 3),
+        per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer),
+                        **({"vision_activations": int(vision_activations)} if vision_activations else {})})
 
 
 def whole_bytes(cfg, facts: ModelFacts, precision: str, engine, masters: bool = False,
@@ -197,6 +202,28 @@ def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision:
     else:  # the whole micro-batch's logits in fp32 and their gradient
         activations += tokens_per_micro_batch * vocab * 4 * 2
     return activations
+
+
+def vision_activation_bytes(vision, positions: int, precision: str, checkpointing: bool) -> float:
+    """What a vision tower keeps for the backward over a micro-batch of `positions` tower positions. A layer keeps
+    its activations where the loss's gradient reaches it through a trained weight (at or before it, and not past
+    LLaVA's `vision_feature_layer`): about 9 + 1.5 × (its MLP's weights / width²) values per position and width
+    unit, so 15 at an MLP of twice the width and 21 at four times (saved-tensor hooks on CLIP towers measured 14.7
+    and 21.1, SigLIP's 18.1); under gradient checkpointing, its input only, and one layer's whole while it is
+    recomputed. A frozen tower (`freeze_mm_modules`, an adapter on the language model) keeps nothing: its forward
+    runs without a graph. (The projector's few values per image token are left out.)"""
+    if not positions or vision is None or vision.why_not:
+        return 0.0
+    width = vision.width
+    first_layer = sum(weights for stage, layer, weights, _ in vision.matmuls if stage == "layer" and layer == 0)
+    per_position = 9 + 1.5 * max(first_layer - 4 * width * width, 0) / (width * width)
+    keeping = [layer for layer in range(min(vision.layers, vision.gradient_layers))
+               if any(trained for stage, index, _, trained in vision.matmuls
+                      if stage == "patch" or stage == "layer" and index <= layer)]
+    if not keeping:
+        return 0.0
+    values = len(keeping) + per_position if checkpointing else len(keeping) * per_position
+    return positions * width * values * (2 if precision in ("bf16", "fp16") else 4)
 
 
 def memory_warning(estimate: MemoryEstimate) -> str | None:

@@ -171,6 +171,7 @@ def _memory_line(plan) -> str:
     per_rank = " per rank" if m.get("world_size", 1) > 1 else ""
     return (f"~{m['total_gb']:.2f} GB{per_rank}{device} (weights {m['weights_gb']:.2f}, gradients "
             f"{m['gradients_gb']:.2f}, optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}"
+            + (f" (the vision tower's {m['vision_activations_gb']:.2f})" if m.get("vision_activations_gb") else "")
             + (f", gathered layers {m['gathered_gb']:.2f}" if m.get("gathered_gb") else "")
             + (f", reference copy {m['reference_gb']:.2f}" if m.get("reference_gb") else "")
             + (f"; generation's KV cache {m['generation_gb']:.2f}, held while the activations are not"
