@@ -30,6 +30,8 @@ CASES = {
                           num_epochs=2),
     "grouped_max_steps": dict(group_by_length=True, micro_batch_size=4, gradient_accumulation_steps=2,
                               max_steps=13, num_epochs=1),
+    "token_budget_accum2": dict(max_tokens_per_micro_batch=256, micro_batch_size=8, gradient_accumulation_steps=2,
+                                num_epochs=2),
 }
 
 
@@ -49,6 +51,49 @@ def test_plan_total_steps_and_tokens_equal_the_run(tmp_path, tiny_model_dir, dat
         assert plan["micro_batches_per_epoch"] % 3 != 0  # the case really ends an epoch on a short window
     if case == "grouped_max_steps":
         assert plan["total_steps"] == 13
+    if case == "token_budget_accum2":  # long rows' micro-batches hold fewer of them, none past the budget
+        assert plan["batching"] == "token_budget" and plan["max_micro_batch_tokens"] <= 256
+        assert "at most 256 tokens a micro-batch as padded" in result.stdout
+
+
+def budgeted(lengths, budget: int, rows: int, epoch: int = 0, pad_multiple: int = 1):
+    from tuneloop.data.batching import BatchingSpec, epoch_batches
+
+    spec = BatchingSpec("token_budget", rows, 512, 1, seed=3, token_budget=budget, pad_multiple=pad_multiple)
+    return epoch_batches(np.asarray(lengths), spec, epoch)
+
+
+def test_a_token_budget_holds_fewer_long_rows_and_every_epoch_as_many_micro_batches():
+    """Rows of 10 to 500 tokens under 1024 tokens a micro-batch (8 rows at most): each micro-batch's rows × its
+    widest row's width (rounded up to the collator's multiple of 64) stay within the budget, every row is dealt
+    once, the long rows share micro-batches with fewer others; another epoch's shuffle deals as many."""
+    lengths = np.random.default_rng(0).integers(10, 500, 300)
+    epochs = [budgeted(lengths, 1024, 8, epoch, pad_multiple=64) for epoch in range(3)]
+    for micro in epochs:
+        assert sorted(row[0] for batch in micro for row in batch) == list(range(300))
+        for batch in micro:
+            longest = max(int(lengths[row[0]]) for row in batch)
+            width = min(-(-longest // 64) * 64, 512)
+            assert len(batch) <= 8 and len(batch) * width <= 1024
+        widest = {size: [max(int(lengths[row[0]]) for row in batch) for batch in micro if len(batch) == size]
+                  for size in (2, 8)}
+        assert min(widest[2]) > max(widest[8])  # (the longest rows go two by two, the short eight by eight)
+    assert len({len(micro) for micro in epochs}) == 1 and epochs[0] != epochs[1]
+
+
+@pytest.mark.parametrize("keys, fragment", [
+    (dict(max_tokens_per_micro_batch=100), "below sequence_len (256)"),
+    (dict(max_tokens_per_micro_batch=1024, sample_packing=True), "cannot be used with `sample_packing: true`"),
+    (dict(max_tokens_per_micro_batch=1024, pad_to_sequence_len=True), "`pad_to_sequence_len: true`"),
+])
+def test_a_token_budget_that_cannot_apply_is_one_line(tmp_path, tiny_model_dir, data, keys, fragment):
+    from conftest import assert_user_error
+
+    config = tmp_path / "run.yml"
+    import yaml
+
+    config.write_text(yaml.safe_dump(base_config(tmp_path, tiny_model_dir, data, **keys)))
+    assert_user_error(run_in_process("plan", str(config)), "max_tokens_per_micro_batch", fragment)
 
 
 @pytest.mark.slow

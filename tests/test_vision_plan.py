@@ -541,3 +541,37 @@ def test_the_plans_memory_counts_the_towers_activations_for_a_micro_batchs_image
     vision = vision_weights(model, config, VISION_FAMILIES["llava"])
     assert vision.gradient_layers == 2
     assert counted == int(vision_activation_bytes(vision, 4 * 5, "fp32", False)) > 0
+
+
+def test_a_token_budget_gives_rows_of_many_images_smaller_micro_batches(tmp_path, llava_dir):
+    """Rows of one and of four images (about 30 and 44 tokens here) under `max_tokens_per_micro_batch: 128`: no
+    micro-batch is wider than the budget as padded, those of four-image rows hold fewer rows (2 against 4), and the
+    run is the plan."""
+    from tuneloop.config import config_from_dict
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    rows = caption_rows(tmp_path, 16, seed=2)
+    for row in rows[::2]:
+        row["messages"][0]["content"][:1] *= 4
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    keys = vlm_config(tmp_path, llava_dir, data, micro_batch_size=4, max_tokens_per_micro_batch=128,
+                      sequence_len=64, bf16=False)
+    config = write_config(tmp_path / "c.yml", **keys)
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == plan["total_steps"] and summary["targets_collated"] == plan["total_trainable_tokens"]
+    assert plan["max_micro_batch_tokens"] <= 128
+
+    from tuneloop.data.batching import epoch_batches
+    from tuneloop.plan.build import train_spec
+
+    cfg = config_from_dict(keys)
+    resolved = resolve_run(cfg)
+    _, prepared = prepare_data(cfg, resolved)
+    lengths = np.asarray(prepared.store["length"])
+    batches = epoch_batches(lengths, train_spec(cfg, resolved, 1), 0)
+    per_batch = {len(batch): max(int(lengths[row[0]]) for row in batch) for batch in batches}
+    assert set(per_batch) == {4, 2} and per_batch[2] > per_batch[4]

@@ -31,7 +31,8 @@ def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
     datasets = ", ".join(f"{_dataset_kind(entry, is_online(cfg))} ({entry.path})" for entry in cfg.train_entries)
     if resolved.streamed:
         datasets = f"streamed: {datasets}"
-    batching = {"packed": "packed", "group_by_length": "grouped by length", "random": "padded"}[resolved.batching]
+    batching = {"packed": "packed", "group_by_length": "grouped by length", "random": "padded",
+                "token_budget": "grouped by length under a token budget"}[resolved.batching]
     if is_online(cfg):
         batching = "padded"  # (each completion in its own row)
     length = f"max_steps {cfg.max_steps}" if cfg.max_steps else f"{cfg.num_epochs} epoch(s)"

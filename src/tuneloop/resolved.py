@@ -55,8 +55,8 @@ class Attention:
 class Resolved:
     engine: EngineSpec  # how the ranks share the model (engines/)
     streamed: bool  # training rows read as the run goes, instead of prepared whole
-    batching: str  # training micro-batches: "packed", "group_by_length" or "random"
-    eval_batching: str  # eval micro-batches: "packed" or "group_by_length"
+    batching: str  # training micro-batches: "packed", "group_by_length", "token_budget" or "random"
+    eval_batching: str  # eval micro-batches: "packed", "group_by_length" or "token_budget"
     compiled: bool  # torch.compile of the training step
     attention: Attention
     model_kind: ModelKind | None  # causal or seq2seq (model.py's MODEL_KINDS); None: not known from the config alone
@@ -185,11 +185,21 @@ def batching(cfg, encoder_decoder: bool) -> str:
         return "packed" if (cfg.pretraining_dataset or cfg.sample_packing) and not encoder_decoder else "random"
     if cfg.sample_packing:
         return "packed"
+    if cfg.max_tokens_per_micro_batch:
+        if encoder_decoder:
+            from tuneloop.errors import UserError
+
+            raise UserError("config: `max_tokens_per_micro_batch` with an encoder-decoder model: its two sides pad "
+                            "apart, and tuneloop budgets one; remove it (`group_by_length: true` groups rows by "
+                            "length)")
+        return "token_budget"
     return "group_by_length" if cfg.group_by_length else "random"
 
 
 def eval_batching(cfg, encoder_decoder: bool) -> str:
-    return "packed" if cfg.resolved_eval_sample_packing and not encoder_decoder else "group_by_length"
+    if cfg.resolved_eval_sample_packing and not encoder_decoder:
+        return "packed"
+    return "token_budget" if cfg.max_tokens_per_micro_batch else "group_by_length"
 
 
 def compiled(cfg) -> bool:

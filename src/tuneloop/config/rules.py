@@ -686,10 +686,29 @@ def mixed_precision_of(cfg) -> str:
 
 
 def row_order(cfg) -> Problems:
-    """`sample_packing_sequentially` says how rows pack (data/batching.py): a run that does not pack has none."""
+    """`sample_packing_sequentially` says how rows pack (data/batching.py): a run that does not pack has none.
+    `max_tokens_per_micro_batch` deals padded rows by length under a token budget: what fixes a micro-batch's
+    tokens otherwise, or deals rows another way, cannot go with it."""
     if cfg.sample_packing_sequentially and not cfg.sample_packing and not cfg.streams:
         yield ("`sample_packing_sequentially` chooses how rows are packed, and this run does not pack: set "
                "`sample_packing: true`, or remove it (`curriculum_sampling: true` alone keeps the data's order)")
+    budget = cfg.max_tokens_per_micro_batch
+    if budget is None:
+        return
+    if budget < cfg.sequence_len:
+        yield (f"`max_tokens_per_micro_batch: {budget}` is below sequence_len ({cfg.sequence_len}), and a row may be "
+               "that long: set it to at least sequence_len")
+    instead = ("`sample_packing: true` (packing fills each micro-batch to micro_batch_size × sequence_len tokens "
+               "already)" if cfg.sample_packing else
+               "`pad_to_sequence_len: true` (every micro-batch is micro_batch_size × sequence_len tokens)"
+               if cfg.pad_to_sequence_len else
+               "`curriculum_sampling: true` (the data's order; the budget deals rows by length)"
+               if cfg.curriculum_sampling else
+               "a streamed dataset (read as it comes)" if cfg.streams else
+               f"`rl: {cfg.rl}` (its rows are pairs or rollouts, dealt by rows)" if cfg.rl else
+               "`reward_model` (its rows are pairs, dealt by rows)" if cfg.reward_model else None)
+    if instead:
+        yield f"`max_tokens_per_micro_batch` cannot be used with {instead}: remove one of them"
 
 
 

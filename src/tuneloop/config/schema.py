@@ -198,6 +198,9 @@ class TuneloopConfig(Strict):
     eval_sample_packing: Annotated[Optional[bool], WATCHING] = None
     pad_to_sequence_len: bool = False
     group_by_length: bool = False
+    # tuneloop's own: rows by length into micro-batches of at most this many tokens as padded (rows × the longest),
+    # so a micro-batch of long rows (large images) holds fewer of them: data/batching.py
+    max_tokens_per_micro_batch: Optional[int] = None
     # rows as the data orders them (no shuffle), packed in that order when sample_packing_sequentially: data/batching.py
     curriculum_sampling: bool = False
     sample_packing_sequentially: bool = False

@@ -28,13 +28,37 @@ MEGABATCH_MICRO_BATCHES = 64  # group_by_length sorts within windows of this man
 
 @dataclass(frozen=True)
 class BatchingSpec:
-    mode: str  # "random", "group_by_length" or "packed"
+    mode: str  # "random", "group_by_length", "token_budget" or "packed"
     micro_batch_size: int
     sequence_len: int
     world_size: int
     seed: int
     ordered: bool = False  # curriculum_sampling: the data's order, never shuffled (packed: next-fit)
     sequential: bool = False  # sample_packing_sequentially: next-fit packing in order
+    # token_budget: a micro-batch's tokens as padded (rows × its longest row, rounded up to `pad_multiple` as the
+    # collator pads it, never past sequence_len) stay within this many; micro_batch_size rows at most
+    token_budget: int | None = None
+    pad_multiple: int = 1
+
+
+def budgeted_micro_batches(order: np.ndarray, lengths: np.ndarray, spec: BatchingSpec) -> list[list[list[int]]]:
+    """Rows longest first (equal lengths in `order`'s order), cut into micro-batches as they come: a row joins the
+    current one while it has fewer than micro_batch_size rows and all of them, padded to its first (longest) row's
+    width, stay within the budget. The cuts depend only on the sorted lengths, so every epoch has as many
+    micro-batches and the plan's count holds; the shuffle decides which equal-length rows go together."""
+    by_length = order[np.argsort(-lengths[order], kind="stable")]
+    micro, current, width = [], [], 0
+    for index in by_length.tolist():
+        if current and (len(current) == spec.micro_batch_size or (len(current) + 1) * width > spec.token_budget):
+            micro.append(current)
+            current = []
+        if not current:
+            longest = int(lengths[index])
+            width = max(longest, min(-(-longest // spec.pad_multiple) * spec.pad_multiple, spec.sequence_len))
+        current.append([int(index)])
+    if current:
+        micro.append(current)
+    return micro
 
 
 def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
@@ -105,6 +129,11 @@ def epoch_batches(lengths: np.ndarray, spec: BatchingSpec, epoch: int, shuffle: 
         if shuffle:  # packing puts the fullest rows first; shuffle so steps are alike
             rows = [rows[i] for i in rng.permutation(len(rows))]
         return _chunk(rows, spec.micro_batch_size)
+    if spec.mode == "token_budget":
+        micro = budgeted_micro_batches(order, lengths, spec)
+        if shuffle:  # (long rows' micro-batches are not all at the start of the epoch)
+            micro = [micro[i] for i in rng.permutation(len(micro))]
+        return micro
     if spec.mode == "group_by_length":
         window = spec.micro_batch_size * spec.world_size * MEGABATCH_MICRO_BATCHES
         micro = []

@@ -159,11 +159,22 @@ def world_size_from_env() -> int:
 
 def train_spec(cfg, resolved, world_size: int) -> BatchingSpec:
     return BatchingSpec(resolved.batching, cfg.micro_batch_size, cfg.sequence_len, world_size, cfg.seed,
-                        ordered=cfg.curriculum_sampling, sequential=cfg.sample_packing_sequentially)
+                        ordered=cfg.curriculum_sampling, sequential=cfg.sample_packing_sequentially,
+                        **_budget(cfg, resolved))
 
 
 def eval_spec(cfg, resolved, world_size: int) -> BatchingSpec:
-    return BatchingSpec(resolved.eval_batching, cfg.resolved_eval_batch_size, cfg.sequence_len, world_size, cfg.seed)
+    return BatchingSpec(resolved.eval_batching, cfg.resolved_eval_batch_size, cfg.sequence_len, world_size, cfg.seed,
+                        **_budget(cfg, resolved))
+
+
+def _budget(cfg, resolved) -> dict:
+    """`max_tokens_per_micro_batch`, with the multiple the collator pads widths to (data/collate.py)."""
+    if not cfg.max_tokens_per_micro_batch:
+        return {}
+    cp = resolved.engine.mesh_keys.cp or 1
+    return {"token_budget": cfg.max_tokens_per_micro_batch,
+            "pad_multiple": padding_for(cfg, resolved.compiled, cp).multiple}
 
 
 def build_plan(cfg, resolved, rows, tokenizer, world_size: int, device_memory_gb: float | None = None,

@@ -10,19 +10,25 @@ def describe(plan) -> str:
         return _describe_online(plan)
     rows = "pairs" if plan.unit == "pairs" else "rows"
     batch_rows, per_step = rows, ""
+    budget, at_most = "", ""
     if plan.batching == "packed" and plan.unit != "tokens":  # a packed row holds several pairs (KTO: rows)
         batch_rows = "packed rows"
         per_step = f" (~{(plan.train_rows - plan.rows_cut_per_epoch) / plan.steps_per_epoch:.1f} {rows} per step)"
+    elif plan.batching == "token_budget":  # fewer rows where they are long
+        at_most = "at most "
+        per_step = f" (~{(plan.train_rows - plan.rows_cut_per_epoch) / plan.steps_per_epoch:.1f} {rows} per step)"
+        budget = (f"at most {plan.train_batching.token_budget} tokens a micro-batch as padded, "
+                  f"the largest {plan.max_micro_batch_tokens}; ")
     density = (f"packing efficiency {plan.packing_efficiency:.1%}" if plan.packing_efficiency is not None
                else f"padding {plan.padding_fraction:.1%} of computed tokens")
     lines = [
         "tuneloop plan",
         *([f"  model                {plan.model}"] if plan.model else []),
         f"  world size           {plan.world_size}",
-        f"  batch                {plan.micro_batch_size} {batch_rows}/micro-batch × {plan.gradient_accumulation_steps} "
-        f"accumulation × {data_ranks_words(plan)} = {plan.global_batch_size} {batch_rows} per optimizer step"
-        + per_step,
-        f"  batching             {plan.batching} (sequence_len {plan.sequence_len}; {density})",
+        f"  batch                {at_most}{plan.micro_batch_size} {batch_rows}/micro-batch × "
+        f"{plan.gradient_accumulation_steps} accumulation × {data_ranks_words(plan)} = {at_most}"
+        f"{plan.global_batch_size} {batch_rows} per optimizer step" + per_step,
+        f"  batching             {plan.batching} ({budget}sequence_len {plan.sequence_len}; {density})",
         f"  data                 {plan.train_rows} train {rows}, {plan.train_tokens} tokens, "
         f"{plan.trainable_tokens} trained tokens per epoch; {plan.eval_rows} eval {rows}",
         f"  steps                {plan.steps_per_epoch} per epoch ({plan.micro_batches_per_epoch} micro-batches "
