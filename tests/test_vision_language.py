@@ -453,3 +453,26 @@ def test_exact_deduplication_keeps_the_same_text_about_another_image(tmp_path, l
     assert len(store) == 2
     assert (store.tokens("input_ids", 0) == store.tokens("input_ids", 1)).all()  # the same text, tokens and all
     assert [Path(store.images(i)[0][0].removeprefix("path:")).name for i in (0, 1)] == ["3-0.png", "3-4.png"]
+
+
+def test_lora_target_linear_reaches_what_axolotls_reaches_on_a_vlm(tmp_path, llava_dir):
+    """`lora_target_linear: true` on a VLM: every Linear but the output head, the vision tower's and the projector's
+    too (axolotl passes peft the last names of all Linear modules but the head, which match the same modules; peft's
+    "all-linear", what tuneloop passes, leaves out the head alone). The plan's trainable count is that adapter's."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 4, seed=1))
+    keys = vlm_config(tmp_path, llava_dir, data, adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True)
+    plan = plan_of(write_config(tmp_path / "c.yml", **keys))
+    model = AutoModelForImageTextToText.from_pretrained(llava_dir)
+    names = {name.split(".")[-1] for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear)} - {"lm_head"}  # (axolotl's find_all_linear_names)
+    assert {"fc1", "fc2", "out_proj", "linear_1", "linear_2", "gate_proj", "q_proj"} <= names
+    axolotls = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=sorted(names)))
+    reached = {name.rsplit(".lora_A", 1)[0] for name, _ in axolotls.named_parameters() if ".lora_A." in name}
+    assert any(".vision_tower." in name for name in reached) and any(".multi_modal_projector." in name
+                                                                     for name in reached)
+    trainable = sum(p.numel() for p in axolotls.parameters() if p.requires_grad)
+    assert plan["memory"]["trainable_parameters"] == trainable
