@@ -476,3 +476,44 @@ def test_lora_target_linear_reaches_what_axolotls_reaches_on_a_vlm(tmp_path, lla
                                                                      for name in reached)
     trainable = sum(p.numel() for p in axolotls.parameters() if p.requires_grad)
     assert plan["memory"]["trainable_parameters"] == trainable
+
+
+@pytest.mark.parametrize("targets", ["the language model", "every linear"])
+def test_a_frozen_tower_under_a_checkpointed_adapter_builds_no_graph(tmp_path, llava_dir, targets):
+    """LoRA with re-entrant gradient checkpointing: the checkpointed layers need inputs that require a gradient, and
+    transformers' hook (which peft installs) would mark the tower's patch embedding too, so a frozen tower built a
+    graph and ran a backward for nothing. Only sub-models holding a trained weight are marked now: an adapter on
+    the language model leaves the tower's output without a graph and still trains; one that reaches the tower
+    gets its gradients there."""
+    import torch
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.collate import collator_for
+    from tuneloop.data.images import image_inputs_of
+    from tuneloop.model import load_model
+    from tuneloop.resolved import resolve_run
+    from tuneloop.run import prepare_data
+
+    data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 2, seed=1))
+    reach = ({"lora_target_modules": r".*language_model.*\.(q_proj|v_proj)"} if targets == "the language model"
+             else {"lora_target_linear": True})
+    cfg = config_from_dict(vlm_config(tmp_path, llava_dir, data, adapter="lora", lora_r=4, lora_alpha=8,
+                                      gradient_checkpointing=True, bf16=False,
+                                      gradient_checkpointing_kwargs={"use_reentrant": True}, **reach))
+    resolved = resolve_run(cfg)
+    tokenizer, rows = prepare_data(cfg, resolved)
+    model = load_model(cfg, resolved, tokenizer)
+    model.train()
+    batch = collator_for(rows.store, tokenizer.pad_token_id, False, images=image_inputs_of(tokenizer))([[0, 1]])
+    tower_outputs = []
+    tower = model.get_base_model().model.vision_tower
+    tower.register_forward_hook(lambda module, inputs, output: tower_outputs.append(output.last_hidden_state))
+    logits = model(**batch.inputs, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100).backward()
+    reached_tower = targets == "every linear"
+    assert tower_outputs[0].requires_grad == reached_tower
+    trained = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    assert all(grad is not None and grad.abs().sum() > 0 for name, grad in trained.items()
+               if ".language_model." in name and "lora_B" in name)
+    assert any(".vision_tower." in name for name in trained) == reached_tower
+    assert all(trained[name] is not None for name in trained if ".vision_tower." in name and "lora_B" in name)

@@ -50,8 +50,6 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
         check_adapter_agrees(cfg, lora, start, model)
     if start is not None and on_meta(model):
         start = None  # a count (the plan) or an FSDP2 rank that is sent its weights: the agreeing new adapter's shape
-    if cfg.gradient_checkpointing and not getattr(model, "is_quantized", False):
-        model.enable_input_require_grads()
     with warnings.catch_warnings():
         # peft asks is_gradient_checkpointing, which transformers 5 deprecates: not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -74,7 +72,41 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
                 raise
             raise UserError(f"config: peft cannot build this LoRA variant on {type(model).__name__}: {error}") from None
     remove_lora_proxies_after_each_forward(adapted)  # (where experts are quantized: quantized_experts.py)
+    if cfg.gradient_checkpointing:
+        require_input_grads_where_trained(adapted.get_base_model())
     return adapted
+
+
+def require_input_grads_where_trained(model) -> None:
+    """Checkpointed layers under an adapter need inputs that require a gradient (re-entrant checkpointing would
+    leave the adapter's weights inside them without one), so a sub-model's input embeddings mark their output so.
+    transformers' `enable_input_require_grads` marks every sub-model's, a vision tower's patch embedding too, and
+    it is called more than once (by re-entrant checkpointing's set-up, by peft, by peft's k-bit preparation), each
+    time adding hooks its `disable_input_require_grads` cannot all find: a frozen tower then builds a graph, keeps
+    its activations and runs a backward that reaches no trained weight. Here those hooks are taken off (by their
+    name) and only the embeddings of a sub-model that holds a trained parameter are marked, once."""
+    from transformers import PreTrainedModel
+
+    def require_grad(module, inputs, output):
+        output.requires_grad_(True)
+
+    hooks, seen = [], set()
+    for module in model.modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        try:
+            embeddings = module.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            continue
+        if embeddings is None or id(embeddings) in seen or not hasattr(embeddings, "register_forward_hook"):
+            continue
+        seen.add(id(embeddings))
+        for key, hook in list(embeddings._forward_hooks.items()):
+            if getattr(hook, "__name__", "").startswith("make_inputs_require_grad"):  # (transformers', peft's)
+                del embeddings._forward_hooks[key]
+        if any(parameter.requires_grad for parameter in module.parameters()):
+            hooks.append(embeddings.register_forward_hook(require_grad))
+    model._require_grads_hooks = hooks  # (transformers' own list: its disable_input_require_grads removes them)
 
 
 def uses_lora_variant(cfg) -> bool:

@@ -32,7 +32,8 @@ def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
     if resolved.streamed:
         datasets = f"streamed: {datasets}"
     batching = {"packed": "packed", "group_by_length": "grouped by length", "random": "padded",
-                "token_budget": "grouped by length under a token budget"}[resolved.batching]
+                "token_budget": f"grouped by length, at most {cfg.max_tokens_per_micro_batch} tokens a micro-batch"
+                }[resolved.batching]
     if is_online(cfg):
         batching = "padded"  # (each completion in its own row)
     length = f"max_steps {cfg.max_steps}" if cfg.max_steps else f"{cfg.num_epochs} epoch(s)"
@@ -60,7 +61,8 @@ def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
         f"  model                {cfg.base_model or cfg.base_model_config} ({cfg.model_type or 'its Auto class'}); "
         f"{trained}",
         f"  data                 {datasets}" + (f"; chat template {cfg.chat_template}" if cfg.chat_template else ""),
-        f"  batch                {cfg.micro_batch_size} {units}/micro-batch × {cfg.gradient_accumulation_steps} "
+        f"  batch                {'at most ' if cfg.max_tokens_per_micro_batch else ''}{cfg.micro_batch_size} "
+        f"{units}/micro-batch × {cfg.gradient_accumulation_steps} "
         f"accumulation, {batching}, sequence_len {cfg.sequence_len}, {length}",
         *objective,
         *([f"  engine               {resolved.engine.describe()}"] if resolved.engine.name != "ddp" else []),

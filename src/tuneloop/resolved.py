@@ -107,7 +107,7 @@ def resolve_run(cfg, model_config=None) -> Resolved:
                         "completion` and no `streaming`), where rows are grouped by length")
     if recurrent:
         decided = replace(decided, batching="group_by_length" if decided.batching == "packed" else decided.batching,
-                          eval_batching="group_by_length", packing_note=(
+                          eval_batching=eval_batching(cfg, True), packing_note=(
                               f"sample packing is set aside: {recurrent} carry state from one packed sequence into "
                               "the next (the kernels here take no sequence boundaries), so rows are grouped by "
                               "length instead: the same loss per sequence, with some padding"))
@@ -118,7 +118,7 @@ def resolve_run(cfg, model_config=None) -> Resolved:
         chosen = eager_without_sdpa(chosen, model_config)
     blind = packed and chosen.used == "eager" and PACKING_BLIND_MASKS.get(getattr(model_config, "model_type", None))
     if blind:
-        decided = _unpacked(decided, blind)
+        decided = _unpacked(decided, blind, eval_batching(cfg, True))
     return replace(decided, precision=precision(cfg), attention=chosen)
 
 
@@ -130,7 +130,7 @@ PACKING_BLIND_MASKS = {"gpt_oss": "GptOss builds its attention masks without the
                                   "under eager attention packed sequences would attend to each other"}
 
 
-def _unpacked(decided: Resolved, why: str) -> Resolved:
+def _unpacked(decided: Resolved, why: str, unpacked_eval: str) -> Resolved:
     """Packing set aside for rows grouped by length (the same loss per sequence, with some padding), or refused for a
     packed stream, whose long documents have no unpacked form."""
     if decided.streamed and decided.batching == "packed":
@@ -140,7 +140,7 @@ def _unpacked(decided: Resolved, why: str) -> Resolved:
                         "this model on prepared data instead (`datasets:` with `type: completion` and no "
                         "`streaming`), where rows are grouped by length")
     return replace(decided, batching="group_by_length" if decided.batching == "packed" else decided.batching,
-                   eval_batching="group_by_length",
+                   eval_batching=unpacked_eval,
                    packing_note=f"sample packing is set aside: {why}, so rows are grouped by length instead: the same "
                                 "loss per sequence, with some padding")
 
@@ -196,8 +196,9 @@ def batching(cfg, encoder_decoder: bool) -> str:
     return "group_by_length" if cfg.group_by_length else "random"
 
 
-def eval_batching(cfg, encoder_decoder: bool) -> str:
-    if cfg.resolved_eval_sample_packing and not encoder_decoder:
+def eval_batching(cfg, unpacked: bool) -> str:
+    """How eval rows make micro-batches; `unpacked`: an encoder-decoder, or a model whose packed rows would mix."""
+    if cfg.resolved_eval_sample_packing and not unpacked:
         return "packed"
     return "token_budget" if cfg.max_tokens_per_micro_batch else "group_by_length"
 

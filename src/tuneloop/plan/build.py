@@ -229,7 +229,7 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
     if tokenizer is not None:
         notes += _stopping_notes(cfg, rows, tokenizer)
     plan = TrainingPlan(
-        **batch, sequence_len=cfg.sequence_len, batching=_batching_words(resolved),
+        **batch, sequence_len=cfg.sequence_len, batching=_batching_words(resolved, padding),
         train_rows=counts.train_rows, train_tokens=counts.train_tokens, trainable_tokens=counts.trainable_tokens,
         eval_rows=eval_rows, dropped_too_long=counts.dropped_too_long,
         dropped_no_trained_tokens=counts.dropped_no_trained_tokens,
@@ -288,8 +288,14 @@ def _batch(cfg, rows, world_size: int, data_ranks: int, context_ranks: int = 1) 
             "gradient_accumulation_steps": accumulation, "global_batch_size": global_batch}
 
 
-def _batching_words(resolved) -> str:
-    return f"streamed, {resolved.batching}" if resolved.streamed else resolved.batching
+def _batching_words(resolved, padding: Padding) -> str:
+    if resolved.streamed:
+        return f"streamed, {resolved.batching}"
+    if resolved.batching == "token_budget" and padding.multiple > 1:
+        # (the cuts count widths as padded: a resume that pads otherwise, compiled or not, would deal other rows,
+        # and the checkpoint's plan says so by this word)
+        return f"token_budget, widths in multiples of {padding.multiple}"
+    return resolved.batching
 
 
 def _auto_compile(cfg, resolved, facts, counts, model_part: dict, world_size: int) -> tuple[bool, str]:
@@ -334,11 +340,14 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     slice_tokens = -(-counts.max_micro_batch_tokens // mesh.cp)
     vision_activations = 0.0
     if facts.vision is not None and counts.first_epoch_batches:  # the tower's, at the micro-batch of most positions
+        from tuneloop.data.batching import epoch_micro_batches
         from tuneloop.plan.flops import largest_micro_batch_tower_positions, row_image_tokens
         from tuneloop.plan.memory import vision_activation_bytes
 
-        positions = largest_micro_batch_tower_positions(facts.vision, row_image_tokens(store),
-                                                        counts.first_epoch_batches)
+        lengths, spec = np.asarray(store.unit_column("length")), train_spec(cfg, resolved, mesh.data_ranks)
+        epochs = [counts.first_epoch_batches] + [epoch_micro_batches(lengths, spec, epoch)  # (as count_steps deals)
+                                                 for epoch in range(1, counts.epochs_to_run or 1)]
+        positions = largest_micro_batch_tower_positions(facts.vision, row_image_tokens(store), epochs)
         vision_activations = vision_activation_bytes(facts.vision, positions, precision, cfg.gradient_checkpointing)
     estimate = estimate_memory(cfg, facts, slice_tokens, precision, resolved.engine, world_size,
                                device_memory_gb, generated_positions=generated,
@@ -518,7 +527,10 @@ def plan_warnings(cfg, plan: TrainingPlan, counts) -> list[str]:
         found.append(f"{', '.join(asked_for_evals)} set, but there is no eval set (val_set_size or test_datasets): "
                      "no eval will run" + (", and early stopping cannot stop the run" if cfg.early_stopping_patience
                                            else "") + ".")
-    if counts.batch_rows_per_epoch is not None and counts.batch_rows_per_epoch < plan.global_batch_size:
+    budgeted = plan.batching.startswith("token_budget")  # (its steps hold fewer rows than micro_batch_size allows)
+    partial = (plan.micro_batches_per_epoch < cfg.gradient_accumulation_steps if budgeted
+               else counts.batch_rows_per_epoch < plan.global_batch_size)
+    if counts.batch_rows_per_epoch is not None and partial:
         rows = "packed rows" if plan.batching == "packed" else "rows"
         found.append(f"the global batch ({plan.global_batch_size} {rows}) is larger than one epoch of data "
                      f"({counts.batch_rows_per_epoch} {rows} in {plan.micro_batches_per_epoch} micro-batches per "

@@ -539,11 +539,12 @@ def row_image_tokens(store, block: int = 50_000) -> list[list[int]]:
     return rows
 
 
-def largest_micro_batch_tower_positions(vision: VisionWeights, per_row: list[list[int]], micro_batches) -> int:
-    """The most positions the vision tower runs for one micro-batch (epoch 0's, as the plan deals them: padded
-    micro-batches are lists of rows, packed ones lists of packed rows of rows)."""
+def largest_micro_batch_tower_positions(vision: VisionWeights, per_row: list[list[int]], epochs) -> int:
+    """The most positions the vision tower runs for one micro-batch over the run's epochs, each epoch's per-rank
+    micro-batches as the plan deals them (a micro-batch is a list of rows, each a list of the store's rows: one,
+    or a packed row's)."""
     largest = 0
-    for batches in micro_batches or []:
+    for batches in (batches for per_rank in epochs for batches in per_rank):
         for micro in batches:
             rows = [row for entry in micro for row in (entry if isinstance(entry, (list, tuple)) else [entry])]
             positions = sum(image_positions(vision, tokens)[0] for row in rows for tokens in per_row[row])

@@ -14,7 +14,7 @@ def describe(plan) -> str:
     if plan.batching == "packed" and plan.unit != "tokens":  # a packed row holds several pairs (KTO: rows)
         batch_rows = "packed rows"
         per_step = f" (~{(plan.train_rows - plan.rows_cut_per_epoch) / plan.steps_per_epoch:.1f} {rows} per step)"
-    elif plan.batching == "token_budget":  # fewer rows where they are long
+    elif plan.batching.startswith("token_budget"):  # fewer rows where they are long
         at_most = "at most "
         per_step = f" (~{(plan.train_rows - plan.rows_cut_per_epoch) / plan.steps_per_epoch:.1f} {rows} per step)"
         budget = (f"at most {plan.train_batching.token_budget} tokens a micro-batch as padded, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from tuneloop.arguments import at_least_one, not_negative, probability, seed
@@ -215,7 +216,12 @@ def load_for_inference(args, images_in: str | None = None):
     if vision_model:
         # the images resized as the run resized them (axolotl's image_size is no processor setting: it is not in the
         # saved processor, but in the run's config)
-        run = _run_config_of(cfg, folder)
+        try:
+            run = _run_config_of(cfg, folder)
+        except UserError as error:  # (a run_config.yml an older tuneloop wrote: the model still answers)
+            print(f"warning: infer: the run's config does not read ({error}); images go to the processor as they "
+                  "are, not resized as the run's image_size would", file=sys.stderr, flush=True)
+            run = None
         inputs = folder_image_inputs(folder, config, tokenizer, trust_remote_code,
                                      image_size=run.image_size if run is not None else None,
                                      resample=(run.image_resize_algorithm if run is not None else None) or "bilinear")
