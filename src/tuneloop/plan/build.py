@@ -528,9 +528,10 @@ def plan_warnings(cfg, plan: TrainingPlan, counts) -> list[str]:
                      "no eval will run" + (", and early stopping cannot stop the run" if cfg.early_stopping_patience
                                            else "") + ".")
     budgeted = plan.batching.startswith("token_budget")  # (its steps hold fewer rows than micro_batch_size allows)
-    partial = (plan.micro_batches_per_epoch < cfg.gradient_accumulation_steps if budgeted
-               else counts.batch_rows_per_epoch < plan.global_batch_size)
-    if counts.batch_rows_per_epoch is not None and partial:
+    partial = counts.batch_rows_per_epoch is not None and (
+        plan.micro_batches_per_epoch < cfg.gradient_accumulation_steps if budgeted
+        else counts.batch_rows_per_epoch < plan.global_batch_size)
+    if partial:
         rows = "packed rows" if plan.batching == "packed" else "rows"
         found.append(f"the global batch ({plan.global_batch_size} {rows}) is larger than one epoch of data "
                      f"({counts.batch_rows_per_epoch} {rows} in {plan.micro_batches_per_epoch} micro-batches per "
