@@ -522,7 +522,8 @@ def image_flops(vision: VisionWeights, tokens: int) -> tuple[float, int]:
 
 
 def row_image_tokens(store, block: int = 50_000) -> list[list[int]]:
-    """Each row's images' token counts, in row order (the store's [reference, tokens] pairs), read in blocks."""
+    """Each row's images' token counts, in row order (data/token_store.py keeps each row's [reference, tokens]
+    pairs as JSON text), read in blocks of rows."""
     from tuneloop.data.token_store import IMAGES
 
     if store is None or not getattr(store, "has_images", False):
@@ -553,22 +554,8 @@ def largest_micro_batch_tower_positions(vision: VisionWeights, per_row: list[lis
 
 
 def image_token_counts(store, block: int = 50_000) -> np.ndarray:
-    """Every image's token count over a vision-language store's rows (data/token_store.py keeps each row's
-    [reference, tokens] pairs as JSON text), read in blocks of rows."""
-    from tuneloop.data.token_store import IMAGES
-
-    if store is None or not getattr(store, "has_images", False):
-        return np.zeros(0, dtype=np.int64)
-    offsets, counts = store.image_offsets, []
-    with open(store.folder / IMAGES, "rb") as handle:
-        for start in range(0, len(store), block):
-            stop = min(start + block, len(store))
-            handle.seek(int(offsets[start]))
-            text = handle.read(int(offsets[stop]) - int(offsets[start]))
-            for first, last in zip(offsets[start:stop], offsets[start + 1:stop + 1]):
-                begin = int(first - offsets[start])
-                counts += [count for _, count in json.loads(text[begin:begin + int(last - first)])]
-    return np.asarray(counts, dtype=np.int64)
+    """Every image's token count over a vision-language store's rows, in row order (row_image_tokens)."""
+    return np.asarray([count for row in row_image_tokens(store, block) for count in row], dtype=np.int64)
 
 
 def with_images(text: FlopsCount, vision: VisionWeights, image_tokens: np.ndarray,
