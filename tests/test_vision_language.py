@@ -478,7 +478,7 @@ def test_lora_target_linear_reaches_what_axolotls_reaches_on_a_vlm(tmp_path, lla
     assert plan["memory"]["trainable_parameters"] == trainable
 
 
-@pytest.mark.parametrize("targets", ["the language model", "every linear"])
+@pytest.mark.parametrize("targets", ["the language model", "every linear", "full, tower frozen"])
 def test_a_frozen_tower_under_a_checkpointed_adapter_builds_no_graph(tmp_path, llava_dir, targets):
     """LoRA with re-entrant gradient checkpointing: the checkpointed layers need inputs that require a gradient, and
     transformers' hook (which peft installs) would mark the tower's patch embedding too, so a frozen tower built a
@@ -495,18 +495,20 @@ def test_a_frozen_tower_under_a_checkpointed_adapter_builds_no_graph(tmp_path, l
     from tuneloop.run import prepare_data
 
     data = write_jsonl(tmp_path / "train.jsonl", caption_rows(tmp_path, 2, seed=1))
-    reach = ({"lora_target_modules": r".*language_model.*\.(q_proj|v_proj)"} if targets == "the language model"
-             else {"lora_target_linear": True})
-    cfg = config_from_dict(vlm_config(tmp_path, llava_dir, data, adapter="lora", lora_r=4, lora_alpha=8,
+    reach = {"the language model": {"lora_target_modules": r".*language_model.*\.(q_proj|v_proj)"},
+             "every linear": {"lora_target_linear": True},
+             "full, tower frozen": {"adapter": None, "freeze_mm_modules": True}}[targets]
+    cfg = config_from_dict(vlm_config(tmp_path, llava_dir, data, **{"adapter": "lora", "lora_r": 4, "lora_alpha": 8,
+                                                                    **reach},
                                       gradient_checkpointing=True, bf16=False,
-                                      gradient_checkpointing_kwargs={"use_reentrant": True}, **reach))
+                                      gradient_checkpointing_kwargs={"use_reentrant": True}))
     resolved = resolve_run(cfg)
     tokenizer, rows = prepare_data(cfg, resolved)
     model = load_model(cfg, resolved, tokenizer)
     model.train()
     batch = collator_for(rows.store, tokenizer.pad_token_id, False, images=image_inputs_of(tokenizer))([[0, 1]])
     tower_outputs = []
-    tower = model.get_base_model().model.vision_tower
+    tower = (model.get_base_model() if hasattr(model, "get_base_model") else model).model.vision_tower
     tower.register_forward_hook(lambda module, inputs, output: tower_outputs.append(output.last_hidden_state))
     logits = model(**batch.inputs, use_cache=False).logits
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=-100).backward()
@@ -514,6 +516,6 @@ def test_a_frozen_tower_under_a_checkpointed_adapter_builds_no_graph(tmp_path, l
     assert tower_outputs[0].requires_grad == reached_tower
     trained = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
     assert all(grad is not None and grad.abs().sum() > 0 for name, grad in trained.items()
-               if ".language_model." in name and "lora_B" in name)
+               if ".language_model." in name and ("lora_B" in name or targets.startswith("full")))
     assert any(".vision_tower." in name for name in trained) == reached_tower
     assert all(trained[name] is not None for name in trained if ".vision_tower." in name and "lora_B" in name)

@@ -738,4 +738,8 @@ def _prepared_for_training(cfg: TuneloopConfig, kind: ModelKind, model, tokenize
         freeze_all_but(model, cfg.unfrozen_parameters)
     if cfg.freeze_mm_modules:
         freeze_vision_modules(cfg, model)
+    if cfg.gradient_checkpointing and (cfg.unfrozen_parameters or cfg.freeze_mm_modules):
+        from tuneloop.adapters import require_input_grads_where_trained
+
+        require_input_grads_where_trained(model)  # (re-entrant checkpointing's hooks: a frozen tower builds no graph)
     return model
