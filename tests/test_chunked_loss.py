@@ -51,6 +51,17 @@ def test_the_chunked_function_equals_cross_entropy_over_whole_logits(small_chunk
     assert int(correct) == int((logits.argmax(-1).eq(targets) & (targets != IGNORE_INDEX)).sum())
 
 
+def test_a_second_backward_over_one_forward_is_refused_not_scaled_twice(small_chunks):
+    """The backward scales the gradients the forward kept in place (no [vocabulary, hidden] copy a step): a
+    retained graph's second backward would scale them again, so it stops with a message instead."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(50, 32, requires_grad=True), torch.randn(400, 32, requires_grad=True)
+    loss = chunked_linear_cross_entropy(hidden, weight, torch.randint(0, 400, (50,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
 def test_positions_without_a_target_never_meet_the_head_and_get_no_gradient(small_chunks, monkeypatch):
     """The head multiplies only the positions with a target (the plan's FLOPs count only those); a micro-batch
     without any (a rank's share of prompt-only rows) gives a zero loss and zero gradients."""

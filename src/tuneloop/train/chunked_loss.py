@@ -40,7 +40,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         rows = chunk_tokens(weight.shape[0])
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        grad_weight = None  # the first chunk's product becomes it (no zeroed [vocabulary, hidden] to add it to)
         dtype = compute_dtype(hidden)
         # only the positions with a target meet the head (a position without one has no loss and no gradient):
         # in chat fine-tuning most are prompt tokens, 69% of the quickstart's. One host sync for their count.
@@ -61,18 +61,28 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if grad_hidden is not None:
                     grad_hidden.index_copy_(0, trained[start:start + rows],
                                             (grad_logits @ projection).to(grad_hidden.dtype))
-                if grad_weight is not None:  # summed over chunks in fp32
-                    grad_weight += (grad_logits.t() @ chunk).float()
+                if ctx.needs_input_grad[1]:  # summed over chunks in fp32
+                    product = (grad_logits.t() @ chunk).float()
+                    grad_weight = product if grad_weight is None else grad_weight.add_(product)
                 del log_probs, grad_logits
+        if ctx.needs_input_grad[1] and grad_weight is None:  # no position had a target
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(*(g for g in (grad_hidden, grad_weight) if g is not None))
         return total
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        saved = list(ctx.saved_tensors)  # (a 0-d grad_output keeps each tensor's dtype)
-        grad_hidden = saved.pop(0) * grad_output if ctx.needs_input_grad[0] else None
-        grad_weight = (saved.pop(0) * grad_output).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        # scaled in place: the saved gradients are this function's own, and a [vocabulary, hidden] copy a step is
+        # 113 MB on SmolLM2. So a second backward through the same forward (retain_graph) would scale them twice:
+        # refused. (A 0-d grad_output keeps each tensor's dtype.)
+        if getattr(ctx, "scaled", False):
+            raise RuntimeError("the chunked cross-entropy's backward ran twice over one forward (retain_graph): "
+                               "its saved gradients are scaled in place; run the forward again")
+        ctx.scaled = True
+        saved = list(ctx.saved_tensors)
+        grad_hidden = saved.pop(0).mul_(grad_output) if ctx.needs_input_grad[0] else None
+        grad_weight = saved.pop(0).mul_(grad_output).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None
 
 
