@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=str(REPO / "examples" / "quickstart.yml"),
                         help="the run to profile (default: the quickstart)")
     parser.add_argument("--top", type=int, default=0, help="also print the N operators with the most self time")
+    parser.add_argument("--shapes", type=int, default=0,
+                        help="also print the N (operator, input shapes) pairs with the most self time")
     args = parser.parse_args(argv)
 
     class Profiling(RunHooks):
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
             if name == "zero_grad":  # the step's last phase
                 self.steps += 1
                 if self.steps == args.skip:
-                    self.profiler = profile(activities=[ProfilerActivity.CPU])
+                    self.profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=bool(args.shapes))
                     self.profiler.__enter__()
                 elif self.steps == args.skip + args.steps and self.profiler is not None:
                     self.profiler.__exit__(None, None, None)
@@ -85,6 +87,9 @@ def main(argv=None) -> int:
     whole = sum(totals.values())
     if args.top:
         print(hooks.inside.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if args.shapes:
+        print(hooks.inside.key_averages(group_by_input_shape=True).table(
+            sort_by="self_cpu_time_total", row_limit=args.shapes, max_name_column_width=40, max_shapes_column_width=90))
     run = "the quickstart" if Path(args.config).resolve() == REPO / "examples" / "quickstart.yml" else args.config
     print(f"\nsteps {args.skip + 1}-{args.skip + args.steps} of {run}{' with ' + ', '.join(args.set) if args.set else ''}"
           f" ({torch.get_num_threads()} threads), self CPU time of torch's operators: "
