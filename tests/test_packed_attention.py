@@ -54,7 +54,7 @@ def test_splitting_is_chosen_for_long_sequences_in_long_rows_not_for_many_tiny_o
 def test_per_sequence_equals_sdpa_under_the_block_diagonal_mask(dtype, monkeypatch):
     monkeypatch.setattr(packed_attention, "_last_split", (None, None))
     torch.manual_seed(0)
-    rows = [[300, 40, 172], [512]]  # a long sequence (flash kernel), short ones (math kernel in bf16), a lone row
+    rows = [[300, 40, 172], [512]]  # under bf16: sequences below BF16_FLASH_FROM in fp32, a lone 512-token row in bf16
     positions = positions_of(rows)
     q = torch.randn(2, 4, 512, 16, dtype=dtype, requires_grad=True)
     k = torch.randn(2, 2, 512, 16, dtype=dtype, requires_grad=True)
@@ -122,8 +122,9 @@ def test_models_outside_the_attention_interface_keep_sdpa():
     assert model_can_split(LlamaConfig()) and not model_can_split(FalconConfig())
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU packed rows keep SDPA's mask or flash varlen")
-def test_resolved_per_sequence_for_packed_cpu_runs_only():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the split also needs torch's varlen kernel and a "
+                    "16-bit run (benchmarks/gpu_check.py checks it there)")
+def test_resolved_per_sequence_for_packed_runs():
     from tuneloop.config import config_from_dict
     from tuneloop.resolved import attention
 

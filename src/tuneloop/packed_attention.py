@@ -24,15 +24,20 @@ from __future__ import annotations
 PER_SEQUENCE_SDPA = "sdpa_per_sequence"
 
 # The cost of one sequence's attention call beyond its len² work, in the units of one dense row's width²
-# (forward and backward, measured on Zen 4 with 9 heads of 64): bf16 ~6000 (a 16-token sequence costs what a
-# 77-token square of the dense kernel costs), fp32 ~2000. A batch is split only where that estimate is below
-# SPLIT_MARGIN of the dense cost: near a tie the one call is kept.
-CALL_COST = {"bf16": 6000, "fp32": 2000}
+# (forward and backward, measured on Zen 4 with 9 heads of 64): fp32 ~2000; bf16 was ~6000 when its short
+# sequences ran through the math kernel (a 16-token sequence cost what a 77-token square of the dense kernel
+# costs), and they now run in fp32 at 0.37× that call's time (0.15 against 0.41 ms): 6000 × 0.37 ≈ 2200. A batch
+# is split only where that estimate is below SPLIT_MARGIN of the dense cost: near a tie the one call is kept.
+CALL_COST = {"bf16": 2200, "fp32": 2000}
 SPLIT_MARGIN = 0.8
-# bf16 sequences shorter than this run through SDPA's math kernel (3-D inputs), longer ones through its flash
-# kernel: the CPU flash kernel's backward has a large fixed cost (0.8 ms for 16 tokens against 0.58 by the math
-# kernel, at 256 they tie, at 1024 flash is 2.8× faster). In fp32 the flash kernel is faster at every length.
-BF16_FLASH_FROM = 256
+# Under bf16, sequences shorter than this run in fp32 through SDPA's flash kernel (q, k and v cast to fp32 once
+# for the whole batch), longer ones in bf16 through the same kernel. The CPU flash kernel's bf16 backward has a
+# large fixed cost per call, and the math kernel upcasts every call's inputs itself (thousands of small casts a
+# step). One layer's forward and backward, 9 heads of 64 over 3 kv heads, Zen 4, 2 threads, ms per sequence
+# (bf16 math / bf16 flash / fp32 flash): 34 tokens 0.45 / 0.93 / 0.31, 128: 1.69 / 2.55 / 1.60, 256: 6.4 / 6.1 /
+# 4.9, 384: 13.5 / 11.8 / 11.2, 512: 28.6 / 19.8 / 21.5, 1024: 137 / 43 / 55. Casting the quickstart's q, k and
+# v to fp32 and back costs ~0.4 ms a tensor, forward and backward.
+BF16_FLASH_FROM = 512
 
 _registered = False
 
@@ -104,13 +109,15 @@ def worth_splitting(lengths: list[list[int]], width: int, dtype_name: str) -> bo
     return splits(attention_work(lengths, width), dtype_name)
 
 
-def split_summary(works: list[tuple[int, int, int, int]], dtype_name: str) -> str:
-    """The plan's words for a run's micro-batches: how many split, and the attention work left."""
-    split = [splits(work, dtype_name) for work in works]
+def split_summary(works: list[tuple[int, int, int, int]], dtype_name: str, varlen: bool = False) -> str:
+    """The plan's words for a run's micro-batches: how many split, and the attention work left. `varlen`: a GPU
+    run's packed micro-batches, which all go to torch's varlen flash kernel (it has no per-call cost to weigh)."""
+    split = [varlen or splits(work, dtype_name) for work in works]
     done = sum(work[0] if apart else work[2] * work[3] ** 2 for work, apart in zip(works, split))
     whole = sum(work[2] * work[3] ** 2 for work in works)
     rest = len(works) - sum(split)
-    return (f"sdpa, each packed sequence on its own in {sum(split)} of {len(works)} micro-batches"
+    kernel = "torch's varlen flash-attention kernel" if varlen else "sdpa"
+    return (f"{kernel}, each packed sequence on its own in {sum(split)} of {len(works)} micro-batches"
             + (f" ({rest} under the row's mask, cheaper there)" if rest else "")
             + f": attention over {done / whole:.2f}× the positions of whole rows")
 
@@ -118,12 +125,12 @@ def split_summary(works: list[tuple[int, int, int, int]], dtype_name: str) -> st
 _last_split: tuple = (None, None)  # (position_ids, lengths or None): every layer of a forward sees the same rows
 
 
-def _split_of(positions, width: int, rows: int, dtype_name: str):
+def _split_of(positions, width: int, rows: int, dtype_name: str, weigh: bool = True):
     global _last_split
     if _last_split[0] is positions:
         return _last_split[1]
     lengths = packed_lengths(positions, width, rows)
-    if lengths is not None and not worth_splitting(lengths, width, dtype_name):
+    if lengths is not None and weigh and not worth_splitting(lengths, width, dtype_name):
         lengths = None
     _last_split = (positions, lengths)
     return lengths
@@ -143,28 +150,98 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
                   and not any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks")))
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    # on a GPU the packed rows go to torch's varlen flash kernel in one call (16-bit, no dropout); where that
+    # cannot run, the rows stay under SDPA's mask (a loop of SDPA calls per sequence is far slower there)
+    on_gpu = device != "cpu"
+    if on_gpu and not (dtype in (torch.bfloat16, torch.float16) and not dropout and varlen_kernel() is not None):
+        splittable = False
     if splittable:
         lengths = _split_of(kwargs.get("position_ids"), width, query.shape[0],
-                            "fp32" if dtype == torch.float32 else "bf16")
+                            "fp32" if dtype == torch.float32 else "bf16", weigh=not on_gpu)
         window = kwargs.get("sliding_window")
         if lengths is not None and window and max(n for row in lengths for n in row) > window:
             lengths = None
     if lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if on_gpu:
+        return varlen_attention(query.to(dtype), key.to(dtype), value.to(dtype), lengths, scaling), None
     # autocast would cast each sequence's slices apart (thousands of small copies); cast the three tensors once,
-    # to what autocast gives SDPA, and run the sequences without it
+    # to what autocast gives SDPA (and to fp32 for a 16-bit run's short sequences: see BF16_FLASH_FROM), and run
+    # the sequences without it
     query, key, value = (tensor.to(dtype) for tensor in (query, key, value))
+    # (on a CPU only: a GPU's flash kernel runs 16-bit alone, its fp32 path is the slower memory-efficient one)
+    in_fp32 = [[device == "cpu" and dtype != torch.float32 and n < BF16_FLASH_FROM for n in row]
+               for row in lengths]
+    wide = (query.float(), key.float(), value.float()) if any(map(any, in_fp32)) else None
+    out_dtype = torch.float32 if wide is not None else dtype  # the rows join in fp32, cast back once at the end
     grouped = key.shape[1] != query.shape[1]
     rows = []
     with torch.autocast(device, enabled=False):
         for b, row in enumerate(lengths):
-            parts = []
-            for q, k, v in zip(query[b].split(row, 1), key[b].split(row, 1), value[b].split(row, 1)):
-                if dtype != torch.float32 and q.shape[1] < BF16_FLASH_FROM:  # 3-D: the math kernel
-                    parts.append(sdpa(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped))
-                else:
-                    parts.append(sdpa(q[None], k[None], v[None], dropout_p=dropout, is_causal=True, scale=scaling,
-                                      enable_gqa=grouped)[0])
+            parts, start = [], 0
+            for n, fp32 in zip(row, in_fp32[b]):
+                q, k, v = (tensor[b, :, start:start + n] for tensor in (wide if fp32 else (query, key, value)))
+                parts.append(sdpa(q[None], k[None], v[None], dropout_p=dropout, is_causal=True, scale=scaling,
+                                  enable_gqa=grouped)[0].to(out_dtype))
+                start += n
             rows.append(torch.cat(parts, 1))
-    return torch.stack(rows).transpose(1, 2).contiguous(), None
+    return torch.stack(rows).transpose(1, 2).to(dtype).contiguous(), None
+
+
+_varlen = None  # (torch's varlen_attn, the names of its parameters), looked up once; False where torch has none
+
+
+def varlen_kernel():
+    """torch's variable-length flash-attention kernel (`torch.nn.attention.varlen.varlen_attn`, CUDA only) and
+    its parameter names, or None where this torch has none or no GPU runs it. Its signature changed between
+    releases (is_causal in the first; window_size, scale and enable_gqa later): varlen_attention reads which."""
+    global _varlen
+    if _varlen is None:
+        import inspect
+
+        import torch
+
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _varlen = False
+        else:
+            _varlen = (varlen_attn, set(inspect.signature(varlen_attn).parameters)) if torch.cuda.is_available() \
+                else False
+    return _varlen or None
+
+
+def cumulative_lengths(lengths: list[list[int]], device):
+    """The varlen kernel's cu_seqlens: where each sequence of the flattened rows starts, and the end (int32)."""
+    import torch
+
+    flat = [n for row in lengths for n in row]
+    starts = torch.tensor([0] + flat, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return starts.to(device, non_blocking=True), max(flat)
+
+
+def varlen_attention(query, key, value, lengths: list[list[int]], scaling=None):
+    """Causal attention of each packed sequence on its own, the whole batch in one call of torch's varlen flash
+    kernel: query (batch, heads, width, dim), key/value (batch, kv heads, width, dim), 16-bit; returns (batch,
+    width, heads, dim). The kernel reads (tokens, heads, dim) with the rows laid end to end."""
+    kernel, parameters = varlen_kernel()
+    batch, heads, width, dim = query.shape
+    q, k, v = (tensor.transpose(1, 2).reshape(batch * width, tensor.shape[1], dim) for tensor in (query, key, value))
+    starts, longest = cumulative_lengths(lengths, query.device)
+    options = {}
+    if "window_size" in parameters:
+        options["window_size"] = (-1, 0)  # causal
+    else:
+        options["is_causal"] = True
+    if "enable_gqa" in parameters:
+        options["enable_gqa"] = k.shape[1] != heads
+    elif k.shape[1] != heads:  # (the first release: as many kv heads as query heads)
+        k, v = (tensor.repeat_interleave(heads // tensor.shape[1], dim=1) for tensor in (k, v))
+    if scaling is not None:
+        if "scale" in parameters:
+            options["scale"] = scaling
+        elif abs(scaling * dim ** 0.5 - 1) > 1e-6:  # the kernel scales by 1/sqrt(dim): q carries the rest
+            q = q * (scaling * dim ** 0.5)
+    out = kernel(q, k, v, starts, starts, longest, longest, **options)
+    return out.view(batch, width, heads, dim)

@@ -113,13 +113,14 @@ def resolve_run(cfg, model_config=None) -> Resolved:
                               "length instead: the same loss per sequence, with some padding"))
         packed = False
     splittable = packed and not cfg.trust_remote_code and model_can_split(model_config)
-    chosen = attention(cfg, splittable)
+    run_precision = precision(cfg)
+    chosen = attention(cfg, splittable, sixteen_bit=run_precision.mixed != "no" or bool(cfg.bfloat16 or cfg.float16))
     if not cfg.trust_remote_code:
         chosen = eager_without_sdpa(chosen, model_config)
     blind = packed and chosen.used == "eager" and PACKING_BLIND_MASKS.get(getattr(model_config, "model_type", None))
     if blind:
         decided = _unpacked(decided, blind, eval_batching(cfg, True))
-    return replace(decided, precision=precision(cfg), attention=chosen)
+    return replace(decided, precision=run_precision, attention=chosen)
 
 
 # model types whose attention masks ignore packed rows' position_ids (transformers 5.24), so that eager attention
@@ -295,7 +296,7 @@ def requested_attention(cfg) -> str:
     return "eager" if cfg.eager_attention else "sdpa"  # sdp_attention: true says sdpa too
 
 
-def attention(cfg, packed: bool = False) -> Attention:
+def attention(cfg, packed: bool = False, sixteen_bit: bool = False) -> Attention:
     """The attention implementation the model loads with, and a note when it is not the one asked for.
 
     Flash-attention kernels (and xformers, hub kernels, flex attention) compute the same attention as SDPA,
@@ -304,17 +305,19 @@ def attention(cfg, packed: bool = False) -> Attention:
 
     `packed` (packed rows, a model whose attention goes through transformers' attention interface): on a CPU,
     SDPA runs each packed sequence on its own where that is cheaper than the whole row under one mask
-    (packed_attention.py; measured there; under torch.compile it stays eager). Not on a GPU, where it has not
-    been measured and flash-attention's varlen kernel is the way; not where the config says
+    (packed_attention.py; measured there; under torch.compile it stays eager). On a GPU a `sixteen_bit` run's
+    packed rows go to torch's own varlen flash kernel in one call (where this torch has it: no flash-attn
+    package needed), which skips the masked blocks SDPA's kernels compute. Not where the config says
     `attn_implementation: sdpa`, which names transformers' SDPA path as it is (`attn_implementation:
     sdpa_per_sequence` asks for the split anywhere)."""
     import torch
 
-    from tuneloop.packed_attention import PER_SEQUENCE_SDPA
+    from tuneloop.packed_attention import PER_SEQUENCE_SDPA, varlen_kernel
 
     asked = requested_attention(cfg)
     cuda = torch.cuda.is_available()
-    chosen = packed and not cuda and cfg.attn_implementation != "sdpa"
+    chosen = (packed and cfg.attn_implementation != "sdpa"
+              and (not cuda or (sixteen_bit and varlen_kernel() is not None)))
     if asked in ("sdpa", "eager", PER_SEQUENCE_SDPA):
         return Attention(asked, PER_SEQUENCE_SDPA if asked == "sdpa" and chosen else asked)
     if asked in FLASH_PACKAGES:
@@ -331,6 +334,9 @@ def attention(cfg, packed: bool = False) -> Attention:
         reason = "a CUDA GPU (on CPU it compiles slowly)"
     else:  # xformers: transformers has no xformers attention
         reason = "transformers' xformers support, which it does not have"
+    if chosen and cuda:
+        return Attention(asked, PER_SEQUENCE_SDPA, f"attention `{asked}` needs {reason}: packed rows use torch's own "
+                                                   "varlen flash-attention kernel (the same attention)")
     used = PER_SEQUENCE_SDPA if chosen else "sdpa"
     return Attention(asked, used, f"attention `{asked}` needs {reason}: using sdpa (the same attention, another "
                                   "kernel)")
