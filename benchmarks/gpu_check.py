@@ -99,7 +99,9 @@ def check_packed_equals_alone(workdir: Path, model_dir: Path, tokenizer_dir: Pat
     cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(data), "type": "alpaca"}],
                             "dataset_prepared_path": str(workdir / "prepared"), "sequence_len": 512})
     prepared = prepare(cfg, AutoTokenizer.from_pretrained(tokenizer_dir))
-    implementations = ["sdpa", "eager"]
+    from tuneloop.packed_attention import PER_SEQUENCE_SDPA, loadable, varlen_kernel
+
+    implementations = ["sdpa", "eager", PER_SEQUENCE_SDPA]
     if device == "cuda":
         try:
             import flash_attn  # noqa: F401
@@ -109,8 +111,13 @@ def check_packed_equals_alone(workdir: Path, model_dir: Path, tokenizer_dir: Pat
             pass
     results = {}
     for attention in implementations:
-        dtype = torch.bfloat16 if attention == "flash_attention_2" else torch.float32  # FA2 has no fp32
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attention)
+        # flash-attention and, on a GPU, the per-sequence split (torch's varlen flash kernel) run 16-bit only
+        sixteen_bit = attention == "flash_attention_2" or (attention == PER_SEQUENCE_SDPA and device == "cuda")
+        dtype = torch.bfloat16 if sixteen_bit else torch.float32
+        if attention == PER_SEQUENCE_SDPA and device == "cuda" and varlen_kernel() is None:
+            results[attention] = {"ok": True, "skipped": "this torch has no varlen flash kernel"}
+            continue
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=loadable(attention))
         model.config.use_cache = False
         model.to(device).eval()
 
@@ -135,6 +142,58 @@ def check_packed_equals_alone(workdir: Path, model_dir: Path, tokenizer_dir: Pat
         tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
         results[attention] = {"max_abs_diff": worst, "tolerance": tolerance, "ok": worst <= tolerance}
     return {"ok": all(r["ok"] for r in results.values()), "by_attention": results}
+
+
+def check_varlen_kernel(device: str) -> dict:
+    """packed_attention.varlen_attention (torch's varlen flash kernel, what a packed bf16 run on a GPU uses) against
+    SDPA run on each sequence alone: outputs and the gradients of q, k and v, with grouped kv heads and a scale
+    that is not 1/sqrt(dim); and its time against SDPA under the rows' block-diagonal mask (forward + backward)."""
+    import torch
+    import torch.nn.functional as F
+
+    from tuneloop.packed_attention import varlen_attention, varlen_kernel
+
+    if device != "cuda" or varlen_kernel() is None:
+        return {"ok": None, "skipped": "needs CUDA and a torch with torch.nn.attention.varlen"}
+    torch.manual_seed(0)
+    lengths = [[700, 900, 448], [2048], [1, 1023, 1024]]
+    width, dim = 2048, 64
+    q = torch.randn(3, 32, width, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(3, 4, width, dim, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    results = {}
+    for scale in (None, 0.1):
+        out = varlen_attention(q, k, v, lengths, scale)
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        rows = []
+        for b, row in enumerate(lengths):
+            parts, start = [], 0
+            for n in row:
+                parts.append(F.scaled_dot_product_attention(
+                    q[b:b + 1, :, start:start + n], k[b:b + 1, :, start:start + n], v[b:b + 1, :, start:start + n],
+                    is_causal=True, scale=scale, enable_gqa=True))
+                start += n
+            rows.append(torch.cat(parts, 2))
+        expected = torch.cat(rows).transpose(1, 2)
+        expected_grads = torch.autograd.grad(expected.float().square().sum(), (q, k, v))
+        relative = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(grads, expected_grads)]
+        results[f"scale_{scale}"] = {"max_abs_out": float((out.float() - expected.float()).abs().max()),
+                                     "grad_relative": [round(r, 5) for r in relative]}
+    ok = all(r["max_abs_out"] < 2e-2 and max(r["grad_relative"]) < 2e-2 for r in results.values())
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row]) for row in lengths]).view(3, width).to(device)
+    sequence = (positions == 0).cumsum(1)  # which sequence of its row each position is in
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    mask = ((sequence[:, :, None] == sequence[:, None, :]) & causal)[:, None]  # the block-diagonal mask
+    timings = {}
+    for name, function in (("varlen", lambda: varlen_attention(q, k, v, lengths)),
+                           ("sdpa_mask", lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                                                enable_gqa=True))):
+        for attempt in range(6):
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            function().sum().backward()
+            torch.cuda.synchronize()
+            timings.setdefault(name, []).append(time.perf_counter() - begin)
+    return {"ok": ok, **results, "fwd_bwd_ms": {name: round(min(t[1:]) * 1000, 3) for name, t in timings.items()}}
 
 
 def check_bf16_train(workdir: Path, model_dir: Path) -> dict:
@@ -393,6 +452,8 @@ def check_context_parallel_kernel(model_dir: Path, device: str) -> dict:
     from tuneloop.engines import context_parallel
     from tuneloop.packed_attention import loadable
 
+    if importlib.util.find_spec("deepspeed") is None:
+        return {"ok": None, "skipped": "needs deepspeed (context parallel's Ulysses all-to-alls are DeepSpeed's)"}
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     kernels = ["sdpa", "sdpa_per_sequence"]
@@ -565,7 +626,7 @@ def run(name: str, function, *args) -> dict:
     return result
 
 
-CHECKS = ("packed_equals_alone", "bf16_train", "compile", "chunked_loss", "context_parallel_kernel", "qlora", "dpo",
+CHECKS = ("packed_equals_alone", "varlen_kernel", "bf16_train", "compile", "chunked_loss", "context_parallel_kernel", "qlora", "dpo",
           "fsdp2_train", "zero2_train", "mfu")
 
 
@@ -601,6 +662,7 @@ def main() -> int:
         checks = {
             "packed_equals_alone": ("packed == alone", check_packed_equals_alone, workdir, model_dir, tokenizer_dir,
                                     device),
+            "varlen_kernel": ("varlen kernel", check_varlen_kernel, device),
             "bf16_train": ("bf16 train", check_bf16_train, workdir, model_dir),
             "compile": ("torch.compile", check_compile, model_dir, device),
             "chunked_loss": ("chunked loss", check_chunked_loss, workdir, device),
@@ -615,6 +677,8 @@ def main() -> int:
         for key, (name, function, *arguments) in checks.items():
             if key in only:
                 report[key] = run(name, function, *arguments)
+                # written after every check: a lease that runs out mid-way still leaves the checks done so far
+                (out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
     if device == "cuda" and not args.skip_bench:
         bench = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare.py"), "--gpu", "--json",
                                 str(out / "gpu_bench.json")], text=True)
