@@ -5,7 +5,9 @@
 Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_check.json:
   1. environment: torch, CUDA device, bf16 support, flash-attn and bitsandbytes availability;
   2. packed == alone: a packed row's per-sequence losses equal the sequences run alone (fp32) for
-     sdpa, eager and, when flash-attn is installed, flash_attention_2 (the varlen path);
+     sdpa, eager, sdpa_per_sequence (bf16 on a GPU: torch's varlen flash kernel) and, when flash-attn is
+     installed, flash_attention_2 (the varlen path); then torch's varlen kernel against SDPA on each sequence alone
+     (outputs, q/k/v gradients) and its time against SDPA under the block-diagonal mask (check `varlen_kernel`);
   3. a bf16 `tuneloop train` run (bf16: auto, fused AdamW by default) of a tiny LLaMA: plan == run,
      finite losses, the mixed precision really used;
   4. torch.compile of the model's forward + backward, eager against compiled: the first call's cost and the steady
@@ -26,7 +28,8 @@ Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_ch
      built it, else the tiny one: plan == run, finite losses, the plan's bytes per rank against the engine's,
      peak memory against the estimate;
  10. MFU of a ~1B LLaMA (TinyLlama's shape, random weights, no download): `tuneloop train` of packed rows of varied
-     length at 2048 tokens, bf16: auto, flash-attention 2 where installed else SDPA, 25 steps, once as a full
+     length at 2048 tokens, bf16: auto, flash-attention 2 where installed else tuneloop's choice (torch's varlen
+     kernel where it has one), 25 steps, once as a full
      fine-tune and once as LoRA (r 16, every linear layer). tuneloop's own MFU (against the device's dense bf16
      data-sheet peak) and real tokens/s, beside the goals: 40% full, 30% LoRA (`meets_goal`; missing it is
      reported, not a failure: ok is ran + plan == run). ~2-3 minutes on an H200; --skip-mfu leaves it out,
@@ -544,16 +547,16 @@ def mfu_settings(device: str, smoke: bool, micro_batch: int | None, sequence_len
     if sequence_len:
         settings["sequence_len"] = sequence_len
     flash = device == "cuda" and importlib.util.find_spec("flash_attn") is not None
-    settings["attention"] = attention or ("flash_attention_2" if flash else "sdpa")
+    settings["attention"] = attention or ("flash_attention_2" if flash else None)  # None: tuneloop's own choice
     return settings
 
 
 def check_mfu(workdir: Path, tokenizer_dir: Path, device: str, smoke: bool = False, micro_batch: int | None = None,
               sequence_len: int | None = None, attention: str | None = None) -> dict:
     """tuneloop's MFU on a ~1B LLaMA (TinyLlama's shape, random weights), `tuneloop train` through the CLI: packed
-    rows of varied length at 2048 tokens, bf16: auto, flash-attention 2 where installed (else SDPA), eager
-    (`torch_compile: false`: what `auto` picks for a run this short), ~25 steps; a full fine-tune, then LoRA r 16 on
-    every linear layer. MFU and real tokens/s are the run's own (summary.json: after the first step, against the
+    rows of varied length at 2048 tokens, bf16: auto, flash-attention 2 where installed (else tuneloop's choice),
+    eager (`torch_compile: false`: what `auto` picks for a run this short), ~25 steps; a full fine-tune, then LoRA
+    r 16 on every linear layer. MFU and real tokens/s are the run's own (summary.json: after the first step, against the
     peak plan.json names: the data sheet's dense bf16 figure on a GPU it knows). ok: each run ran its planned steps
     with finite losses; `meets_goal` says whether it reached MFU_GOALS (not a failure when it does not)."""
     import math
@@ -577,7 +580,8 @@ def check_mfu(workdir: Path, tokenizer_dir: Path, device: str, smoke: bool = Fal
         keys = conftest.base_config(workdir / f"mfu_{kind}", model_dir, data, sample_packing=True,
                                     sequence_len=length, micro_batch_size=rows_per_step,
                                     gradient_accumulation_steps=1, max_steps=settings["steps"], num_epochs=1,
-                                    bf16="auto", attn_implementation=settings["attention"], torch_compile=False,
+                                    bf16="auto", torch_compile=False,
+                                    **({"attn_implementation": settings["attention"]} if settings["attention"] else {}),
                                     logging_steps=5, dataset_prepared_path=str(workdir / "mfu_prepared"),
                                     **adapter)
         result = conftest.run_cli("train", str(conftest.write_config(workdir / f"mfu_{kind}.yml", **keys)),
@@ -626,8 +630,8 @@ def run(name: str, function, *args) -> dict:
     return result
 
 
-CHECKS = ("packed_equals_alone", "varlen_kernel", "bf16_train", "compile", "chunked_loss", "context_parallel_kernel", "qlora", "dpo",
-          "fsdp2_train", "zero2_train", "mfu")
+CHECKS = ("packed_equals_alone", "varlen_kernel", "bf16_train", "compile", "chunked_loss", "context_parallel_kernel",
+          "qlora", "dpo", "fsdp2_train", "zero2_train", "mfu")
 
 
 def main() -> int:
@@ -642,8 +646,8 @@ def main() -> int:
                         "GPU's memory, 8 on 100 GB or more)")
     parser.add_argument("--mfu-sequence-len", type=int, help="tokens per row of the MFU runs (default 2048)")
     parser.add_argument("--mfu-attention", help="attn_implementation of the MFU runs (default: flash_attention_2 "
-                        "where flash-attn is installed, else sdpa; sdpa_per_sequence splits packed rows instead of "
-                        "masking them)")
+                        "where flash-attn is installed, else tuneloop's choice: torch's varlen kernel where it has "
+                        "one; sdpa keeps transformers' mask over packed rows)")
     parser.add_argument("--only", help=f"comma-separated checks to run (the environment always): {', '.join(CHECKS)}")
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else set(CHECKS)
