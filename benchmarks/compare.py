@@ -267,7 +267,10 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
         model_dir = build_llama(workdir / "model", tokenizer_dir, "tiny-llama")
         extra["chat_template"] = "chatml"
     elif model_key == "llama-1b":
-        model_dir = build_llama(workdir / "model", embedded_model_dir(), "llama-1b")
+        # (SmolLM2's tokenizer, from the embedded model or --tokenizer where that cannot be built: a GPU machine
+        # without the package that carries its GGUF)
+        model_dir = build_llama(workdir / "model", Path(args.tokenizer) if args.tokenizer else embedded_model_dir(),
+                                "llama-1b")
     elif model_key == "config":
         from tuneloop.run import load_run_config
 
@@ -337,8 +340,15 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
 
 
 # ======================================================================================== parent: running
-def child_env(threads: int) -> dict:
-    env = dict(os.environ)
+def child_env(threads: int, variant: str | None = None) -> dict:
+    """A variant's process environment. tuneloop's rows start under mimalloc, as the `tuneloop` command would
+    (allocator.py: they run TrainingSession in this script's child, which cannot change its allocator once
+    started); the other tools' rows get glibc as their users do (no preload inherited from a `tuneloop bench`)."""
+    from tuneloop.allocator import RESTARTED, preloaded_environment
+
+    env = {key: value for key, value in os.environ.items() if key not in ("LD_PRELOAD", RESTARTED)}
+    if variant is not None and VARIANTS[variant][0].startswith("tuneloop"):
+        env = preloaded_environment(env) or env
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
@@ -359,7 +369,7 @@ def run_child(job: dict, variant: str, round_index: int, threads: int, timeout: 
                                         output_dir=str(workdir / "out" / tag))))
     with open(log_file, "w") as log:
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(job_file)],
-                              env=child_env(threads), stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                              env=child_env(threads, variant), stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
                               cwd=str(workdir))
     if proc.returncode != 0 or not result_file.exists():
         tail = log_file.read_text(errors="replace")[-4000:]
@@ -828,6 +838,8 @@ def parse_args(argv=None):
     which.add_argument("--gpu", action="store_true", help="H200 preset: bf16 + SDPA; SmolLM2-135M and ~1B LLaMA")
     parser.add_argument("--gpu-model", choices=["embedded", "llama-1b", "all"], default="all",
                         help="which model(s) the gpu preset runs (default: both)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="the ~1B LLaMA's tokenizer folder (default: the embedded "
+                        "model's, SmolLM2's)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 1)")
     parser.add_argument("--threads", type=int, default=1, help="OMP/torch threads per child (default 1)")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")

@@ -311,10 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tuneloop.allocator import tune_host_allocator
+    from tuneloop.allocator import restart_with_mimalloc, tune_host_allocator
     from tuneloop.train.compiling import keep_compiled_artifacts
 
-    tune_host_allocator()  # before torch allocates anything (allocator.py: mmap and trimming off)
+    if argv is None:  # the process's own command line (not a call from Python): start again under mimalloc
+        restart_with_mimalloc()
+    tune_host_allocator()  # before torch allocates anything (allocator.py)
     keep_compiled_artifacts()
     args = build_parser().parse_args(argv)
     try:
