@@ -552,13 +552,16 @@ def mfu_settings(device: str, smoke: bool, micro_batch: int | None, sequence_len
 
 
 def check_mfu(workdir: Path, tokenizer_dir: Path, device: str, smoke: bool = False, micro_batch: int | None = None,
-              sequence_len: int | None = None, attention: str | None = None) -> dict:
+              sequence_len: int | None = None, attention: str | None = None, compiled_too: bool = False,
+              profile: bool = False) -> dict:
     """tuneloop's MFU on a ~1B LLaMA (TinyLlama's shape, random weights), `tuneloop train` through the CLI: packed
     rows of varied length at 2048 tokens, bf16: auto, flash-attention 2 where installed (else tuneloop's choice),
     eager (`torch_compile: false`: what `auto` picks for a run this short), ~25 steps; a full fine-tune, then LoRA
     r 16 on every linear layer. MFU and real tokens/s are the run's own (summary.json: after the first step, against the
     peak plan.json names: the data sheet's dense bf16 figure on a GPU it knows). ok: each run ran its planned steps
-    with finite losses; `meets_goal` says whether it reached MFU_GOALS (not a failure when it does not)."""
+    with finite losses; `meets_goal` says whether it reached MFU_GOALS (not a failure when it does not).
+    `compiled_too`: each kind once more with `torch_compile: true` ("full_compiled", "lora_compiled"); `profile`:
+    step_profile.py over steps 3-5 of the eager full fine-tune (device time by group, the top kernels)."""
     import math
 
     import conftest
@@ -574,28 +577,40 @@ def check_mfu(workdir: Path, tokenizer_dir: Path, device: str, smoke: bool = Fal
     count = int(settings["steps"] * rows_per_step / 0.45 * 1.25) + 8
     data = conftest.write_jsonl(workdir / "mfu.jsonl", varied_rows(count, length))
     runs = {}
-    for kind in ("full", "lora"):
+    variants = [("full", False), ("lora", False), "profile",
+                *([("full", True), ("lora", True)] if compiled_too else [])]
+    for variant in variants:
+        if variant == "profile":  # eager first, then the profile: compiling may not fit in what is left of a lease
+            if profile:
+                runs["profile"] = profile_run(workdir / "mfu_full.yml")
+            continue
+        kind, compiled = variant
+        name = f"{kind}_compiled" if compiled else kind
         adapter = ({"adapter": "lora", "lora_r": 16, "lora_alpha": 32, "lora_target_linear": True,
                     "learning_rate": 2e-4} if kind == "lora" else {"learning_rate": 2e-5})
-        keys = conftest.base_config(workdir / f"mfu_{kind}", model_dir, data, sample_packing=True,
+        keys = conftest.base_config(workdir / f"mfu_{name}", model_dir, data, sample_packing=True,
                                     sequence_len=length, micro_batch_size=rows_per_step,
                                     gradient_accumulation_steps=1, max_steps=settings["steps"], num_epochs=1,
-                                    bf16="auto", torch_compile=False,
+                                    bf16="auto", torch_compile=compiled,
                                     **({"attn_implementation": settings["attention"]} if settings["attention"] else {}),
                                     logging_steps=5, dataset_prepared_path=str(workdir / "mfu_prepared"),
                                     **adapter)
-        result = conftest.run_cli("train", str(conftest.write_config(workdir / f"mfu_{kind}.yml", **keys)),
-                                  timeout=300)
-        out = workdir / f"mfu_{kind}" / "out"
+        try:
+            result = conftest.run_cli("train", str(conftest.write_config(workdir / f"mfu_{name}.yml", **keys)),
+                                      timeout=420 if compiled else 300)
+        except subprocess.TimeoutExpired:
+            runs[name] = {"ok": False, "stderr": "timed out"}
+            continue
+        out = workdir / f"mfu_{name}" / "out"
         if result.returncode != 0:
-            runs[kind] = {"ok": False, "stderr": result.stderr[-2000:]}
+            runs[name] = {"ok": False, "stderr": result.stderr[-2000:]}
             continue
         plan = json.loads((out / "plan.json").read_text())
         summary = json.loads((out / "summary.json").read_text())
         losses = [m["loss"] for m in conftest.read_metrics(out) if "loss" in m]
         utilisation, goal = summary.get("mfu"), MFU_GOALS[kind]
         peak = plan.get("peak_flops")
-        runs[kind] = {
+        runs[name] = {
             "ok": summary["steps"] == plan["total_steps"] and bool(losses) and all(map(math.isfinite, losses)),
             "mfu": utilisation, "goal": goal,
             "meets_goal": utilisation is not None and utilisation >= goal,
@@ -607,12 +622,23 @@ def check_mfu(workdir: Path, tokenizer_dir: Path, device: str, smoke: bool = Fal
             "attention": plan.get("attention"), "attention_context": plan.get("attention_context"),
             "flops_per_token": plan.get("flops_per_token"), "estimated_memory_gb": plan.get("estimated_memory_gb"),
             "peak_memory_gb": summary.get("peak_memory_gb"), "seconds": summary.get("seconds")}
-        print(f"  mfu {kind}: {utilisation if utilisation is None else f'{utilisation:.1%}'} (goal {goal:.0%}), "
-              f"{runs[kind]['real_tokens_per_second']} real tok/s, {summary['steps']}/{plan['total_steps']} steps, "
+        print(f"  mfu {name}: {utilisation if utilisation is None else f'{utilisation:.1%}'} (goal {goal:.0%}), "
+              f"{runs[name]['real_tokens_per_second']} real tok/s, first step {summary.get('first_step_seconds')} s, {summary['steps']}/{plan['total_steps']} steps, "
               f"{plan.get('attention')}, peak {plan.get('peak_source')}", flush=True)
     return {"ok": all(run["ok"] for run in runs.values()), "smoke": smoke, "model_built_seconds": built_seconds,
             "sequence_len": length, "micro_batch_size": rows_per_step, "steps": settings["steps"],
             "attention_asked": settings["attention"], **runs}
+
+
+def profile_run(config: Path) -> dict:
+    """step_profile.py over steps 3-5 of the run `config` describes: time by group of operators, the top kernels."""
+    if not config.exists():
+        return {"ok": None, "skipped": f"{config.name} was not written"}
+    profiled = subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_profile.py"), "--config", str(config),
+                               "--skip", "2", "--steps", "3", "--kernels", "30"],
+                              text=True, capture_output=True, timeout=300)
+    print(profiled.stdout[-6000:], profiled.stderr[-1500:] if profiled.returncode else "", flush=True)
+    return {"ok": profiled.returncode == 0, "stdout": profiled.stdout[-6000:]}
 
 
 def run(name: str, function, *args) -> dict:
@@ -648,6 +674,10 @@ def main() -> int:
     parser.add_argument("--mfu-attention", help="attn_implementation of the MFU runs (default: flash_attention_2 "
                         "where flash-attn is installed, else tuneloop's choice: torch's varlen kernel where it has "
                         "one; sdpa keeps transformers' mask over packed rows)")
+    parser.add_argument("--mfu-compiled-too", action="store_true", help="the MFU runs once more each with "
+                        "torch_compile: true")
+    parser.add_argument("--mfu-profile", action="store_true", help="step_profile.py over the eager full fine-tune's "
+                        "steps 3-5: device time by group and the top kernels")
     parser.add_argument("--only", help=f"comma-separated checks to run (the environment always): {', '.join(CHECKS)}")
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else set(CHECKS)
@@ -676,7 +706,8 @@ def main() -> int:
             **{f"{engine}_train": (f"{engine} train (one device)", check_sharded_train, workdir, model_dir, engine)
                for engine in ("fsdp2", "zero2")},
             "mfu": ("mfu (~1B LLaMA, full and LoRA)", check_mfu, workdir, tokenizer_dir, device, args.mfu_smoke,
-                    args.mfu_micro_batch, args.mfu_sequence_len, args.mfu_attention),
+                    args.mfu_micro_batch, args.mfu_sequence_len, args.mfu_attention, args.mfu_compiled_too,
+                    args.mfu_profile),
         }
         for key, (name, function, *arguments) in checks.items():
             if key in only:
