@@ -13,7 +13,7 @@ Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_ch
   4. torch.compile of the model's forward + backward, eager against compiled: the first call's cost and the steady
      step on this device. tuneloop compiles under `torch_compile: auto` (the default) where its plan predicts the
      run repays it (plan/compile_choice.py: from this machine's records of earlier compiled and eager runs of the
-     same shape, else only for runs predicted to last over 30 minutes eager), and always or never under
+     same shape, else only for runs predicted to last over 10 minutes eager on a GPU, 30 on a CPU), and always or never under
      `torch_compile: true` / `false`; these are the numbers that decision weighs;
   5. the chunked loss against whole logits at SmolLM2's vocabulary, 8 × 4096 tokens under bf16 autocast (value,
      gradients, time, peak memory) and, on CUDA where `liger_kernel` imports, Liger's fused linear cross-entropy

@@ -35,6 +35,9 @@ def test_unmeasured_it_compiles_only_runs_long_enough_to_hide_a_cold_compile():
     assert not on and "~2 min eager" in why and "torch_compile: true" in why
     # nothing measured: the model's FLOPs at the assumed MFU (1e9 FLOPs a token, 1e9 FLOPS: 2.2 s a token)
     assert decide({}, "k", 1_000, 1e9, 1e9)[0] and not decide({}, "k", 100, 1e9, 1e9)[0]
+    # on a GPU a cold compile is a few seconds and gains more: a run of over 10 minutes eager compiles (2.2 s a token)
+    assert decide({}, "k", 300, 1e9, 1e9, "cuda")[0] and not decide({}, "k", 300, 1e9, 1e9)[0]
+    assert not decide({}, "k", 250, 1e9, 1e9, "cuda")[0]
     assert decide({}, "k", 10**9, None, None) == (
         False, "not measured here for this model, and the run's length cannot be estimated")
 

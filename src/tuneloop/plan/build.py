@@ -300,12 +300,15 @@ def _batching_words(resolved, padding: Padding) -> str:
 
 def _auto_compile(cfg, resolved, facts, counts, model_part: dict, world_size: int) -> tuple[bool, str]:
     """`torch_compile: auto`, from what this machine measured for this model (plan/compile_choice.py)."""
+    import torch
+
     from tuneloop.plan.compile_choice import decide, read_records
 
     if is_online(cfg):
         return False, "not for online RL (its generation would run through the training graph)"
     return decide(read_records(), model_part["compile_key"], counts.total_real_tokens or 0,
-                  model_part.get("flops_per_token"), model_part.get("peak_flops"))
+                  model_part.get("flops_per_token"), model_part.get("peak_flops"),
+                  "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb, tokenizer,

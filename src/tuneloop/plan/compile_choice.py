@@ -10,9 +10,9 @@ graph depends on (`shape_key`), in `compile_records.json` of tuneloop's cache (t
 plan then decides:
 
 - both measured: compile where the steps after the first would save more time than compiling adds to the first;
-- not both: compile only where the run is predicted to take over UNMEASURED_RUN_SECONDS eager (a cold compile is
-  then a small share of it), from the eager record or else from the model's FLOPs at ASSUMED_MFU of the peak; the
-  run's own record then decides the next plan.
+- not both: compile only where the run is predicted to take over UNMEASURED_RUN_SECONDS eager on this kind of
+  device (a cold compile is then a small share of it), from the eager record or else from the model's FLOPs at
+  ASSUMED_MFU of the peak; the run's own record then decides the next plan.
 
 The decision and its numbers are a line of the plan; `torch_compile: true` or `false` decides without asking.
 """
@@ -29,7 +29,12 @@ from pathlib import Path
 from tuneloop.cache import cache_root
 
 RECORDS = "compile_records.json"
-UNMEASURED_RUN_SECONDS = 1800.0
+# How long an unmeasured run must be predicted to take eager before compiling it. On a CPU compiling is slow and
+# gains little (above: 10-13 s more for the first step, warm, to run 1.10-1.14x); on a GPU it is quick and gains much
+# (an H200, a ~1B LLaMA on packed 8x2048 rows: a cold compile added 17.6 s to the first step, then the steps ran
+# 1.37x the eager pace for a full fine-tune and 1.69x for LoRA; at three times that compile and half that gain a
+# ten-minute run still repays it).
+UNMEASURED_RUN_SECONDS = {"cpu": 1800.0, "cuda": 600.0}
 ASSUMED_MFU = 0.45  # the quickstart's eager MFU on Zen 4 was 45–48%; on slower-than-peak machines the run is longer,
 # so the estimate errs towards not compiling
 MIN_RECORDED_STEPS = 3  # a shorter run has no steady steps to speak of
@@ -116,8 +121,9 @@ def _measured(runs) -> dict | None:
 
 
 def decide(records: dict, key: str, real_tokens: int, flops_per_token: float | None,
-           peak_flops: float | None) -> tuple[bool, str]:
-    """(compile?, why in words) for `torch_compile: auto`, over a run of `real_tokens` real tokens."""
+           peak_flops: float | None, device: str = "cpu") -> tuple[bool, str]:
+    """(compile?, why in words) for `torch_compile: auto`, over a run of `real_tokens` real tokens on `device`
+    ("cpu" or "cuda")."""
     measured = records.get(key)
     measured = measured if isinstance(measured, dict) else {}
     eager, compiled = _measured(measured.get("eager")), _measured(measured.get("compiled"))
@@ -135,10 +141,12 @@ def decide(records: dict, key: str, real_tokens: int, flops_per_token: float | N
             f"at {ASSUMED_MFU:.0%} of the peak"
     else:
         return False, "not measured here for this model, and the run's length cannot be estimated"
-    long_enough = seconds > UNMEASURED_RUN_SECONDS
+    threshold = UNMEASURED_RUN_SECONDS[device]
+    long_enough = seconds > threshold
+    where = "on a GPU" if device == "cuda" else "on a CPU"
     return long_enough, (f"not measured both ways here for this model yet; the run should take ~{seconds / 60:.0f} "
                          f"min eager ({source}): " + (
-                             "long enough that compiling the first step is a small share (the run measures it for "
-                             "the next plan)" if long_enough else
-                             f"under {UNMEASURED_RUN_SECONDS / 60:.0f} min, too short to risk a cold compile "
+                             f"over {threshold / 60:.0f} min {where}, long enough that compiling the first step is "
+                             "a small share (the run measures it for the next plan)" if long_enough else
+                             f"under {threshold / 60:.0f} min {where}, too short to risk a cold compile "
                              "(`torch_compile: true` once measures it)"))
