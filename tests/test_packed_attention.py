@@ -54,12 +54,13 @@ def test_splitting_is_chosen_for_long_sequences_in_long_rows_not_for_many_tiny_o
 def test_per_sequence_equals_sdpa_under_the_block_diagonal_mask(dtype, monkeypatch):
     monkeypatch.setattr(packed_attention, "_last_split", (None, None))
     torch.manual_seed(0)
-    rows = [[300, 40, 172], [512]]  # under bf16: sequences below BF16_FLASH_FROM in fp32, a lone 512-token row in bf16
+    # under bf16: sequences below BF16_FLASH_FROM in fp32, the 520-token one in bf16 beside a short one in its row
+    rows = [[300, 40, 172, 128], [520, 120]]
     positions = positions_of(rows)
-    q = torch.randn(2, 4, 512, 16, dtype=dtype, requires_grad=True)
-    k = torch.randn(2, 2, 512, 16, dtype=dtype, requires_grad=True)
-    v = torch.randn(2, 2, 512, 16, dtype=dtype, requires_grad=True)
-    grad = torch.randn(2, 512, 4, 16, dtype=dtype)
+    q = torch.randn(2, 4, 640, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 640, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 640, 16, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 640, 4, 16, dtype=dtype)
     results = []
     for attend in (lambda: per_sequence_sdpa(Attending(), q, k, v, block_diagonal_mask(positions), scaling=0.25,
                                              position_ids=positions),

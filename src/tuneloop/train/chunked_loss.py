@@ -40,12 +40,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         rows = chunk_tokens(weight.shape[0])
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = None  # the first chunk's product becomes it (no zeroed [vocabulary, hidden] to add it to)
+        # the first chunk's product becomes it (no zeroed [vocabulary, hidden] to add it to); in fp32 where chunks
+        # are summed, else in the product's own dtype: a lone chunk's bf16 product gains nothing from an fp32 copy,
+        # and bf16 compute weights would take it back to bf16 (two [vocabulary, hidden] casts a step, 3% of the
+        # quickstart's)
+        grad_weight = None
         dtype = compute_dtype(hidden)
         # only the positions with a target meet the head (a position without one has no loss and no gradient):
         # in chat fine-tuning most are prompt tokens, 69% of the quickstart's. One host sync for their count.
         trained = torch.nonzero(targets != IGNORE_INDEX).squeeze(1)
         states, wanted = hidden.index_select(0, trained), targets.index_select(0, trained).unsqueeze(1)
+        summed = states.shape[0] > rows
         # cast once here, not by autocast at each of the chunks' three products
         with torch.autocast(hidden.device.type, enabled=False):
             projection = weight.to(dtype)
@@ -62,7 +67,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_hidden.index_copy_(0, trained[start:start + rows],
                                             (grad_logits @ projection).to(grad_hidden.dtype))
                 if ctx.needs_input_grad[1]:  # summed over chunks in fp32
-                    product = (grad_logits.t() @ chunk).float()
+                    product = grad_logits.t() @ chunk
+                    product = product.float() if summed else product
                     grad_weight = product if grad_weight is None else grad_weight.add_(product)
                 del log_probs, grad_logits
         if ctx.needs_input_grad[1] and grad_weight is None:  # no position had a target
