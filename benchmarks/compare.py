@@ -67,6 +67,7 @@ VARIANTS = {
     "trainer_bf16": ("trainer", "bf16"),
     "trainer_bf16_group_by_length": ("trainer_group_by_length", "bf16"),
 }
+PROFILES = {"profile": "tuneloop", "profile_packed": "tuneloop_packed", "profile_bare": "bare_loop"}
 BF16_ONLY = ("tuneloop_defaults", "tuneloop_packed_defaults", "trainer_bf16", "trainer_bf16_group_by_length")
 REPO = Path(__file__).resolve().parents[1]
 EVAL_BATCH = 8
@@ -347,7 +348,8 @@ def child_env(threads: int, variant: str | None = None) -> dict:
     from tuneloop.allocator import RESTARTED, preloaded_environment
 
     env = {key: value for key, value in os.environ.items() if key not in ("LD_PRELOAD", RESTARTED)}
-    if variant is not None and VARIANTS[variant][0].startswith("tuneloop"):
+    runs = PROFILES.get(variant) or VARIANTS.get(variant, ("",))[0]  # (the profile children: "profile", ...)
+    if variant is not None and runs.startswith("tuneloop"):
         env = preloaded_environment(env) or env
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",

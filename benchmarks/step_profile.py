@@ -112,7 +112,8 @@ def main(argv=None) -> int:
                   f"  {event.key[:110]}")
     run = "the quickstart" if Path(args.config).resolve() == REPO / "examples" / "quickstart.yml" else args.config
     print(f"\nsteps {args.skip + 1}-{args.skip + args.steps} of {run}{' with ' + ', '.join(args.set) if args.set else ''}"
-          f" ({torch.get_num_threads()} threads), self CPU time of torch's operators: "
+          f" ({torch.cuda.get_device_name(0) if cuda else f'{torch.get_num_threads()} threads'}), "
+          f"self {'device' if cuda else 'CPU'} time of torch's operators: "
           f"{whole / 1e6 / args.steps:.3f} s a step, {hooks.wall / args.steps:.3f} s a step by the clock (profiled)")
     for group, micros in sorted(totals.items(), key=lambda item: -item[1]):
         print(f"  {group:<26}{100 * micros / whole:5.1f}%  {micros / 1e6 / args.steps:6.3f} s a step")

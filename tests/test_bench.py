@@ -153,3 +153,21 @@ def test_the_grpo_benchmark_against_trl_is_fair(tmp_path):
         assert 0 < row["generation_seconds_per_step"] < row["seconds_per_step"]
         assert 0 < row["completion_tokens"] <= 24 * 8 and row["ratio_vs_trl"] > 0
     assert "| trl | fp32 | 3 | 24 |" in result.stdout
+
+
+def test_tuneloop_rows_and_their_profiles_start_under_mimalloc_and_other_tools_rows_do_not(monkeypatch):
+    """compare.py starts each row's process as its tool's users get it: tuneloop's (and the --profile children that
+    run tuneloop) under mimalloc as the `tuneloop` command would, the Trainer's and the bare loop's under glibc."""
+    from tuneloop.allocator import GLIBC_SETTINGS, OPT_OUT, mimalloc_library
+
+    if mimalloc_library() is None:
+        pytest.skip("mimalloc is not installed here (cmeel-mimalloc, Linux only)")
+    for name in (OPT_OUT, "LD_PRELOAD", *GLIBC_SETTINGS):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import compare
+
+    for name in [*compare.VARIANTS, *compare.PROFILES]:
+        runs = compare.PROFILES.get(name) or compare.VARIANTS[name][0]
+        assert ("LD_PRELOAD" in compare.child_env(1, name)) == runs.startswith("tuneloop"), name
+    assert "LD_PRELOAD" not in compare.child_env(1, None)
