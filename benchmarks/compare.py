@@ -607,6 +607,10 @@ def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
                  f"sample_packing={'true' if packed else 'false'}"]
     if job.get("precision") == "bf16: auto":  # tuneloop's default (the fp32 rows run the config's bf16: false)
         overrides.append("bf16=auto")
+    if packed:  # packed rows have no other tool's counterpart: they run tuneloop's own attention for packed rows
+        # (each sequence apart on a CPU where cheaper, torch's varlen kernel on a GPU at 16 bits), not the padded
+        # rows' SDPA that every tool shares
+        overrides.append("attn_implementation=null")
     with TrainingSession(load_run_config(job["config_path"], overrides), hooks) as session:
         result = session.run(overwrite=True)
     if result.error is not None or "model" not in hooks.kept:
