@@ -165,3 +165,66 @@ def test_master_weights_true_beside_refused_sharding_keys_names_the_sharding_pro
         tmp_path, tiny_model_dir, data, master_weights=True, bf16=True, fsdp=["full_shard", "auto_wrap"],
         fsdp_config={"mixed_precision_policy": "bf16"}))
     assert_user_error(run_in_process("check", str(config)), "mixed_precision_policy")
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_fp32_gradients_exist_only_between_the_last_backward_and_the_optimizer_step(tiny_model_dir, micro_batches):
+    """The step's first micro-batch leaves its gradients in bf16 (no fp32 buffer beside its activations); the fp32
+    ones are made after the last backward (one micro-batch) or before the next micro-batch (two), hold exactly the
+    bf16 gradients' fp32 sum, and are let go after the step."""
+    from transformers import AutoModelForCausalLM
+
+    from tuneloop.engines.masters import MasterWeights
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    masters = MasterWeights(model, world_size=1)
+    batches = [torch.randint(0, model.config.vocab_size, (2, 12)) for _ in range(micro_batches)]
+    bf16_grads = []  # each micro-batch's bf16 gradient of every bf16 weight, seen as the backward makes it
+    for index, ids in enumerate(batches):
+        masters.before_micro_batch()
+        if index == 1:  # the first micro-batch's gradients moved into fp32 before this one's activations
+            assert masters.grads and all(held is None for held in masters.held)
+        seen = {}
+        hooks = [param.register_hook(lambda grad, i=i: seen.__setitem__(i, grad.clone()))
+                 for i, param in enumerate(masters.compute)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        for hook in hooks:
+            hook.remove()
+        bf16_grads.append(seen)
+        if index == 0:
+            assert not masters.grads and masters.flat_grad is None  # no fp32 gradient beside the activations
+            assert all(held is not None and held.dtype == torch.bfloat16 for held in masters.held)
+            assert all(param.grad is None for param in masters.compute)  # a second backward cannot add in bf16
+    masters.finish_gradients()
+    for i, master in enumerate(masters.masters):
+        expected = bf16_grads[0][i].float()
+        for later in bf16_grads[1:]:
+            expected = expected + later[i].float()  # bf16 into fp32, in the backward's order
+        assert master.grad.dtype == torch.float32 and torch.equal(master.grad, expected)
+    masters.zero_grad()
+    assert all(master.grad is None for master in masters.masters) and not masters.grads
+
+
+def test_the_plan_counts_bf16_gradients_in_a_lone_micro_batchs_backward(tmp_path, tiny_model_dir, data):
+    """One micro-batch a step: the backward holds the bf16 weights' gradients in bf16 (2 bytes, not 4), and the fp32
+    ones the optimizer steps are counted after it; with two micro-batches the fp32 ones are held throughout."""
+    plans = {}
+    for steps in (1, 2):
+        run_dir = tmp_path / f"accumulate_{steps}"
+        run_dir.mkdir()
+        keys = {**FOUR_ADAMW_STEPS, "gradient_accumulation_steps": steps}
+        config = write_config(run_dir / "run.yml", **base_config(run_dir, tiny_model_dir, data, bf16=True, **keys))
+        result = run_in_process("plan", str(config), "--json")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        plans[steps] = json.loads(result.stdout)
+    matmul_weights = sum(tensor.numel() for name, tensor in load_file(tiny_model_dir / "model.safetensors").items()
+                         if name.endswith("proj.weight"))
+    lone, accumulated = plans[1]["memory"], plans[2]["memory"]
+    assert plans[1]["resolved"]["precision"]["masters"] is True
+    assert accumulated["gradients_after_backward_gb"] == 0.0
+    assert lone["gradients_after_backward_gb"] == accumulated["gradients_gb"]
+    assert lone["per_rank_bytes"]["gradients"] == accumulated["per_rank_bytes"]["gradients"] - matmul_weights * 2
+    assert accumulated["per_rank_bytes"]["gradients"] == plans[2]["memory"]["trainable_parameters"] * 4

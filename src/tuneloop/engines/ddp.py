@@ -62,6 +62,7 @@ class DDPEngine(Engine):
     def accumulating(self, last: bool):
         self.last = last
         if self.masters is not None:  # the masters' gradients are averaged after the last backward
+            self.masters.before_micro_batch()
             return contextlib.nullcontext()
         return contextlib.nullcontext() if last else self.accelerator.no_sync(self.runner)
 

@@ -10,12 +10,19 @@ rounded to bf16 from the same fp32 value, its gradient added into fp32), without
   stepped as it is: the embeddings' output, the norms and the residual stream keep autocast's fp32. So does an
   output head the chunked loss meets directly: it casts the head once per forward and sums the head's gradient
   over its chunks in fp32, which a bf16 head would round.
-- Their masters are the fp32 weights as loaded (each its own tensor); their gradients are views of one flat fp32
-  buffer (one all-reduce over ranks) and the model's bf16 weights views of one flat bf16 buffer, written from the
-  masters once per optimizer step.
-- A hook on each bf16 weight puts its gradient into its master's fp32 gradient as soon as the backward has it (the
-  step's first is copied, later ones added) and drops the bf16 one: the micro-batches of a step accumulate in fp32,
-  and no bf16 gradients are held whole.
+- Their masters are the fp32 weights as loaded (each its own tensor); the model's bf16 weights are views of one flat
+  bf16 buffer, written from the masters once per optimizer step. Their fp32 gradients are views of one flat buffer
+  over ranks (one all-reduce), and tensors of their own in one process (a freed activation's place fits one; a
+  single 0.4 GB block would not, and the process would grow by it: the quickstart's resident size measured
+  4.36 GB with one block, 4.08 GB with a tensor each, 4.45 GB before, with the buffer held throughout).
+- The fp32 gradients exist only while a step needs them. The step's first micro-batch leaves each weight's gradient
+  in bf16 (a hook takes it off the weight, so a second backward cannot add to it in bf16); the fp32 buffer is made,
+  and those gradients cast into it, when the step's backwards are over (one micro-batch a step) or before its next
+  micro-batch runs (the first micro-batch's activations are freed by then); later micro-batches' gradients are
+  added into it by the same hook as the backward has them. The buffer goes after the optimizer step. A bf16
+  gradient cast to fp32 is exact, so this is the sum it was, in the same order; the memory is not: with one
+  micro-batch a step the backward's peak holds 2 bytes a weight of gradients instead of 4 (SmolLM2-135M: 0.21 GB
+  less; a 7B model's 14 GB), and the fp32 gradients take the place the activations left (the plan counts both).
 - Over ranks the fp32 gradients are all-reduced once, after the step's last backward (DDP would reduce the bf16
   gradients the weights now have).
 - A checkpoint and the saved model hold the masters (fp32), so a resume starts from exactly the weights it left.
@@ -77,11 +84,12 @@ class MasterWeights:
         self.others = [p for p in _trained(model) if id(p) not in computed]  # fp32, stepped as they are
         device = next(model.parameters()).device
         total = sum(p.numel() for p in self.compute)
-        self.flat_grad = torch.zeros(total, dtype=torch.float32, device=device)
+        self.flat_grad: torch.Tensor | None = None  # the masters' fp32 gradients, while a step needs them
         self.flat_bf16 = torch.empty(total, dtype=torch.bfloat16, device=device)
         self.masters: list[torch.nn.Parameter] = []
         self.compute_views: list[torch.Tensor] = []  # the bf16 weights, as views of flat_bf16
-        self.grads: list[torch.Tensor] = []  # the masters' gradients, as views of flat_grad
+        self.grads: list[torch.Tensor] = []  # the masters' gradients, as views of flat_grad (while it exists)
+        self.held: list[torch.Tensor | None] = []  # a weight's bf16 gradient from the step's first micro-batch
         self.hooks: list = []
         offset = 0
         for param in self.compute:
@@ -89,8 +97,7 @@ class MasterWeights:
             # the master takes over the fp32 weight's own storage: no copy, and no storage shared between masters
             # (save_pretrained would clone tensors that share one)
             master = torch.nn.Parameter(param.data)
-            self.grads.append(self.flat_grad[offset:offset + count].view_as(param))
-            master.grad = self.grads[-1]
+            self.held.append(None)
             self.masters.append(master)
             self.compute_views.append(self.flat_bf16[offset:offset + count].view_as(param))
             param.data = self.compute_views[-1]
@@ -107,16 +114,41 @@ class MasterWeights:
         self.stepped = [self._master_of.get(id(param), param) for param in _trained(model)]
 
     def _fold_into(self, index: int):
-        master_grad = self.grads[index]
-
         def fold(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            if not self.grads and self.held[index] is None:
+                self.held[index] = grad  # the step's first: kept in bf16 until the step needs fp32
+                return
+            self._fp32_gradients()  # (a second gradient within one micro-batch: fp32 from here on)
             if self.unwritten[index]:
-                master_grad.copy_(param.grad)
+                self.grads[index].copy_(grad)
                 self.unwritten[index] = False
             else:
-                master_grad.add_(param.grad)  # bf16 into fp32
-            param.grad = None
+                self.grads[index].add_(grad)  # bf16 into fp32
         return fold
+
+    def _fp32_gradients(self) -> None:
+        """The fp32 buffer, made if the step has none yet, with every held bf16 gradient cast into it."""
+        if self.flat_grad is None and self.world_size > 1:
+            self.flat_grad = torch.empty(self.flat_bf16.numel(), dtype=torch.float32, device=self.flat_bf16.device)
+            offset, self.grads = 0, []
+            for master in self.masters:
+                self.grads.append(self.flat_grad[offset:offset + master.numel()].view_as(master))
+                offset += master.numel()
+        elif not self.grads:
+            self.grads = [torch.empty_like(master) for master in self.masters]
+        held = [index for index, grad in enumerate(self.held) if grad is not None]
+        if held:
+            torch._foreach_copy_([self.grads[index] for index in held], [self.held[index] for index in held])
+            for index in held:
+                self.held[index] = None
+                self.unwritten[index] = False
+
+    def before_micro_batch(self) -> None:
+        """A micro-batch is about to run: one before it in this step left bf16 gradients, whose activations are
+        freed now, so the fp32 buffer takes their place before this one's activations are made."""
+        if any(grad is not None for grad in self.held):
+            self._fp32_gradients()
 
     def named_masters(self, model: torch.nn.Module):
         """(name, the tensor the optimizer steps for it): a bf16 weight's master, any other weight itself; in the
@@ -127,6 +159,7 @@ class MasterWeights:
         """After the step's last backward: the ranks' fp32 gradients averaged (the loop scales every rank's loss as
         for DDP's average); a weight no micro-batch reached (on any rank) has none, and the optimizer skips it as it
         would skip the weight itself."""
+        self._fp32_gradients()
         if self.world_size > 1:
             reached = torch.tensor([not unwritten for unwritten in self.unwritten], dtype=torch.float32,
                                    device=self.flat_grad.device)
@@ -156,8 +189,11 @@ class MasterWeights:
         torch._foreach_copy_(self.compute_views, self.masters)
 
     def zero_grad(self) -> None:
-        """The next step's first gradient of each bf16 weight replaces the last one's (nothing is written here)."""
+        """After the optimizer step: the fp32 gradients are let go (the next step makes its own when it needs them)."""
         self.unwritten = [True] * len(self.masters)
+        for master in self.masters:
+            master.grad = None
+        self.flat_grad, self.grads = None, []
         for param in self.others:
             param.grad = None
 
@@ -169,7 +205,7 @@ class MasterWeights:
         for param, master in zip(self.compute, self.masters):
             param.data = master.data
             master.grad = None
-        self.hooks, self.grads, self.compute_views = [], [], []
+        self.hooks, self.grads, self.compute_views, self.held = [], [], [], [None] * len(self.masters)
         self.flat_grad = self.flat_bf16 = None
 
     def state_dict(self, model: torch.nn.Module) -> dict:

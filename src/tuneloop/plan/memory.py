@@ -49,7 +49,11 @@ class MemoryEstimate:
     vision_activations_gb: float = 0.0  # of activations_gb, a vision-language model's tower's
     host_gb: float = 0.0  # offloaded to host memory, per rank
     generation_gb: float = 0.0  # online RL: the KV cache of a step's generation (it and the activations never meet)
-    per_rank_bytes: dict | None = None  # unrounded weights/optimizer bytes per rank (compared with the engine's own)
+    # fp32 masters with one micro-batch a step: the gradients the optimizer steps, made after the backward (when the
+    # activations are gone); gradients_gb is then what the backward holds (engines/masters.py)
+    gradients_after_backward_gb: float = 0.0
+    # unrounded weights/optimizer/gradients bytes per rank (the first two compared with the engine's own)
+    per_rank_bytes: dict | None = None
 
 
 def device_memory_gb() -> tuple[str, float | None]:
@@ -79,8 +83,10 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     this machine's device (planning a launch elsewhere: `tuneloop plan --device-memory 80`). `generated_positions`:
     online RL's positions in one generation batch (its completions × their longest prompt + completion), whose KV
     cache is held while it generates, when the training activations are not. `masters`: the trained weights only
-    matmuls read are held in bf16 for the model and in fp32 for the optimizer; every gradient is fp32
-    (engines/masters.py). `frozen_bf16`: an adapter's frozen base holds its matmul-only weights in bf16.
+    matmuls read are held in bf16 for the model and in fp32 for the optimizer; their gradients are fp32 when the
+    optimizer steps, but with one micro-batch a step the backward holds them in bf16 and the fp32 ones are made
+    after it, in the activations' place (engines/masters.py): the peak is then the larger of the two moments.
+    `frozen_bf16`: an adapter's frozen base holds its matmul-only weights in bf16.
     `tensor_parallel`: the tp ranks a layer's heads and MLP are split over (their activations with them).
     `vision_activations`: a vision-language model's tower's, for the largest micro-batch (vision_activation_bytes)."""
     params = facts.parameters
@@ -95,18 +101,24 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     # (a reference model is loaded as the config loads weights: fp32 beside a model with masters)
     reference = params * (4 if masters else weight_bytes) / gb if keeps_reference_copy(cfg) else 0.0
     generation = kv_cache_bytes(facts.text_config, generated_positions, 2 if cfg.bfloat16 or cfg.float16 else 4)
-    total = (share.weights + share.gradients + share.optimizer + max(activations, generation) + share.gathered) / gb \
-        + reference
+    gradients = share.gradients  # held beside the activations
+    after_backward = 0.0  # held once the activations are gone (fp32 gradients made after a lone micro-batch's)
+    if masters and cfg.gradient_accumulation_steps == 1:
+        gradients -= facts.matmul_only_trained * 2  # (world size 1 or DDP: the engine divides nothing)
+        after_backward = share.gradients
+    total = (share.weights + share.optimizer + max(gradients + max(activations, generation), after_backward)
+             + share.gathered) / gb + reference
     device_total = device_gb if device_gb is not None else here_gb
     return MemoryEstimate(
         parameters=params, trainable_parameters=whole.trainable, weights_gb=round(share.weights / gb, 3),
-        gradients_gb=round(share.gradients / gb, 3), optimizer_gb=round(share.optimizer / gb, 3),
+        gradients_gb=round(gradients / gb, 3), optimizer_gb=round(share.optimizer / gb, 3),
         activations_gb=round(activations / gb, 3), total_gb=round(total, 3), device=device,
         device_gb=round(device_total, 2) if device_total else None, reference_gb=round(reference, 3),
         engine=engine.describe(world_size), world_size=world_size, gathered_gb=round(share.gathered / gb, 3),
         host_gb=round(share.host / gb, 3), generation_gb=round(generation / gb, 3),
         vision_activations_gb=round(vision_activations / gb, 3),
-        per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer),
+        gradients_after_backward_gb=round(after_backward / gb, 3),
+        per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer), "gradients": int(gradients),
                         **({"vision_activations": int(vision_activations)} if vision_activations else {})})
 
 
@@ -124,7 +136,7 @@ def whole_bytes(cfg, facts: ModelFacts, precision: str, engine, masters: bool = 
     quantized = quantized_weights_bytes(cfg, facts)
     held_weights = sum(quantized) if quantized else params * parameter_bytes
     bf16_copies = facts.matmul_only_trained if masters else 0  # held in bf16, with fp32 masters the optimizer steps
-    if masters:  # (the other weights stay fp32 and are stepped as they are; every gradient is fp32)
+    if masters:  # (the other weights stay fp32 and are stepped as they are; the optimizer steps fp32 gradients)
         held_weights, trained_bytes = params * 4 - bf16_copies * 2, 4
     if frozen_bf16:  # (an adapter's frozen base: its matmul-only weights in bf16, no masters: they never change)
         held_weights -= facts.matmul_only_frozen * 2

@@ -175,8 +175,10 @@ def _memory_line(plan) -> str:
     m = plan.memory
     device = f" of {m['device_gb']:.0f} GB on {m['device']}" if m["device_gb"] else ""
     per_rank = " per rank" if m.get("world_size", 1) > 1 else ""
+    after = (f" in the backward, {m['gradients_after_backward_gb']:.2f} in fp32 after it"
+             if m.get("gradients_after_backward_gb") else "")
     return (f"~{m['total_gb']:.2f} GB{per_rank}{device} (weights {m['weights_gb']:.2f}, gradients "
-            f"{m['gradients_gb']:.2f}, optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}"
+            f"{m['gradients_gb']:.2f}{after}, optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}"
             + (f" (the vision tower's {m['vision_activations_gb']:.2f})" if m.get("vision_activations_gb") else "")
             + (f", gathered layers {m['gathered_gb']:.2f}" if m.get("gathered_gb") else "")
             + (f", reference copy {m['reference_gb']:.2f}" if m.get("reference_gb") else "")
