@@ -722,12 +722,13 @@ def built_from_config(cfg: TuneloopConfig, built, config, attention: str | None)
 def _prepared_for_training(cfg: TuneloopConfig, kind: ModelKind, model, tokenizer, quantized, checkpoint):
     """The loaded or built model made ready: cache off, embeddings grown to the tokenizer, checkpointing,
     the adapter or the frozen parameters."""
-    from tuneloop import rms_norm
+    from tuneloop import rms_norm, swiglu
     from tuneloop.adapters import add_adapter, freeze_all_but, prepare_quantized
 
     # A cache in training defeats the packed-sequence mask (STACK-NOTES trap 1) and wastes memory.
     model.config.use_cache = False
     rms_norm.use_in(model)  # LLaMA-formula norms: the same forward, a leaner backward
+    swiglu.use_in(model)  # LLaMA-formula MLPs: the same values, SiLU's output made again in the backward
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         grow_embeddings(model, len(tokenizer))
     if quantized:
