@@ -35,19 +35,20 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         hidden, weight, rstd = ctx.saved_tensors
-        normed = hidden.to(torch.float32) * rstd  # recomputed, not kept
+        wide = hidden.to(torch.float32)
         grad = grad.to(torch.float32)
         grad_weight = None
-        if ctx.needs_input_grad[1]:  # (the output's dtype rounded `normed`: the weight sees the rounded values)
-            rounded = normed.to(hidden.dtype).to(torch.float32) if hidden.dtype != torch.float32 else normed
-            grad_weight = (grad * rounded).reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[1]:  # (the output's dtype rounded the normalised x: the weight sees it rounded)
+            normed = (wide * rstd).to(hidden.dtype).to(torch.float32)  # made again, not kept
+            grad_weight = (grad * normed).reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
         grad_hidden = None
         if ctx.needs_input_grad[0]:
-            # d/dx of x·rstd with rstd = (mean(x²) + eps)^-½: rstd · (g − normed · mean(g · normed)), g the gradient
-            # of the normalised x
+            # d/dx of x·rstd with rstd = (mean(x²) + eps)^-½, g the gradient of the normalised x:
+            # g·rstd − x · rstd³ · mean(g·x). Through x, not x·rstd, as autograd's chain goes: a run whose activations
+            # overflow gets autograd's non-finite gradient (and the loop's stop), not a quiet zero
             grad_normed = grad * weight.to(torch.float32)
-            mean = torch.linalg.vecdot(grad_normed, normed).unsqueeze(-1).div_(normed.shape[-1])
-            grad_hidden = torch.addcmul(grad_normed, normed, mean, value=-1).mul_(rstd).to(hidden.dtype)
+            coefficient = torch.linalg.vecdot(grad_normed, wide).unsqueeze(-1).mul_(rstd.pow(3)).div_(wide.shape[-1])
+            grad_hidden = torch.addcmul(grad_normed.mul_(rstd), wide, coefficient, value=-1).to(hidden.dtype)
         return grad_hidden, grad_weight, None
 
 
