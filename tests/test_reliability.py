@@ -315,6 +315,8 @@ def test_zero_in_bf16_saves_its_fp32_masters_as_ddp_saves_fp32(tmp_path, tiny_mo
     trained = weights["model.layers.0.mlp.down_proj.weight"]
     assert (trained != trained.to(torch.bfloat16).float()).any()  # not bf16 values cast up: the masters
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "float32"
+    # ZeRO-3 had replaced torch's functional linear for good; the run put it back for what runs next in the process
+    assert torch.nn.functional.linear is torch._C._nn.linear
 
 
 def test_a_bf16_run_follows_an_accelerator_made_without_precision_in_the_same_process(tmp_path, tiny_model_dir,

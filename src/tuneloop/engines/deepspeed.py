@@ -235,6 +235,7 @@ class DeepSpeedEngine(Engine):
         if "WORLD_SIZE" not in os.environ:  # one process, in a group of one (engines/base.py)
             launcher_variable_for_one_process("LOCAL_RANK", "0")
             undo_with_the_group_of_one(forget_deepspeed_groups)
+            undo_with_the_group_of_one(restore_functional_linear)
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         if self.spec.stage == 3:
             # ZeRO-3 gathers a module's weights when its forward runs; the chunked loss uses the output head's
@@ -369,6 +370,18 @@ def forget_deepspeed_groups() -> None:
                  "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
         if isinstance(getattr(groups, name, None), dict):
             getattr(groups, name).clear()
+
+
+def restore_functional_linear() -> None:
+    """ZeRO-3 replaces `torch.nn.functional.linear` with its own for good (DeepSpeed: "this will persist unless
+    manually reset"): a later run in this process (a test, a notebook) would send every Linear through it, and a
+    torchao-quantized weight fails there. torch's own is put back."""
+    import torch
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    original = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+    if original is not None:
+        torch.nn.functional.linear = original
 
 
 def _gathered(param):
