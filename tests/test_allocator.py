@@ -42,8 +42,11 @@ print("started", flush=True)  # printed twice where the process executes itself 
 restart_with_mimalloc()
 with open("/proc/self/maps") as maps:
     loaded = "libmimalloc" in maps.read()
+with open("/proc/self/status") as status:  # (the kernel's THP_enabled line: 0 once mimalloc turned them off)
+    huge_pages = [line.split()[1] for line in status if line.startswith("THP_enabled:")]
 print(json.dumps({"said": tune_host_allocator(), "loaded": loaded, "argv": sys.argv[1:],
-                  "kept": os.environ.get("KEEP_ME"), "pid": os.getpid()}))
+                  "kept": os.environ.get("KEEP_ME"), "pid": os.getpid(),
+                  "huge_pages": huge_pages[0] if huge_pages else None}))
 """
 
 
@@ -75,8 +78,16 @@ def test_the_users_own_glibc_settings_are_left_alone():
 @pytest.mark.skipif(mimalloc_library() is None, reason="the cmeel-mimalloc wheel (a dependency on Linux)")
 def test_a_command_executes_itself_again_under_mimalloc_once_keeping_its_arguments_and_environment():
     restarted = probe(RESTARTING, "train", "x.yml", KEEP_ME="yes")
-    assert restarted["loaded"] and restarted["said"] == "mimalloc, preloaded (freed memory kept for the next step)"
+    assert restarted["loaded"] and restarted["said"] == ("mimalloc, preloaded (freed memory kept for the next step; "
+                                                         "no transparent huge pages)")
     assert restarted["argv"] == ["train", "x.yml"] and restarted["kept"] == "yes"
+    if restarted["huge_pages"] is not None:  # (a kernel that reports it: Linux 6.x)
+        assert restarted["huge_pages"] == "0"  # mimalloc turned them off for the process
+        # the user's own value of a mimalloc option is theirs
+        theirs = probe(RESTARTING, MIMALLOC_ALLOW_THP="1")
+        assert theirs["loaded"] and theirs["huge_pages"] == "1"
+        assert theirs["said"] == ("mimalloc, preloaded (freed memory kept for the next step; the environment's "
+                                  "MIMALLOC_ALLOW_THP=1)")
     glibc = probe(RESTARTING, TUNELOOP_MALLOC="glibc")
     assert not glibc["loaded"] and glibc["said"].startswith("glibc malloc with mmap and trimming off")
     # the user's own preload is theirs: never replaced (here an empty one, so glibc runs, tuned)
