@@ -53,6 +53,12 @@ def test_speed_only_axolotl_key_is_a_warning():
         config(flash_attn_rms_norm=True)
 
 
+def test_axolotls_bf16_full_trains_in_bf16_and_says_what_it_leaves():
+    with pytest.warns(UserWarning, match="`bf16: full` is read as `bf16: true`.*bf16_full_eval.*eval speed and memory"):
+        assert config(bf16="full").bf16 is True
+    assert "`bf16`" in error_of(bf16="half")  # any other word is still refused, naming the key
+
+
 def test_wrong_type_or_value_names_the_key_and_what_is_allowed():
     assert "`micro_batch_size`" in error_of(micro_batch_size="two")
     message = error_of(lr_scheduler="cyclic")

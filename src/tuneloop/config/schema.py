@@ -450,6 +450,21 @@ class TuneloopConfig(Strict):
                           "that.", UserWarning, stacklevel=2)
         return data
 
+    @field_validator("bf16", mode="before")
+    @classmethod
+    def _bf16_full(cls, value):
+        """axolotl's `bf16: full` is bf16 training plus `bf16_full_eval`: the Trainer evaluates with the whole model
+        cast to bf16, faster and lighter than under autocast but with metrics that can move. tuneloop trains in
+        bf16 as for `true` and keeps its evaluations in the run's own mixed precision, so the rest changes only
+        eval speed and memory: said, not refused."""
+        if isinstance(value, str) and value.strip().lower() == "full":
+            warnings.warn("`bf16: full` is read as `bf16: true`: training in bf16 as axolotl does; its other half, "
+                          "evaluating with the whole model cast to bf16 (bf16_full_eval), only changes eval speed and "
+                          "memory, and tuneloop evaluates in the run's mixed precision instead.", UserWarning,
+                          stacklevel=2)
+            return True
+        return value
+
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod
     def _checkpointing(cls, value):
