@@ -11,8 +11,8 @@ rounds. Each row says its precision:
                                        collator, accelerator.prepare / accumulate / backward), on the very
                                        micro-batches of the `tuneloop` row -- the "hand-written" reference
   tuneloop_packed               fp32   tuneloop with sample_packing: true
-  tuneloop_defaults             auto   tuneloop at its defaults (bf16: auto -- bf16 where the CPU has it --
-                                       and the chunked loss), unpacked
+  tuneloop_defaults             auto   tuneloop at its defaults (bf16: auto -- bf16 where the CPU has it --,
+                                       the chunked loss, its own attention), unpacked
   tuneloop_packed_defaults      auto   the same, packed
   trainer_bf16                  bf16   the Trainer with bf16=True
   trainer_bf16_group_by_length  bf16   and with group_by_length
@@ -607,9 +607,11 @@ def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
                  f"sample_packing={'true' if packed else 'false'}"]
     if job.get("precision") == "bf16: auto":  # tuneloop's default (the fp32 rows run the config's bf16: false)
         overrides.append("bf16=auto")
-    if packed:  # packed rows have no other tool's counterpart: they run tuneloop's own attention for packed rows
-        # (each sequence apart on a CPU where cheaper, torch's varlen kernel on a GPU at 16 bits), not the padded
-        # rows' SDPA that every tool shares
+    if packed or job.get("precision") == "bf16: auto":
+        # packed rows have no other tool's counterpart, and the defaults rows are tuneloop at its defaults: they run
+        # tuneloop's own attention (on a CPU each packed sequence, or each padded row's real tokens, apart where
+        # cheaper; torch's varlen kernel for packed rows on a GPU at 16 bits), not the SDPA under a mask that the
+        # fp32 `tuneloop` row shares with the Trainer and the bare loop
         overrides.append("attn_implementation=null")
     with TrainingSession(load_run_config(job["config_path"], overrides), hooks) as session:
         result = session.run(overwrite=True)

@@ -1,6 +1,6 @@
 """SDPA per sequence on packed rows (packed_attention.py): the same attention as SDPA under the block-diagonal
 mask, forward and backward, fp32 and bf16; it splits only rows that are packed and worth it, and the plan
-chooses it for packed CPU runs only."""
+chooses it for packed CPU runs, and for padded rows on a CPU (each row's real tokens apart)."""
 
 from __future__ import annotations
 
@@ -139,3 +139,89 @@ def test_resolved_per_sequence_for_packed_runs():
     assert used(sample_packing=False) == "sdpa"
     assert used(sample_packing=True, attn_implementation="sdpa") == "sdpa"  # transformers' SDPA path, as named
     assert used(sample_packing=False, attn_implementation=PER_SEQUENCE_SDPA) == PER_SEQUENCE_SDPA
+
+
+# ---- padded rows (no packing), on a CPU: each row's real tokens apart -------------------------------------------
+def padding_mask(lengths: list[int], width: int) -> torch.Tensor:
+    """What transformers' sdpa_mask builds for right-padded rows: causal, over each row's real keys."""
+    real = torch.arange(width) < torch.tensor(lengths)[:, None]
+    return torch.ones(width, width, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+
+
+def test_padded_lengths_reads_right_padding_and_refuses_every_other_mask():
+    from tuneloop.packed_attention import padded_lengths
+
+    assert padded_lengths(padding_mask([5, 8, 3], 8), 3, 8) == [5, 8, 3]
+    left = padding_mask([8, 8], 8).clone()
+    left[0, :, :, :3] = False  # left padding: the first keys are the pads
+    assert padded_lengths(left, 2, 8) is None
+    window = padding_mask([8], 8) & (torch.arange(8)[:, None] - torch.arange(8)[None, :] < 4)  # a binding window
+    assert padded_lengths(window, 1, 8) is None
+    assert padded_lengths(padding_mask([5, 8], 8).float(), 2, 8) is None  # an additive mask
+    assert padded_lengths(padding_mask([0, 8], 8), 2, 8) is None  # a row of padding only
+    assert padded_lengths(padding_mask([5, 8], 8), 3, 8) is None and padded_lengths(None, 2, 8) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_rows_apart_equal_sdpa_under_the_padding_mask(dtype, monkeypatch):
+    """Real positions' outputs and every q/k/v gradient equal; the padding's outputs are zeros (in a model nothing
+    real reads them, so no gradient reaches them: the upstream gradient is zero there, as here)."""
+    monkeypatch.setattr(packed_attention, "_last_padded", (lambda: None, None))
+    torch.manual_seed(0)
+    lengths, width = [600, 130, 37], 600  # under bf16 the 600-token row runs in bf16, the others in fp32
+    mask = padding_mask(lengths, width)
+    q = torch.randn(3, 4, width, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(3, 2, width, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(3, 2, width, 16, dtype=dtype, requires_grad=True)
+    real = (torch.arange(width) < torch.tensor(lengths)[:, None])[:, :, None, None]  # (batch, width, 1, 1)
+    grad = torch.randn(3, width, 4, 16, dtype=dtype) * real
+    results = []
+    for attend in (lambda: per_sequence_sdpa(Attending(), q, k, v, mask, scaling=0.25),
+                   lambda: sdpa_attention_forward(Attending(), q, k, v, mask, scaling=0.25)):
+        out, _ = attend()
+        out.backward(grad)
+        results.append([(out * real).detach().float()] + [t.grad.float() for t in (q, k, v)])
+        if len(results) == 1:
+            assert packed_attention._last_padded[1] == lengths  # it did split
+            assert not out[1, 130:].any() and not out[2, 37:].any()  # the padding's outputs: zeros
+        q.grad = k.grad = v.grad = None
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for apart, masked in zip(*results):
+        assert (apart - masked).abs().max() < tolerance * max(1.0, masked.abs().max())
+
+
+def test_a_model_trains_padded_rows_like_sdpa(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(packed_attention, "CALL_COST", {"bf16": 0, "fp32": 0})
+    monkeypatch.setattr(packed_attention, "_last_padded", (lambda: None, None))
+    torch.manual_seed(0)
+    ids = torch.randint(3, 200, (3, 48))
+    attention = (torch.arange(48) < torch.tensor([48, 30, 11])[:, None]).long()
+    labels = ids.masked_fill(attention == 0, -100)
+    gradients, losses = {}, {}
+    for name in ("sdpa", PER_SEQUENCE_SDPA):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32,
+                                                     attn_implementation=loadable(name))
+        model.config.use_cache = False
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        loss.backward()
+        losses[name] = float(loss.detach())
+        gradients[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert packed_attention._last_padded[1] == [48, 30, 11]
+    assert losses[PER_SEQUENCE_SDPA] == pytest.approx(losses["sdpa"], abs=1e-6)
+    assert torch.allclose(gradients["sdpa"], gradients[PER_SEQUENCE_SDPA], atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="padded rows split on a CPU only")
+def test_an_unpacked_cpu_run_plans_each_rows_real_tokens_apart(tiny_model_dir, tmp_path):
+    from conftest import base_config, run_in_process, tiny_rows, write_config, write_jsonl
+
+    data = write_jsonl(tmp_path / "rows.jsonl", tiny_rows(24))
+    plans = {}
+    for name, extra in (("default", {}), ("sdpa", {"attn_implementation": "sdpa"})):
+        config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path / name, tiny_model_dir, data, **extra))
+        planned = run_in_process("plan", str(config), "--json")
+        assert planned.returncode == 0, planned.stderr[-3000:]
+        plans[name] = json.loads(planned.stdout)
+    assert plans["default"]["attention"] == PER_SEQUENCE_SDPA
+    assert "each row's real tokens on their own, without its padding," in plans["default"]["attention_split"]
+    assert plans["sdpa"]["attention"] == "sdpa" and plans["sdpa"]["attention_split"] is None

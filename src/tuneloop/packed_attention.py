@@ -9,14 +9,21 @@ the same attention costs Σ len² instead of width², plus a fixed cost per call
 the step at 1 × 2048-token rows of ~300-token sequences, 1.12× at 2 × 512 of ~100, a tie at the quickstart's
 4 × 256 of ~34 (where the per-call cost eats the gain).
 
+Padded rows (no packing) go the same way on a CPU: transformers runs them under a mask of causality and the
+padding's keys, and the CPU kernel computes each row's whole width² (no causal skipping under a mask); each row's
+real tokens alone, causally, cost their own length² (right padding: nothing real attends to the padding, whose
+outputs are zeros here and never read). One layer's forward and backward, 4 rows of 511 with 511, 480, 300 and 150
+real tokens: 41 against 55 ms (4 heads, 1 thread); of 511, 250, 120, 60: 27 against 53 ms; four nearly equal rows
+gain nothing, so the same cost model weighs it (`masked`: the mask's dense cost has no causal shortcut).
+
 Registered under its own name in transformers' attention and mask interfaces, so the model loads with it like
-any kernel (`attn_implementation`); resolved.py chooses it for packed runs on a CPU. Under torch.compile it runs
-eagerly (`torch.compiler.disable`), so the graph breaks at each layer's attention: torch then compiles one
-layer's graph and reuses it for every layer. On the embedded model that compiled in 15–18 s instead of the 71 s
-of the whole decoder as one graph; the steady steps ran 1.10× the eager ones at 4 × 256 (the one graph: 1.14×),
-and at 1 × 1024 282 real tokens/s against 219 for the one graph under the mask. The mask interface builds
-SDPA's own mask, so every forward this module does not split (no positions, rows not packed, a sliding window
-shorter than a sequence, a cache) runs exactly SDPA.
+any kernel (`attn_implementation`); resolved.py chooses it for packed runs, and for padded ones on a CPU. Under
+torch.compile it runs eagerly (`torch.compiler.disable`), so the graph breaks at each layer's attention: torch
+then compiles one layer's graph and reuses it for every layer. On the embedded model that compiled in 15–18 s
+instead of the 71 s of the whole decoder as one graph; the steady steps ran 1.10× the eager ones at 4 × 256 (the
+one graph: 1.14×), and at 1 × 1024 282 real tokens/s against 219 for the one graph under the mask. The mask
+interface builds SDPA's own mask, so every forward this module does not split (no positions and no plain padding
+mask, rows not worth it, a sliding window shorter than a sequence, left padding, a cache) runs exactly SDPA.
 """
 
 from __future__ import annotations
@@ -97,10 +104,11 @@ def attention_work(lengths: list[list[int]], width: int) -> tuple[int, int, int,
     return sum(n * n for row in lengths for n in row), sum(len(row) for row in lengths), len(lengths), width
 
 
-def splits(work: tuple[int, int, int, int], dtype_name: str) -> bool:
-    """Whether a micro-batch of this `attention_work` costs less apart than under one mask (see CALL_COST)."""
+def splits(work: tuple[int, int, int, int], dtype_name: str, masked: bool = False) -> bool:
+    """Whether a micro-batch of this `attention_work` costs less apart than under one mask (see CALL_COST).
+    `masked`: padded rows, which SDPA runs under the padding's mask (every row's width² computed)."""
     squares, sequences, rows, width = work
-    if sequences == rows:
+    if sequences == rows and not masked:
         return False  # one sequence per row: SDPA runs it causally without a mask already
     return squares + CALL_COST[dtype_name] * sequences < SPLIT_MARGIN * rows * width * width
 
@@ -109,20 +117,47 @@ def worth_splitting(lengths: list[list[int]], width: int, dtype_name: str) -> bo
     return splits(attention_work(lengths, width), dtype_name)
 
 
-def split_summary(works: list[tuple[int, int, int, int]], dtype_name: str, varlen: bool = False) -> str:
+def split_summary(works: list[tuple[int, int, int, int]], dtype_name: str, varlen: bool = False,
+                  masked: bool = False) -> str:
     """The plan's words for a run's micro-batches: how many split, and the attention work left. `varlen`: a GPU
-    run's packed micro-batches, which all go to torch's varlen flash kernel (it has no per-call cost to weigh)."""
-    split = [varlen or splits(work, dtype_name) for work in works]
+    run's packed micro-batches, which all go to torch's varlen flash kernel (it has no per-call cost to weigh).
+    `masked`: padded rows (padded_attention_work), each row's real tokens apart."""
+    split = [varlen or splits(work, dtype_name, masked) for work in works]
     done = sum(work[0] if apart else work[2] * work[3] ** 2 for work, apart in zip(works, split))
     whole = sum(work[2] * work[3] ** 2 for work in works)
     rest = len(works) - sum(split)
     kernel = "torch's varlen flash-attention kernel" if varlen else "sdpa"
-    return (f"{kernel}, each packed sequence on its own in {sum(split)} of {len(works)} micro-batches"
+    apart = "each row's real tokens on their own, without its padding," if masked else "each packed sequence on its own"
+    return (f"{kernel}, {apart} in {sum(split)} of {len(works)} micro-batches"
             + (f" ({rest} under the row's mask, cheaper there)" if rest else "")
             + f": attention over {done / whole:.2f}× the positions of whole rows")
 
 
+def padded_attention_work(lengths: list[int], width: int) -> tuple[int, int, int, int]:
+    """attention_work of right-padded rows (one sequence each, then padding): weighed with `masked=True`."""
+    return sum(n * n for n in lengths), len(lengths), len(lengths), width
+
+
+def padded_lengths(mask, rows: int, width: int) -> list[int] | None:
+    """Each row's real length in a right-padded batch, read from the 4-D boolean mask transformers builds for SDPA;
+    None unless that mask is exactly causal attention over each row's first n keys, n ≥ 1 (left padding, a sliding
+    window shorter than a row, bidirectional parts, a float mask: None, and SDPA runs under the mask as given)."""
+    import torch
+
+    if (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4
+            or tuple(mask.shape) != (rows, 1, width, width)):
+        return None
+    lengths = mask[:, 0].any(dim=1).sum(dim=1)  # the keys some query attends to: a row's real tokens
+    real = torch.arange(width, device=mask.device) < lengths[:, None]
+    causal = torch.ones(width, width, dtype=torch.bool, device=mask.device).tril()
+    if not bool((lengths > 0).all()) or not torch.equal(mask[:, 0], causal[None] & real[:, None, :]):
+        return None
+    return lengths.tolist()
+
+
 _last_split: tuple = (None, None)  # (position_ids, lengths or None): every layer of a forward sees the same rows
+_last_padded: tuple = (lambda: None, None)  # (a weak reference to the 4-D mask, real lengths or None): the same for
+# padded rows, without keeping a batch's [rows, 1, width, width] mask alive between forwards
 
 
 def _split_of(positions, width: int, rows: int, dtype_name: str, weigh: bool = True):
@@ -133,6 +168,21 @@ def _split_of(positions, width: int, rows: int, dtype_name: str, weigh: bool = T
     if lengths is not None and weigh and not worth_splitting(lengths, width, dtype_name):
         lengths = None
     _last_split = (positions, lengths)
+    return lengths
+
+
+def _padded_split_of(mask, rows: int, width: int, dtype_name: str):
+    import weakref
+
+    global _last_padded
+    if mask is None:
+        return None
+    if _last_padded[0]() is mask:
+        return _last_padded[1]
+    lengths = padded_lengths(mask, rows, width)
+    if lengths is not None and not splits(padded_attention_work(lengths, width), dtype_name, masked=True):
+        lengths = None
+    _last_padded = (weakref.ref(mask), lengths)
     return lengths
 
 
@@ -161,6 +211,12 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
         window = kwargs.get("sliding_window")
         if lengths is not None and window and max(n for row in lengths for n in row) > window:
             lengths = None
+    padding = None  # padded rows (on a CPU): each row's real tokens apart, its padding's outputs zeros
+    if splittable and lengths is None and not on_gpu:
+        real = _padded_split_of(attention_mask, query.shape[0], width, "fp32" if dtype == torch.float32 else "bf16")
+        if real is not None:
+            lengths = [[n, width - n] if n < width else [n] for n in real]
+            padding = [n < width for n in real]
     if lengths is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -171,10 +227,13 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
     # the sequences without it
     query, key, value = (tensor.to(dtype) for tensor in (query, key, value))
     # (on a CPU only: a GPU's flash kernel runs 16-bit alone, its fp32 path is the slower memory-efficient one)
+    attended = [[not (padding and padding[b] and i == len(row) - 1) for i in range(len(row))]
+                for b, row in enumerate(lengths)]  # (a padded row's last piece is its padding: not attended)
     in_fp32 = [[device == "cpu" and dtype != torch.float32 and n < BF16_FLASH_FROM for n in row]
                for row in lengths]
-    wide = (query.float(), key.float(), value.float()) if any(map(any, in_fp32)) else None
-    narrow = (query, key, value) if not all(map(all, in_fp32)) else None
+    pieces_of = [(b, i) for b, row in enumerate(lengths) for i in range(len(row)) if attended[b][i]]
+    wide = (query.float(), key.float(), value.float()) if any(in_fp32[b][i] for b, i in pieces_of) else None
+    narrow = (query, key, value) if not all(in_fp32[b][i] for b, i in pieces_of) else None
     out_dtype = torch.float32 if wide is not None else dtype  # the rows join in fp32, cast back once at the end
     grouped = key.shape[1] != query.shape[1]
     # The sequences are cut with unbind (each row) and split (each row's sequences), never by indexing: autograd
@@ -189,6 +248,9 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
             pieces = {name: [tensor_rows[b].split(row, dim=1) for tensor_rows in group]
                       for name, group in rows.items()}
             for i, fp32 in enumerate(in_fp32[b]):
+                if not attended[b][i]:  # padding: nothing real attends to it, and what it gives is never read
+                    parts.append(query.new_zeros((row[i], query.shape[1], query.shape[3]), dtype=out_dtype))
+                    continue
                 q, k, v = (cut[i] for cut in pieces["wide" if fp32 else "narrow"])
                 out = sdpa(q[None], k[None], v[None], dropout_p=dropout, is_causal=True, scale=scaling,
                            enable_gqa=grouped)[0]

@@ -84,6 +84,12 @@ def resolve_config(cfg) -> Resolved:
     return _resolved(cfg, named_kind(cfg))
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def resolve_run(cfg, model_config=None) -> Resolved:
     """Stage 2: with this machine and the model's config (read here unless given)."""
     from tuneloop.packed_attention import model_can_split
@@ -112,7 +118,9 @@ def resolve_run(cfg, model_config=None) -> Resolved:
                               "the next (the kernels here take no sequence boundaries), so rows are grouped by "
                               "length instead: the same loss per sequence, with some padding"))
         packed = False
-    splittable = packed and not cfg.trust_remote_code and model_can_split(model_config)
+    # packed rows anywhere; on a CPU padded rows too (each row's real tokens apart, packed_attention.py)
+    padded_on_cpu = not decided.encoder_decoder and not _cuda_available()
+    splittable = (packed or padded_on_cpu) and not cfg.trust_remote_code and model_can_split(model_config)
     run_precision = precision(cfg)
     chosen = attention(cfg, splittable, sixteen_bit=run_precision.mixed != "no" or bool(cfg.bfloat16 or cfg.float16))
     if not cfg.trust_remote_code:
@@ -303,9 +311,10 @@ def attention(cfg, packed: bool = False, sixteen_bit: bool = False) -> Attention
     packed rows included (transformers builds the block-diagonal mask from position_ids for SDPA and uses
     the varlen path for flash-attention), so where they cannot run the run uses SDPA and says so.
 
-    `packed` (packed rows, a model whose attention goes through transformers' attention interface): on a CPU,
-    SDPA runs each packed sequence on its own where that is cheaper than the whole row under one mask
-    (packed_attention.py; measured there; under torch.compile it stays eager). On a GPU a `sixteen_bit` run's
+    `packed` (rows that can be split — packed rows, and padded ones on a CPU — of a model whose attention goes
+    through transformers' attention interface): on a CPU, SDPA runs each packed sequence, or each padded row's real
+    tokens, on its own where that is cheaper than the whole row under one mask (packed_attention.py; measured
+    there; under torch.compile it stays eager). On a GPU a `sixteen_bit` run's
     packed rows go to torch's own varlen flash kernel in one call (where this torch has it: no flash-attn
     package needed), which skips the masked blocks SDPA's kernels compute. Not where the config says
     `attn_implementation: sdpa`, which names transformers' SDPA path as it is (`attn_implementation:

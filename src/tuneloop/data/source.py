@@ -26,7 +26,7 @@ from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
 from tuneloop.data.collate import MicroBatch, Padding, collator_for
 from tuneloop.data.images import image_inputs_of
 from tuneloop.data.steps import Step, TrainingSteps
-from tuneloop.packed_attention import attention_work
+from tuneloop.packed_attention import attention_work, padded_attention_work
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,8 @@ class StepCounts:
     rollout: dict | None = None  # online RL: the generations of the run (online_rl/rows.py)
     # packed runs: each micro-batch's attention work apart and under one mask (packed_attention.attention_work)
     packed_attention_work: list | None = None
+    # padded runs: the same for each row's real tokens against the padded rows' mask (padded_attention_work)
+    padded_attention_work: list | None = None
 
 
 # ---- prepared rows -----------------------------------------------------------------------------------------
@@ -137,7 +139,8 @@ class PreparedRows:
             total_real_tokens=walk.real, packing_efficiency=packing_efficiency, padding_fraction=padding_fraction,
             max_micro_batch_tokens=walk.largest, sequence_lengths=np.asarray(store["length"]),
             batch_rows_per_epoch=used_rows, first_epoch_batches=first_epoch,
-            packed_attention_work=walk.attention if spec.mode == "packed" else None, **sides)
+            packed_attention_work=walk.attention if spec.mode == "packed" else None,
+            padded_attention_work=(walk.attention or None) if spec.mode != "packed" else None, **sides)
 
     def rows_training_none_of(self, token_ids: set[int]) -> tuple[int, int]:
         """(rows whose trained tokens include none of these, rows): read in blocks, never all at once."""
@@ -175,7 +178,7 @@ class _TokenWalk:
         self.group, self.padding, self.mode, self.source_lengths = group, padding, mode, source_lengths
         self.targets = self.real = self.computed = self.largest = 0
         self.sides = {"encoder": [0, 0], "decoder": [0, 0]}  # an encoder-decoder's [real, computed] tokens per side
-        self.attention = []  # packed: each micro-batch's packed_attention.attention_work
+        self.attention = []  # each micro-batch's packed_attention.attention_work (padded: padded_attention_work)
 
     def add(self, micro: list) -> None:
         for row in micro:
@@ -195,16 +198,18 @@ class _TokenWalk:
             return
         group = self.group
         if group > 1 and self.mode != "packed":  # a row per sequence
-            width = max(int(self.sequence_lengths[unit * group:(unit + 1) * group].max())
-                        for row in micro for unit in row)
-            rows = len(micro) * group
+            real = [int(n) for row in micro for unit in row
+                    for n in self.sequence_lengths[unit * group:(unit + 1) * group]]
         else:
-            width, rows = max(int(self.lengths[row].sum()) for row in micro), len(micro)
+            real = [int(self.lengths[row].sum()) for row in micro]
+        width, rows = max(real), len(real)
         padded = self.padding.width(width)
         self.computed += rows * padded
         self.largest = max(self.largest, rows * padded)
         if self.mode == "packed":
             self.attention.append(attention_work([self._sequences(row, padded) for row in micro], padded))
+        else:
+            self.attention.append(padded_attention_work(real, padded))
 
     def _sequences(self, row: list, width: int) -> list[int]:
         """A packed row's sequence lengths as the collator lays them out: the padding after them is one more."""

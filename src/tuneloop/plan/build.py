@@ -371,11 +371,15 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     if resolved.engine.mesh_keys.cp:  # (engines/context_parallel.py)
         part["attention"] += (f", on whole rows behind DeepSpeed's Ulysses all-to-alls over "
                               f"{resolved.engine.mesh_keys.cp} context-parallel ranks")
-    if resolved.attention.used == PER_SEQUENCE_SDPA and counts.packed_attention_work:
-        import torch
+    import torch
 
+    if resolved.attention.used == PER_SEQUENCE_SDPA and counts.packed_attention_work:
         part["attention_split"] = split_summary(counts.packed_attention_work, "bf16" if precision == "bf16" else "fp32",
                                                 varlen=torch.cuda.is_available())
+    elif (resolved.attention.used == PER_SEQUENCE_SDPA and counts.padded_attention_work
+          and not torch.cuda.is_available()):  # (padded rows split on a CPU only)
+        part["attention_split"] = split_summary(counts.padded_attention_work, "bf16" if precision == "bf16" else "fp32",
+                                                masked=True)
     # (the preference losses' log-probs, log_probs.py, also meet the head only at target positions)
     skipped = head_flops_skipped(facts.head_weights, counts.total_real_tokens, counts.total_trainable_tokens)
     count = count_flops(facts.text_config, *_text_matmul_weights(facts), counts.sequence_lengths, skipped)
