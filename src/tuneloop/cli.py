@@ -312,12 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from tuneloop.allocator import restart_with_mimalloc, tune_host_allocator
+    from tuneloop.import_noise import quiet_import_noise
     from tuneloop.train.compiling import keep_compiled_artifacts
 
     if argv is None:  # the process's own command line (not a call from Python): start again under mimalloc
         restart_with_mimalloc()
     tune_host_allocator()  # before torch allocates anything (allocator.py)
     keep_compiled_artifacts()
+    quiet_import_noise()  # before transformers imports torchao (import_noise.py)
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -22,14 +22,13 @@ run's dtype. torchao is imported only when a config has a `qat:` block.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from typing import Literal, Optional
 
 from pydantic import field_validator, model_validator
 
 from tuneloop.config.datasets import Strict
 from tuneloop.errors import UserError
+from tuneloop.import_noise import quiet_import_noise
 
 # axolotl's dtype names (its TorchAOQuantDType) that need a GPU, and why
 GPU_ONLY_DTYPES = {
@@ -106,26 +105,12 @@ class QATBlock(Strict):
                 f"{embedding} fake-quantized {when}; saved plain, `tuneloop quantize` quantizes it")
 
 
-@contextlib.contextmanager
-def _quiet_import():
-    """torchao's import logs a warning per CUDA library it cannot load: noise on a CPU machine."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 def torchao_quantization():
     """torchao's quantization module, or a refusal that says how to install it."""
     try:
-        with _quiet_import():
-            import torchao.quantization as quantization
-            import torchao.quantization.qat  # noqa: F401
+        quiet_import_noise()  # (its CUDA-only kernels failing to load on a CPU: import_noise.py)
+        import torchao.quantization as quantization
+        import torchao.quantization.qat  # noqa: F401
     except ImportError as error:
         raise UserError(f"config: `qat` needs torchao, which is not installed ({error}): pip install "
                         "'tuneloop[qat]'") from None

@@ -1,0 +1,41 @@
+"""The lines torchao prints when transformers imports it on a CPU machine (its CUDA kernels failing to load, torch's
+deprecation addressed to torchao) are dropped; the libraries' other warnings still show."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torchao")
+
+IMPORT_AS_A_COMMAND_DOES = """
+import logging, sys
+if sys.argv[1] == "quiet":
+    from tuneloop.import_noise import quiet_import_noise
+    quiet_import_noise()
+import transformers.modeling_utils  # imports torchao, as every command that loads a model does
+logging.getLogger("torchao").warning("Failed to load a torchao kernel a CPU machine still needs... (a warning kept)")
+logging.getLogger("torch.utils._pytree").warning("another pytree warning (kept)")
+"""
+
+
+def _stderr(mode: str) -> str:
+    result = subprocess.run([sys.executable, "-c", IMPORT_AS_A_COMMAND_DOES, mode], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+def test_torchaos_import_noise_is_dropped_and_other_warnings_kept():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torchao's kernel-loading failures are kept where there is CUDA")
+    noisy = _stderr("as installed")
+    if "is an Enum subclass" not in noisy or ".so: " not in noisy:
+        pytest.skip(f"this torchao imports quietly by itself: nothing to drop ({noisy[-500:]!r})")
+    quiet = _stderr("quiet")
+    assert "is an Enum subclass" not in quiet and ".so: " not in quiet, quiet
+    assert "(a warning kept)" in quiet and "another pytree warning (kept)" in quiet, quiet
