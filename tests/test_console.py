@@ -9,7 +9,7 @@ import json
 import re
 
 import pytest
-from conftest import base_config, read_metrics, tiny_rows, write_config, write_jsonl
+from conftest import base_config, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
 
 from tuneloop.console import ProgressBar
 
@@ -49,7 +49,6 @@ def test_on_a_terminal_a_live_bar_counts_the_plan_and_eval_lines_stay_above_it(t
 
 
 def test_the_last_line_and_summary_json_say_the_same_time_split_and_memory(tmp_path, tiny_model_dir):
-    from conftest import run_in_process
 
     data = write_jsonl(tmp_path / "data.jsonl", tiny_rows(40))
     config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, val_set_size=0.2,
@@ -95,3 +94,20 @@ def test_the_bar_redraws_in_place_and_keeps_printed_lines_above_it(monkeypatch):
     last_draw = lines[1].split("\r")[-1]
     assert last_draw.startswith("step 4/4 [####################] 100% | loss 2.5 | lr 0.001 | tok/s 120 | mfu 31.0%")
     assert "left" not in last_draw  # nothing is left at the last step
+
+
+def test_a_train_lines_throughput_leaves_out_the_evals_before_it(tmp_path, tiny_model_dir):
+    """Each train line's tokens/s (and MFU) is its steps' own, as the summary's is: an eval after step 1 is not in
+    step 2's window. So the lines' windows (tokens over tokens/s, one line a step) add up to the training time."""
+    data = write_jsonl(tmp_path / "data.jsonl", tiny_rows(40))
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, val_set_size=0.5,
+                                                              eval_steps=1, max_steps=6))
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = tmp_path / "out"
+    seconds = json.loads((out / "summary.json").read_text())["seconds"]
+    train_lines = [m for m in read_metrics(out) if "loss" in m]
+    assert len(train_lines) == 6
+    windows = sum((line["tokens"] - before) / line["tokens_per_second"]
+                  for line, before in zip(train_lines, [0] + [m["tokens"] for m in train_lines]))
+    assert abs(windows - seconds["training"]) <= 0.01 + 0.05 * seconds["training"], (windows, seconds)

@@ -215,12 +215,15 @@ class TrainingLoop:
 
     @contextlib.contextmanager
     def timed(self, what: str):
-        """Wall time spent in `what` ("eval" or "save"), for the summary's split of the run's time."""
+        """Wall time spent in `what` ("eval" or "save"), for the summary's split of the run's time; the train lines'
+        throughput leaves it out."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.seconds[what] += time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            self.seconds[what] += seconds
+            self.loss_window.leave_out(seconds)
 
     def time_first_step(self, train_start: float) -> tuple[float, int]:
         """The first step's wall time (one device sync). Under torch.compile it is mostly compiling, so the
