@@ -121,6 +121,61 @@ def test_models_outside_the_attention_interface_keep_sdpa():
     from tuneloop.packed_attention import model_can_split
 
     assert model_can_split(LlamaConfig()) and not model_can_split(FalconConfig())
+    # attention dropout: neither flash kernel has it, so the rows stay under SDPA's mask (and the plan says sdpa)
+    assert not model_can_split(LlamaConfig(attention_dropout=0.1))
+
+
+def test_with_attention_dropout_the_rows_run_sdpa_under_their_mask(monkeypatch):
+    monkeypatch.setattr(packed_attention, "_last_split", (None, None))
+    rows = [[300, 40], [200, 140]]
+    positions = positions_of(rows)
+    q, k, v = torch.randn(2, 4, 340, 16), torch.randn(2, 2, 340, 16), torch.randn(2, 2, 340, 16)
+    outputs = []
+    for attend in (per_sequence_sdpa, sdpa_attention_forward):
+        torch.manual_seed(0)
+        outputs.append(attend(Attending(), q, k, v, block_diagonal_mask(positions), dropout=0.3, scaling=0.25,
+                              position_ids=positions)[0])
+    assert torch.equal(*outputs)
+    assert packed_attention._last_split == (None, None)  # not even weighed
+
+
+def test_sequences_apart_is_sdpa_on_each_sequence_under_autograd_to_the_bit(monkeypatch):
+    """As a bf16 run meets it: q and k in fp32 (RoPE's), v in bf16, under autocast; short sequences in fp32, one of
+    BF16_FLASH_FROM tokens or more in bf16, and a padded row's padding (zeros out, no gradient). The reference is
+    SDPA called on each sequence's slices, in the dtypes autocast would give it, joined by autograd."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from tuneloop.sequences_apart import sequences_apart
+
+    monkeypatch.setattr(packed_attention, "BF16_FLASH_FROM", 64)
+    torch.manual_seed(0)
+    pieces = [(0, 0, 70, True), (0, 70, 20, True), (0, 90, 6, True), (1, 0, 33, True), (1, 33, 63, False)]
+    q = torch.randn(2, 4, 96, 16, requires_grad=True)
+    k = torch.randn(2, 2, 96, 16, requires_grad=True)
+    v = torch.randn(2, 2, 96, 16, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(2, 96, 4, 16, dtype=torch.bfloat16)
+
+    def reference():
+        parts = []
+        for row, start, length, attended in pieces:
+            if not attended:
+                parts.append(torch.zeros(length, 4, 16, dtype=torch.float32))
+                continue
+            compute = torch.float32 if length < 64 else torch.bfloat16
+            cut = [t[row, :, start:start + length].to(torch.bfloat16).to(compute)[None] for t in (q, k, v)]
+            parts.append(sdpa(*cut, is_causal=True, scale=0.25, enable_gqa=True)[0].transpose(0, 1).float())
+        return torch.cat(parts).to(torch.bfloat16).view(2, 96, 4, 16)
+
+    results = []
+    for attend in (lambda: sequences_apart(q, k, v, pieces, 0.25, torch.bfloat16, 64), reference):
+        out = attend()
+        out.backward(grad)
+        results.append([out.detach()] + [t.grad for t in (q, k, v)])
+        q.grad = k.grad = v.grad = None
+    assert [t.dtype for t in results[0]] == [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16]
+    for apart, joined in zip(*results):
+        assert torch.equal(apart, joined)
+    assert not results[0][0][1, 33:].any() and not results[0][1][1, :, 33:].any()  # the padding: zeros, no gradient
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the split also needs torch's varlen kernel and a "

@@ -37,8 +37,8 @@ PER_SEQUENCE_SDPA = "sdpa_per_sequence"
 # is split only where that estimate is below SPLIT_MARGIN of the dense cost: near a tie the one call is kept.
 CALL_COST = {"bf16": 2200, "fp32": 2000}
 SPLIT_MARGIN = 0.8
-# Under bf16, sequences shorter than this run in fp32 through SDPA's flash kernel (q, k and v cast to fp32 once
-# for the whole batch), longer ones in bf16 through the same kernel. The CPU flash kernel's bf16 backward has a
+# Under bf16, sequences shorter than this run in fp32 through SDPA's flash kernel (their q, k and v widened from
+# bf16: sequences_apart.py), longer ones in bf16 through the same kernel. The CPU flash kernel's bf16 backward has a
 # large fixed cost per call, and the math kernel upcasts every call's inputs itself (thousands of small casts a
 # step). One layer's forward and backward, 9 heads of 64 over 3 kv heads, Zen 4, 2 threads, ms per sequence
 # (bf16 math / bf16 flash / fp32 flash): 34 tokens 0.45 / 0.93 / 0.31, 128: 1.69 / 2.55 / 1.60, 256: 6.4 / 6.1 /
@@ -68,9 +68,13 @@ def model_can_split(model_config) -> bool:
     """Whether the model's class runs its attention through transformers' attention interface (it says so with
     `_supports_attention_backend`): others (Falcon's own table of classes, remote code) would fail to load under a
     registered name or ignore it. A vision-language model's class (LLaVA's, Idefics3's, ...) says it for its
-    language model and its tower alike; the tower's attention is not causal, and runs SDPA unsplit here."""
+    language model and its tower alike; the tower's attention is not causal, and runs SDPA unsplit here. A model
+    with attention dropout is not split either: neither flash kernel (CPU, or the GPU's varlen) has dropout."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if float(getattr(text_config, "attention_dropout", 0.0) or 0.0) > 0:
+        return False
     for auto_class in (AutoModelForCausalLM, AutoModelForImageTextToText):
         try:
             model_class = auto_class._model_mapping[type(model_config)]
@@ -191,19 +195,20 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
     """transformers' attention-interface signature: query (batch, heads, width, dim), key and value (batch,
     kv heads, width, dim); returns (batch, width, heads, dim) and no weights."""
     import torch
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     width = query.shape[2]
     lengths = None
+    # (attention dropout: neither flash kernel has it, so the rows stay under SDPA's mask, as model_can_split says)
     splittable = (key.shape[2] == width and getattr(module, "is_causal", True) and is_causal is not False
+                  and not dropout
                   and not any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux", "sinks")))
     device = query.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
-    # on a GPU the packed rows go to torch's varlen flash kernel in one call (16-bit, no dropout); where that
-    # cannot run, the rows stay under SDPA's mask (a loop of SDPA calls per sequence is far slower there)
+    # on a GPU the packed rows go to torch's varlen flash kernel in one call (16-bit); where that cannot run, the
+    # rows stay under SDPA's mask (a loop of SDPA calls per sequence is far slower there)
     on_gpu = device != "cpu"
-    if on_gpu and not (dtype in (torch.bfloat16, torch.float16) and not dropout and varlen_kernel() is not None):
+    if on_gpu and not (dtype in (torch.bfloat16, torch.float16) and varlen_kernel() is not None):
         splittable = False
     if splittable:
         lengths = _split_of(kwargs.get("position_ids"), width, query.shape[0],
@@ -222,41 +227,18 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
                                       is_causal=is_causal, **kwargs)
     if on_gpu:
         return varlen_attention(query.to(dtype), key.to(dtype), value.to(dtype), lengths, scaling), None
-    # autocast would cast each sequence's slices apart (thousands of small copies); cast the three tensors once,
-    # to what autocast gives SDPA (and to fp32 for a 16-bit run's short sequences: see BF16_FLASH_FROM), and run
-    # the sequences without it
-    query, key, value = (tensor.to(dtype) for tensor in (query, key, value))
-    # (on a CPU only: a GPU's flash kernel runs 16-bit alone, its fp32 path is the slower memory-efficient one)
-    attended = [[not (padding and padding[b] and i == len(row) - 1) for i in range(len(row))]
-                for b, row in enumerate(lengths)]  # (a padded row's last piece is its padding: not attended)
-    in_fp32 = [[device == "cpu" and dtype != torch.float32 and n < BF16_FLASH_FROM for n in row]
-               for row in lengths]
-    pieces_of = [(b, i) for b, row in enumerate(lengths) for i in range(len(row)) if attended[b][i]]
-    wide = (query.float(), key.float(), value.float()) if any(in_fp32[b][i] for b, i in pieces_of) else None
-    narrow = (query, key, value) if not all(in_fp32[b][i] for b, i in pieces_of) else None
-    out_dtype = torch.float32 if wide is not None else dtype  # the rows join in fp32, cast back once at the end
-    grouped = key.shape[1] != query.shape[1]
-    # The sequences are cut with unbind (each row) and split (each row's sequences), never by indexing: autograd
-    # undoes an index by writing its gradient into a zero tensor of the whole batch and adding that, once per
-    # sequence and tensor (a fill and an add of the batch each); unbind and split take it back in one stack and
-    # one cat. The quickstart's attention (25 sequences, 4 × 256) ran 1.8× faster forward and backward.
-    rows = {name: [tensor.unbind(0) for tensor in group] for name, group in (("wide", wide), ("narrow", narrow))
-            if group is not None}
-    parts = []
+    # each sequence through SDPA's CPU flash kernel, in the dtypes autocast would give SDPA (sequences_apart.py)
+    from tuneloop.sequences_apart import sequences_apart
+
+    pieces, ends = [], [0] * len(lengths)
+    for b, row in enumerate(lengths):
+        for i, n in enumerate(row):
+            attended = not (padding and padding[b] and i == len(row) - 1)  # a padded row's last piece: its padding
+            pieces.append((b, ends[b], n, attended))
+            ends[b] += n
     with torch.autocast(device, enabled=False):
-        for b, row in enumerate(lengths):
-            pieces = {name: [tensor_rows[b].split(row, dim=1) for tensor_rows in group]
-                      for name, group in rows.items()}
-            for i, fp32 in enumerate(in_fp32[b]):
-                if not attended[b][i]:  # padding: nothing real attends to it, and what it gives is never read
-                    parts.append(query.new_zeros((row[i], query.shape[1], query.shape[3]), dtype=out_dtype))
-                    continue
-                q, k, v = (cut[i] for cut in pieces["wide" if fp32 else "narrow"])
-                out = sdpa(q[None], k[None], v[None], dropout_p=dropout, is_causal=True, scale=scaling,
-                           enable_gqa=grouped)[0]
-                parts.append(out.transpose(0, 1).to(out_dtype))  # (heads, n, dim) -> (n, heads, dim)
-    # every row's sequences end to end are the batch's positions in order: one cat, then (batch, width, heads, dim)
-    return torch.cat(parts).to(dtype).view(query.shape[0], width, *parts[0].shape[1:]), None
+        return sequences_apart(query, key, value, pieces, scaling, dtype, BF16_FLASH_FROM if dtype != torch.float32
+                               else 0), None
 
 
 _varlen = None  # (torch's varlen_attn, the names of its parameters), looked up once; False where torch has none
