@@ -6,10 +6,11 @@ those calls done here directly. Cutting the batch into sequences with autograd's
 of each row's gradients, a stack of the rows', and the casts of whole tensors there and back; and joining the outputs
 a cat forward. Here each sequence's output is written into the batch's output, and each sequence's gradients into the
 batch's gradients, where they belong. One layer's attention forward and backward as a bf16 run meets it (q and k
-fp32 from RoPE, v bf16, under autocast), 3 rounds, Zen 4: the quickstart's shapes (4 × 256, 19 sequences of 20–89
-tokens, 9 heads over 3, 2 threads) 10.0–10.4 → 9.75–9.83 ms; the quick bench's tiny LLaMA (4 × 512, 12 sequences
-of 20–281 tokens, 4 heads, 1 thread) 27.7–28.8 → 25.3–26.7 ms. (Most of what is left is the kernel's own cost
-per call: at 50 tokens its forward and backward take 0.34 ms on 2 threads for ~10 MFLOP.) The values are those of
+fp32 from RoPE, v bf16, under autocast), 5 interleaved rounds, Zen 4: at the quickstart's shapes (4 × 256, 19
+sequences of 20–89 tokens, 9 heads over 3, 2 threads) 0.92–0.95× the time (10.5–14.4 → 10.0–13.5 ms: the machine's
+pace moved during the rounds); at the quick bench's tiny LLaMA's (4 × 512, 12 sequences of 20–281 tokens, 4 heads,
+1 thread) 0.87–0.89× (29.6–29.8 → 25.9–26.4 ms). Most of what is left is the kernel's own cost per call: at 50
+tokens its forward and backward take 0.34 ms on 2 threads for ~10 MFLOP, and 0.37 on one. The values are those of
 SDPA called on each sequence under autograd, to the bit (tested): the same kernel on the same inputs, each result
 rounded where autocast rounds it.
 
