@@ -40,6 +40,11 @@ def test_train_runs_exactly_the_planned_steps_and_saves_a_loadable_model(tmp_pat
 
     report = (out / "report.md").read_text()
     assert f"{eval_lines[0]['eval_loss']:.4f} (step 0) → {eval_lines[-1]['eval_loss']:.4f}" in report
+    # the train loss at either end: the mean of a fifth of the lines each (one line's loss swings with its batch)
+    count = len(train_lines) // 5
+    assert count >= 2
+    first, last = (sum(m["loss"] for m in lines) / count for lines in (train_lines[:count], train_lines[-count:]))
+    assert f"(each the mean of {count} of the {len(train_lines)} train lines) | {first:.4f} → {last:.4f} |" in report
     from matplotlib.image import imread
 
     assert imread(out / "report.png").shape[:2] == (600, 800)
