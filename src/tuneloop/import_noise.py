@@ -8,7 +8,8 @@ every command that loads a model printed, before the plan, on a machine without 
 
 — torchao's CUDA-only kernels failing to load where there is no CUDA to run them, and torch telling torchao's
 authors to stop a registration it no longer needs. The quickstart (whose install has torchao, for `qat:`) opened
-with four such lines, once per rank in a distributed run.
+with four such lines, once per rank in a distributed run; every LoRA command, on a CPU with AVX512-BF16, with one
+more from bitsandbytes (which peft imports).
 
 Filters, not levels: every other warning of these loggers still shows (a torchao extension that fails on a machine
 with CUDA is worth seeing: it is dropped only where CUDA is absent).
@@ -37,7 +38,16 @@ def _pytree_enum_deprecation(record: logging.LogRecord) -> bool:
     return "is an Enum subclass and is now natively supported by torch.compile" in record.getMessage()
 
 
-NOISE = {"torchao": _torchao_noise, "torch.utils._pytree": _pytree_enum_deprecation}
+def _bitsandbytes_hub_kernel(record: logging.LogRecord) -> bool:
+    # bitsandbytes on a CPU with AVX512-BF16 looks for a 4-bit matmul kernel to download from the Hugging Face hub
+    # through the `kernels` package, and falls back to its own where that is not installed: nothing to act on (and
+    # tuneloop downloads nothing from a hub while it runs). peft imports bitsandbytes for every LoRA command.
+    message = record.getMessage()
+    return message.startswith("Failed to load CPU gemm_4bit_forward") and "No module named 'kernels'" in message
+
+
+NOISE = {"torchao": _torchao_noise, "torch.utils._pytree": _pytree_enum_deprecation,
+         "bitsandbytes.backends.cpu.ops": _bitsandbytes_hub_kernel}
 
 
 class _DropNoise(logging.Filter):
