@@ -248,7 +248,8 @@ def test_a_run_far_above_the_devices_memory_is_refused_unless_told_to_start(tmp_
     planned = run_in_process("plan", str(config))
     assert planned.returncode == 0 and "warning: estimated memory" in planned.stdout
     assert_user_error(run_in_process("train", str(config)), "the run needs about", "--ignore-memory-estimate")
-    anyway = run_in_process("train", str(config), "--ignore-memory-estimate")
+    # the 7B's output (26 GB) may not fit this machine's disk either: that check is another test's (test_bad_input)
+    anyway = run_in_process("train", str(config), "--ignore-memory-estimate", "--ignore-disk-check")
     assert_user_error(anyway, "model: cannot load")  # it went on to load the (missing) weights
 
 
