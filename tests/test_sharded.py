@@ -310,7 +310,7 @@ def test_the_plan_shows_memory_per_rank_for_a_launch_it_has_not_made(tmp_path, t
             assert eight["per_rank_bytes"][part] < plan(1, 80, **keys)["memory"]["per_rank_bytes"][part] / 7
         for part in whole:
             assert eight["per_rank_bytes"][part] == one["per_rank_bytes"][part]
-    tight = plan(8, 0.01, **FSDP)
+    tight = plan(8, 0.01, **FSDP, micro_batch_size=8)  # (a tiny model: its micro-batch's activations fill 10 MB)
     assert any("per rank over 8 ranks" in warning and "fsdp" in warning for warning in tight["warnings"])
     text = run_in_process("plan", str(tmp_path / "plan.yml"), "--world-size", "8", "--device-memory", "80")
     assert "engine               FSDP2 over 8 rank(s)" in text.stdout and "GB per rank of 80 GB" in text.stdout

@@ -156,11 +156,42 @@ def test_the_plans_activations_divide_the_heads_and_mlp_part_over_the_tp_ranks(c
     from tuneloop.plan.memory import _activations
 
     text = SimpleNamespace(hidden_size=1024, num_hidden_layers=8, vocab_size=32000)
-    facts = SimpleNamespace(text_config=text, chunked_loss=True)
-    cfg = SimpleNamespace(gradient_checkpointing=checkpointing)
+    facts = SimpleNamespace(text_config=text, chunked_loss=True, decoder_layers=None)  # (not a LLaMA-formula model)
+    cfg = SimpleNamespace(gradient_checkpointing=checkpointing, bfloat16=False, float16=False)
     tokens, per_layer = 4096, 4096 * 1024 * 2
     logits = _activations(cfg, facts, tokens, "bf16") - (per_layer * (8 + 34) if checkpointing
                                                            else per_layer * 8 * 34)
     for tp in (1, 2, 4):
         layers = per_layer * (8 + 10 + 24 / tp) if checkpointing else per_layer * 8 * (10 + 24 / tp)
         assert _activations(cfg, facts, tokens, "bf16", tp) == pytest.approx(layers + logits)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_llama_layers_kept_tensors_divide_over_the_tp_ranks_but_the_norms_and_shared_inputs(checkpointing):
+    """LLaMA-formula layers counted tensor by tensor (plan/activations.py): the norms' inputs and the inputs of the
+    q/k/v and gate/up projections stay whole on every tp rank (those projections are column-parallel: every rank
+    reads the whole input), the attention's tensors, the SiLU product's inputs, o_proj's and down_proj's inputs and
+    an adapter's outputs are split; a checkpointed layer keeps its input whole."""
+    from types import SimpleNamespace
+
+    from tuneloop.plan.activations import DecoderLayers
+    from tuneloop.plan.memory import _activations
+
+    hidden, layers = 1024, 8
+    counted = DecoderLayers(layers=layers, hidden=hidden, norms=2 * hidden * layers, attention=3000 * layers,
+                            gate_and_up=5000 * layers,
+                            inputs_each={"attention input": 3 * hidden * layers, "attention output": hidden * layers,
+                                         "mlp input": 2 * hidden * layers, "mlp product": 2500 * layers},
+                            inputs_shared={}, adapter_outputs=0)
+    text = SimpleNamespace(hidden_size=hidden, num_hidden_layers=layers, vocab_size=32000)
+    facts = SimpleNamespace(text_config=text, chunked_loss=True, decoder_layers=counted)
+    cfg = SimpleNamespace(gradient_checkpointing=checkpointing, bfloat16=False, float16=False)
+    tokens = 4096
+    whole = 2 * hidden * 4 + (3 * hidden + 2 * hidden) * 2  # per layer and token: fp32 norms' inputs, bf16 inputs
+    split = 3000 * 4 + (5000 + hidden + 2500) * 2  # (attention in fp32 on a CPU)
+    logits = _activations(cfg, facts, tokens, "bf16", 1, on_cpu=True) - tokens * (
+        hidden * 4 * layers + whole + split if checkpointing else (whole + split) * layers)
+    for tp in (1, 2, 4):
+        every_layer = whole + split / tp
+        expected = tokens * (hidden * 4 * layers + every_layer if checkpointing else every_layer * layers)
+        assert _activations(cfg, facts, tokens, "bf16", tp, on_cpu=True) == pytest.approx(expected + logits)

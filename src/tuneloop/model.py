@@ -428,6 +428,8 @@ class ModelFacts:
     quantizable: tuple[int, int, int] = (0, 0, 0)  # (weights, rows, layers) of the linears 4/8-bit loading quantizes
     experts: tuple[int, int] = (0, 0)  # (weights, tensors) of the 3-D expert weights (quantize_moe_experts)
     vision: object = None  # a vision-language model's image side as plan/flops.py counts it (VisionWeights)
+    # what LLaMA-formula decoder layers keep for the backward (plan/activations.py); None for other models
+    decoder_layers: object = None
 
     @property
     def text_config(self):
@@ -460,6 +462,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
     from tuneloop.engines.masters import matmul_only_weights
     from tuneloop.mxfp4 import dequantizes_mxfp4
     from tuneloop.output_head import loss_meets_head_in_chunks, output_head
+    from tuneloop.plan.activations import llama_decoder_layers
     from tuneloop.quantized_experts import count_expert_weights, expert_parameter_names, expert_targets
 
     config = model_config(cfg, tokenizer)
@@ -507,6 +510,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                              for name, parameter in model.named_parameters())
     chunked = loss_meets_head_in_chunks(cfg, model)
     head = output_head(model)[1] if chunked else None
+    decoder_layers = llama_decoder_layers(model, getattr(sizes, "num_hidden_layers", 0) or 0)
     return ModelFacts(config, parameters, trainable, max_positions, learned, chunked,
                       count_matmul_weights(model), grown_rows=max(grown, 0),
                       head_weights=(head.numel(), head.requires_grad) if head is not None else (0, False),
@@ -516,7 +520,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                       matmul_only_frozen=sum(p.numel() for p in matmul_only_weights(model, cfg, trained=False)),
                       hidden_matrices_trained=hidden_matrices_trained(model),
                       module_classes=classes, layer_classes=layer_classes, quantizable=quantizable, experts=experts,
-                      vision=_vision_weights(cfg, kind, model, config, tokenizer))
+                      vision=_vision_weights(cfg, kind, model, config, tokenizer), decoder_layers=decoder_layers)
 
 
 def _vision_weights(cfg: TuneloopConfig, kind: ModelKind, model, config, tokenizer=None):

@@ -76,8 +76,13 @@ def use_in(model: torch.nn.Module) -> int:
     """Gives every LLaMA-formula RMSNorm of `model` this module's forward; returns how many."""
     count = 0
     for module in model.modules():
-        cls = type(module)
-        if cls.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and _llamas_formula(cls):
+        if replaceable(module):
             module.forward = types.MethodType(_forward, module)
             count += 1
     return count
+
+
+def replaceable(module: torch.nn.Module) -> bool:
+    """A LLaMA-formula RMSNorm, which `use_in` gives this module's forward (the plan counts what it keeps)."""
+    cls = type(module)
+    return cls.__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and _llamas_formula(cls)

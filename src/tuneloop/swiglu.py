@@ -57,13 +57,18 @@ def _is_silu(module) -> bool:
     return isinstance(module, torch.nn.SiLU) or type(module).__name__ == "SiLUActivation"
 
 
+def replaceable(module: torch.nn.Module) -> bool:
+    """A LLaMA-formula SiLU-gated MLP, which `use_in` gives this module's forward (the plan counts what it keeps)."""
+    return (_is_silu(getattr(module, "act_fn", None))
+            and all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj"))
+            and _llamas_mlp(type(module)))
+
+
 def use_in(model: torch.nn.Module) -> int:
     """Gives every LLaMA-formula SiLU-gated MLP of `model` this module's forward; returns how many."""
     count = 0
     for module in model.modules():
-        if (_is_silu(getattr(module, "act_fn", None)) and all(hasattr(module, name) for name in
-                                                               ("gate_proj", "up_proj", "down_proj"))
-                and _llamas_mlp(type(module))):
+        if replaceable(module):
             module.forward = types.MethodType(_forward, module)
             count += 1
     return count

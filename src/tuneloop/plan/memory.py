@@ -2,9 +2,10 @@
 
 It is an estimate from the model's config (built on the meta device: no weights are read)
 and the plan's largest micro-batch, meant to catch a run that cannot fit before it starts,
-not to predict the allocator's peak to the megabyte. Activations follow the usual
+not to predict the allocator's peak to the megabyte. Activations are what LLaMA-formula
+layers keep, tensor by tensor (plan/activations.py), or for other models the usual
 per-layer count for a transformer with fused attention (about 34 values per token and
-hidden unit, no s² attention matrix), plus the logits and their gradient in float32: one chunk of
+hidden unit, no s² attention matrix); plus the logits and their gradient in float32: one chunk of
 them with the chunked loss (train/chunked_loss.py), the whole micro-batch's otherwise. How the engine divides
 the rest over the ranks is the engine's to say (engines/).
 """
@@ -54,6 +55,7 @@ class MemoryEstimate:
     gradients_after_backward_gb: float = 0.0
     # unrounded weights/optimizer/gradients bytes per rank (the first two compared with the engine's own)
     per_rank_bytes: dict | None = None
+    process_gb: float = 0.0  # on a CPU: the process's own libraries, which share the host's memory (process_memory.py)
 
 
 def device_memory_gb() -> tuple[str, float | None]:
@@ -93,9 +95,11 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     whole = whole_bytes(cfg, facts, precision, engine, masters, frozen_bf16)
     weight_bytes = whole.weight_bytes
     share = engine.per_rank(whole, world_size, cfg.gradient_accumulation_steps, precision)
-    activations = _activations(cfg, facts, tokens_per_micro_batch, precision, tensor_parallel) + vision_activations
     gb = 1e9
     device, here_gb = device_memory_gb()
+    on_cpu = device_gb is None and device.startswith("cpu")  # (planning for other devices: --device-memory)
+    activations = (_activations(cfg, facts, tokens_per_micro_batch, precision, tensor_parallel, on_cpu)
+                   + vision_activations)
     if device_gb is not None:
         device = "each device (--device-memory)"
     # (a reference model is loaded as the config loads weights: fp32 beside a model with masters)
@@ -106,7 +110,12 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     if masters and cfg.gradient_accumulation_steps == 1:
         gradients -= facts.matmul_only_trained * 2  # (world size 1 or DDP: the engine divides nothing)
         after_backward = share.gradients
-    total = (share.weights + share.optimizer + max(gradients + max(activations, generation), after_backward)
+    process = 0.0
+    if on_cpu:
+        from tuneloop.plan.process_memory import process_memory_bytes
+
+        process = process_memory_bytes()
+    total = (process + share.weights + share.optimizer + max(gradients + max(activations, generation), after_backward)
              + share.gathered) / gb + reference
     device_total = device_gb if device_gb is not None else here_gb
     return MemoryEstimate(
@@ -117,7 +126,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         engine=engine.describe(world_size), world_size=world_size, gathered_gb=round(share.gathered / gb, 3),
         host_gb=round(share.host / gb, 3), generation_gb=round(generation / gb, 3),
         vision_activations_gb=round(vision_activations / gb, 3),
-        gradients_after_backward_gb=round(after_backward / gb, 3),
+        gradients_after_backward_gb=round(after_backward / gb, 3), process_gb=round(process / gb, 3),
         per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer), "gradients": int(gradients),
                         **({"vision_activations": int(vision_activations)} if vision_activations else {})})
 
@@ -193,22 +202,35 @@ def quantized_weights_bytes(cfg, facts: ModelFacts) -> tuple[float, float] | Non
 
 
 def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str,
-                 tensor_parallel: int = 1) -> float:
-    """The usual per-layer count (ACTIVATION_VALUES_PER_TOKEN_HIDDEN values per token and hidden unit, the heads'
-    and MLP's part divided over the tp ranks), plus the logits and their gradient in fp32: one chunk's with the
-    chunked loss, the whole micro-batch's otherwise (the head is whole on every tp rank)."""
+                 tensor_parallel: int = 1, on_cpu: bool = False) -> float:
+    """The decoder layers' (LLaMA-formula layers counted as plan/activations.py says; others by the usual count:
+    ACTIVATION_VALUES_PER_TOKEN_HIDDEN values per token and hidden unit a layer, the heads' and MLP's part divided
+    over the tp ranks), plus the logits and their gradient in fp32: one chunk's with the chunked loss, the whole
+    micro-batch's otherwise (the head is whole on every tp rank). Under gradient checkpointing each layer keeps its
+    input and one layer at a time keeps the rest, while it is recomputed."""
     config = facts.text_config
-    act_bytes = 2 if precision in ("bf16", "fp16") else 4
+    weights_half = bool(cfg.bfloat16 or cfg.float16)  # loaded in bf16/fp16: no autocast casts, a half residual
+    act_bytes = 2 if precision in ("bf16", "fp16") or weights_half else 4
+    residual_bytes = 2 if weights_half else 4
     hidden = getattr(config, "hidden_size", 0)
     layers = getattr(config, "num_hidden_layers", 0)
     vocab = getattr(config, "vocab_size", 0)
-    per_layer = tokens_per_micro_batch * hidden * act_bytes
-    values = ACTIVATION_VALUES_WHOLE_UNDER_TP + (
-        ACTIVATION_VALUES_PER_TOKEN_HIDDEN - ACTIVATION_VALUES_WHOLE_UNDER_TP) / tensor_parallel
-    if cfg.gradient_checkpointing:  # layer inputs kept (whole on every tp rank), one layer recomputed at a time
-        activations = per_layer * (layers + values)
+    counted = facts.decoder_layers
+    if counted is not None:
+        every_layer = tokens_per_micro_batch * counted.bytes_per_token(
+            compute_bytes=act_bytes, residual_bytes=residual_bytes, attention_bytes=4 if on_cpu else act_bytes,
+            casts=precision in ("bf16", "fp16") and not weights_half, tensor_parallel=tensor_parallel)
+        layer_inputs = tokens_per_micro_batch * counted.hidden * residual_bytes * counted.layers
+        activations = (layer_inputs + every_layer / max(counted.layers, 1) if cfg.gradient_checkpointing
+                       else every_layer)
     else:
-        activations = per_layer * layers * values
+        per_layer = tokens_per_micro_batch * hidden * act_bytes
+        values = ACTIVATION_VALUES_WHOLE_UNDER_TP + (
+            ACTIVATION_VALUES_PER_TOKEN_HIDDEN - ACTIVATION_VALUES_WHOLE_UNDER_TP) / tensor_parallel
+        if cfg.gradient_checkpointing:  # layer inputs kept (whole on every tp rank), one layer recomputed at a time
+            activations = per_layer * (layers + values)
+        else:
+            activations = per_layer * layers * values
     if facts.chunked_loss:  # one chunk's fp32 logits and their gradient, and the head's gradient buffer
         activations += min(tokens_per_micro_batch, chunk_tokens(vocab)) * vocab * 4 * 2 + vocab * hidden * 4
     else:  # the whole micro-batch's logits in fp32 and their gradient
