@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -161,9 +163,11 @@ def test_a_bf16_adapter_run_leaves_the_checkpoint_file_unmapped(tmp_path, models
     keeps its weights in the file's pages until the optimizer writes them, as loaded."""
     keys = {"bf16": True, "max_steps": 1, **({"adapter": "lora", "lora_r": 8, "lora_target_linear": True} if lora
                                              else {})}
-    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, models[2], data, **keys))
+    # a copy of its own: an earlier run in this process may still hold (until a gc) a model viewing the shared one
+    base = Path(shutil.copytree(models[2], tmp_path / "base"))
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, base, data, **keys))
     hooks = MappedFiles()
     with TrainingSession(load_run_config(config), hooks) as session:
         assert session.run().error is None
-    checkpoint = str((models[2] / "model.safetensors").resolve())
+    checkpoint = str((base / "model.safetensors").resolve())
     assert (checkpoint in hooks.mapped) is not lora
