@@ -135,7 +135,7 @@ def test_a_cpu_plan_counts_the_process_libraries_measured_once_and_another_devic
                                  capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert figure > int(torch_alone.stdout) > 0
     assert list(json.loads(cache.read_text()).values()) == [figure]  # cached for this host, versions and allocator
-    monkeypatch.setattr(process_memory, "_measured", lambda: pytest.fail("measured twice"))
+    monkeypatch.setattr(process_memory, "_measured", lambda probe: pytest.fail("measured twice"))
     assert process_memory.process_memory_bytes() == figure
 
     cfg = config_from_dict({"base_model": str(models[2]), "datasets": [{"path": "x"}], "bf16": False})

@@ -313,8 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from tuneloop.allocator import restart_with_mimalloc, tune_host_allocator
     from tuneloop.import_noise import quiet_import_noise
+    from tuneloop.kernel_caches import bound_kernel_caches
     from tuneloop.train.compiling import keep_compiled_artifacts
 
+    bound_kernel_caches()  # before torch's first matmul, for this process and every one it starts (kernel_caches.py)
     if argv is None:  # the process's own command line (not a call from Python): start again under mimalloc
         restart_with_mimalloc()
     tune_host_allocator()  # before torch allocates anything (allocator.py)

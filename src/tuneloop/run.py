@@ -112,8 +112,10 @@ class TrainingSession:
 
         from tuneloop.allocator import tune_host_allocator
         from tuneloop.hardware import quiet_deepspeed_on_cpu
+        from tuneloop.kernel_caches import bound_kernel_caches
 
         tune_host_allocator()  # (a session opened from Python, not the CLI: allocator.py)
+        bound_kernel_caches()  # (likewise: kernel_caches.py)
         quiet_deepspeed_on_cpu()  # (before Accelerate is imported)
         import torch
         from accelerate import Accelerator

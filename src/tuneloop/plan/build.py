@@ -357,11 +357,13 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
                                masters=resolved.precision.masters, frozen_bf16=resolved.precision.frozen_bf16,
                                tensor_parallel=mesh.tp, vision_activations=vision_activations)
     from tuneloop.allocator import tune_host_allocator
+    from tuneloop.kernel_caches import in_words as kernel_caches_in_words
     from tuneloop.packed_attention import PER_SEQUENCE_SDPA, split_summary
     from tuneloop.plan.compile_choice import shape_key
 
     part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),
-            "host_allocator": tune_host_allocator(),
+            "host_allocator": tune_host_allocator() + (f"; {kernel_caches_in_words()}" if estimate.kernel_caches_gb
+                                                        else ""),
             "saved_dtype": "fp32" if cfg.adapter else {"bf16": "bf16", "fp16": "fp16"}.get(
                 "bf16" if cfg.bfloat16 else "fp16" if cfg.float16 else "", "fp32"),
             "attention": resolved.attention.used, "engine": resolved.engine.describe(world_size),

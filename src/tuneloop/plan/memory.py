@@ -56,6 +56,7 @@ class MemoryEstimate:
     # unrounded weights/optimizer/gradients bytes per rank (the first two compared with the engine's own)
     per_rank_bytes: dict | None = None
     process_gb: float = 0.0  # on a CPU: the process's own libraries, which share the host's memory (process_memory.py)
+    kernel_caches_gb: float = 0.0  # on a CPU in 16 bits: its matmul kernel caches, full (kernel_caches.py)
 
 
 def device_memory_gb() -> tuple[str, float | None]:
@@ -110,12 +111,14 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     if masters and cfg.gradient_accumulation_steps == 1:
         gradients -= facts.matmul_only_trained * 2  # (world size 1 or DDP: the engine divides nothing)
         after_backward = share.gradients
-    process = 0.0
+    process = kernel_caches = 0.0
     if on_cpu:
-        from tuneloop.plan.process_memory import process_memory_bytes
+        from tuneloop.plan.process_memory import kernel_caches_bytes, process_memory_bytes
 
         process = process_memory_bytes()
-    total = (process + share.weights + share.optimizer + max(gradients + max(activations, generation), after_backward)
+        if precision in ("bf16", "fp16") or cfg.bfloat16 or cfg.float16:  # (fp32 matmuls go to MKL: no such cache)
+            kernel_caches = kernel_caches_bytes()
+    total = (process + kernel_caches + share.weights + share.optimizer + max(gradients + max(activations, generation), after_backward)
              + share.gathered) / gb + reference
     device_total = device_gb if device_gb is not None else here_gb
     return MemoryEstimate(
@@ -127,6 +130,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
         host_gb=round(share.host / gb, 3), generation_gb=round(generation / gb, 3),
         vision_activations_gb=round(vision_activations / gb, 3),
         gradients_after_backward_gb=round(after_backward / gb, 3), process_gb=round(process / gb, 3),
+        kernel_caches_gb=round(kernel_caches / gb, 3),
         per_rank_bytes={"weights": int(share.weights), "optimizer": int(share.optimizer), "gradients": int(gradients),
                         **({"vision_activations": int(vision_activations)} if vision_activations else {})})
 

@@ -178,6 +178,7 @@ def _memory_line(plan) -> str:
     after = (f" in the backward, {m['gradients_after_backward_gb']:.2f} in fp32 after it"
              if m.get("gradients_after_backward_gb") else "")
     process = f"the process's libraries {m['process_gb']:.2f}, " if m.get("process_gb") else ""
+    process += f"matmul kernel caches {m['kernel_caches_gb']:.2f}, " if m.get("kernel_caches_gb") else ""
     return (f"~{m['total_gb']:.2f} GB{per_rank}{device} ({process}weights {m['weights_gb']:.2f}, gradients "
             f"{m['gradients_gb']:.2f}{after}, optimizer {m['optimizer_gb']:.2f}, activations {m['activations_gb']:.2f}"
             + (f" (the vision tower's {m['vision_activations_gb']:.2f})" if m.get("vision_activations_gb") else "")
