@@ -197,6 +197,36 @@ def run_two_ranks(*args: str, env: dict | None = None, timeout: int = 600,
                           env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
 
+def run_in_one_launch(*runs, env: dict | None = None, timeout: int = 1200) -> list[subprocess.CompletedProcess]:
+    """Several `tuneloop` commands one after another in ONE 2-rank torchrun launch (tests/launch_runs.py): each run is
+    a list of arguments, or (arguments, env for that run alone). A launch costs two interpreters importing torch and
+    transformers (~7 s each here), and a proof of "2 ranks == one process" often needs several runs: they share it.
+    Each run comes back as a launch of its own would: the first non-zero exit code of its ranks, and what its ranks
+    printed (rank 0's, then rank 1's). A run after one that killed its process (the kill-during-save hook) or raised
+    did not happen: it comes back with the launch's exit code and output, and so does the run that ended it."""
+    import tempfile
+
+    workdir = Path(tempfile.mkdtemp(prefix="tuneloop_launch_"))
+    spec = [{"args": list(run), "env": {}} if isinstance(run[0], str) else {"args": list(run[0]), "env": run[1]}
+            for run in runs]
+    (workdir / "runs.json").write_text(json.dumps(spec))
+    launch = subprocess.run([*two_rank_launcher(), str(Path(__file__).with_name("launch_runs.py")),
+                             str(workdir / "runs.json"), str(workdir)], capture_output=True, text=True,
+                            timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    results = []
+    for index, run in enumerate(spec):
+        ranks = [json.loads(path.read_text()) for path in sorted(workdir.glob(f"{index}.*.json"))]
+        command = ["tuneloop", *run["args"]]
+        if len(ranks) < 2:  # this run ended the launch, or came after the run that did
+            results.append(subprocess.CompletedProcess(command, launch.returncode or -9, launch.stdout,
+                                                       launch.stderr))
+            continue
+        code = next((rank["returncode"] for rank in ranks if rank["returncode"]), 0)
+        results.append(subprocess.CompletedProcess(command, code, "".join(rank["stdout"] for rank in ranks),
+                                                   "".join(rank["stderr"] for rank in ranks)))
+    return results
+
+
 def assert_every_rank_stopped_with(result: subprocess.CompletedProcess, message: str) -> None:
     """A two-rank user error: both ranks print the message and exit 2; the one traceback is torchrun's own
     report that a child exited non-zero, and no rank died of gloo's connection-closed error."""

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from conftest import base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl
+from conftest import base_config, read_metrics, run_in_process, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 
 STEPS = {"optimizer": "adamw_torch", "learning_rate": 1e-2, "max_grad_norm": 1.0, "max_steps": 3,
@@ -19,15 +19,16 @@ FSDP = {"fsdp": ["full_shard", "auto_wrap"],
                         "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"}}
 
 
-def trained(tmp_path, model_dir, data, name, ranks: int, **keys) -> dict:
-    """The weights after STEPS: one process (micro-batch 2 × 4 accumulated) or 2 ranks (2 × 2 each). The plan and
-    the summary are checked on the way: the plan's memory per rank against what each rank held."""
-    run_dir = tmp_path / name
-    run_dir.mkdir()
-    accumulation = 4 // ranks
-    config = write_config(run_dir / "run.yml", **base_config(run_dir, model_dir, data, **STEPS, micro_batch_size=2,
-                                                             gradient_accumulation_steps=accumulation, **keys))
-    result = run_two_ranks("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
+def config_of(run_dir, model_dir, data, ranks: int = 2, **keys):
+    """A run of STEPS in run_dir: one process (micro-batch 2 × 4 accumulated) or 2 ranks (2 × 2 each)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return write_config(run_dir / "run.yml", **base_config(run_dir, model_dir, data, **STEPS, micro_batch_size=2,
+                                                           gradient_accumulation_steps=4 // ranks, **keys))
+
+
+def checked_weights(run_dir, result, ranks: int, weights: str = "model.safetensors") -> dict:
+    """The weights a finished run saved. The plan and the summary are checked on the way: the plan's memory per rank
+    against what each rank held."""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     plan = json.loads((run_dir / "out" / "plan.json").read_text())
     summary = json.loads((run_dir / "out" / "summary.json").read_text())
@@ -37,7 +38,13 @@ def trained(tmp_path, model_dir, data, name, ranks: int, **keys) -> dict:
     for rank in held:  # the plan's bytes per rank are the engine's own, within the padding of uneven shards
         for part in ("weights", "optimizer"):
             assert rank[part] == pytest.approx(planned[part], rel=0.03), (part, held, planned)
-    return load_file(run_dir / "out" / "model.safetensors")
+    return load_file(run_dir / "out" / weights)
+
+
+def trained_in_one_process(tmp_path, model_dir, data, name, **keys) -> dict:
+    """The weights after STEPS in this process (config_of), checked (checked_weights)."""
+    config = config_of(tmp_path / name, model_dir, data, ranks=1, **keys)
+    return checked_weights(tmp_path / name, run_in_process("train", str(config)), ranks=1)
 
 
 def relative_difference(a: dict, b: dict) -> float:
@@ -53,28 +60,32 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory, tiny_model_dir, data) -> dict:
-    return {packed: trained(tmp_path_factory.mktemp("one"), tiny_model_dir, data, "one", 1, sample_packing=packed)
-            for packed in (False, True)}
+    return {packed: trained_in_one_process(tmp_path_factory.mktemp("one"), tiny_model_dir, data, "one",
+                                           sample_packing=packed) for packed in (False, True)}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True])
-def test_two_fsdp2_ranks_equal_one_process(tmp_path, tiny_model_dir, data, one_process, packed):
-    two = trained(tmp_path, tiny_model_dir, data, "fsdp", 2, sample_packing=packed, **FSDP)
-    plan = json.loads((tmp_path / "fsdp" / "out" / "plan.json").read_text())
-    assert plan["world_size"] == 2 and plan["global_batch_size"] == 8
-    assert relative_difference(two, one_process[packed]) < 1e-5
+LORA = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def dpo_pairs(folder):
+    import random
+
+    from conftest import CORPUS
+
+    words = " ".join(CORPUS).split()
+    rng = random.Random(4)
+    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 10)))}],
+             "chosen": " ".join(rng.choices(words, k=rng.randint(2, 14))),
+             "rejected": " ".join(rng.choices(words, k=rng.randint(2, 14)))} for _ in range(32)]
+    return write_jsonl(folder / "pairs.jsonl", rows)
+
+
+def dpo_keys(pairs) -> dict:
+    return dict(rl="dpo", rl_beta=0.1, datasets=[{"path": str(pairs), "type": "chat_template"}])
 
 
 def deepspeed_keys(stage: int) -> dict:
     return {"deepspeed": f"zero{stage}"}  # a config shipped with tuneloop, by name
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_two_deepspeed_zero_ranks_equal_one_process(tmp_path, tiny_model_dir, data, one_process, stage):
-    two = trained(tmp_path, tiny_model_dir, data, "zero", 2, sample_packing=False, **deepspeed_keys(stage))
-    assert relative_difference(two, one_process[False]) < 1e-5
 
 
 RESUMABLE = dict(micro_batch_size=2, max_steps=8, save_strategy=None, save_steps=3, learning_rate=1e-2,
@@ -85,85 +96,150 @@ RESUMABLE = dict(micro_batch_size=2, max_steps=8, save_strategy=None, save_steps
 ENGINE_KEYS = {"fsdp2": FSDP, "zero2": deepspeed_keys(2)}
 
 
+def resumable_config(run_dir, model_dir, data, engine: str) -> str:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return str(write_config(run_dir / "run.yml",
+                            **base_config(run_dir, model_dir, data, **RESUMABLE, **ENGINE_KEYS[engine])))
+
+
+def efficient_loading_config(run_dir, model_dir, data, efficient: bool) -> str:
+    run_dir.mkdir(parents=True)
+    fsdp = {"fsdp": ["full_shard", "auto_wrap"], "fsdp_config": {"fsdp_version": 2,
+                                                                 "fsdp_cpu_ram_efficient_loading": efficient}}
+    return str(write_config(run_dir / "run.yml", **base_config(
+        run_dir, model_dir, data, optimizer="adamw_torch", learning_rate=1e-3, max_steps=1, micro_batch_size=2,
+        **fsdp)))
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_model_dir, tiny_tokenizer_dir, data):
+    """Every two-rank run of this module, in three torchrun launches (a launch costs two fresh interpreters; the
+    runs follow each other in them, tests/launch_runs.py). Launch 1 holds the equalities and ends with rank 0
+    SIGKILLed inside FSDP2's save of checkpoint-6; launch 2 resumes it and ends with the same kill under ZeRO-2;
+    launch 3 resumes that. Each killed folder is copied as the kill left it, for the checks a test makes there.
+    The two runs that compare a rank's peak host memory each open a launch: the peak is the process's."""
+    import shutil
+
+    from conftest import run_in_one_launch, save_llama
+
+    from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
+
+    root = tmp_path_factory.mktemp("sharded")
+    big_model = save_llama(root / "llama-26m", tiny_tokenizer_dir, hidden_size=1024, intermediate_size=2816,
+                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8)
+    pairs = dpo_pairs(root)
+    equalities = {
+        "fsdp_padded": config_of(root / "fsdp_padded", tiny_model_dir, data, sample_packing=False, **FSDP),
+        "fsdp_packed": config_of(root / "fsdp_packed", tiny_model_dir, data, sample_packing=True, **FSDP),
+        **{f"zero{stage}": config_of(root / f"zero{stage}", tiny_model_dir, data, sample_packing=False,
+                                     **deepspeed_keys(stage)) for stage in (1, 2, 3)},
+        "lora_fsdp": config_of(root / "lora_fsdp", tiny_model_dir, data, **LORA, **FSDP),
+        "dpo_fsdp": config_of(root / "dpo_fsdp", tiny_model_dir, pairs, **dpo_keys(pairs), **FSDP),
+        **{f"{engine}_straight": resumable_config(root / f"{engine}_straight", tiny_model_dir, data, engine)
+           for engine in ENGINE_KEYS},
+    }
+    crashed = {engine: resumable_config(root / f"{engine}_crashed", tiny_model_dir, data, engine)
+               for engine in ENGINE_KEYS}
+    rank_0 = efficient_loading_config(root / "rank_0", big_model, data, efficient=True)
+    every_rank = efficient_loading_config(root / "every_rank", big_model, data, efficient=False)
+
+    def kept_as_killed(engine: str) -> None:
+        shutil.copytree(root / f"{engine}_crashed" / "out", root / f"{engine}_as_killed" / "out")
+
+    results = dict(zip(["rank_0", *equalities, "fsdp2_crash"], run_in_one_launch(
+        ["train", rank_0], *(["train", str(config)] for config in equalities.values()),
+        (["train", crashed["fsdp2"]], {CRASH_DURING_SAVE_ENV: "6"}))))
+    kept_as_killed("fsdp2")
+    results.update(zip(["fsdp2_resumed", "zero2_crash"], run_in_one_launch(
+        ["train", crashed["fsdp2"]], (["train", crashed["zero2"]], {CRASH_DURING_SAVE_ENV: "6"}))))
+    kept_as_killed("zero2")
+    results.update(zip(["every_rank", "zero2_resumed"], run_in_one_launch(
+        ["train", every_rank], ["train", crashed["zero2"]])))
+    return root, results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_two_fsdp2_ranks_equal_one_process(launched, one_process, packed):
+    root, results = launched
+    name = "fsdp_packed" if packed else "fsdp_padded"
+    two = checked_weights(root / name, results[name], 2)
+    plan = json.loads((root / name / "out" / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["global_batch_size"] == 8
+    assert relative_difference(two, one_process[packed]) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_deepspeed_zero_ranks_equal_one_process(launched, one_process, stage):
+    root, results = launched
+    two = checked_weights(root / f"zero{stage}", results[f"zero{stage}"], 2)
+    assert relative_difference(two, one_process[False]) < 1e-5
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINE_KEYS)
 def test_a_sharded_run_killed_mid_save_resumes_bit_identical_and_leaves_a_plain_hf_folder(
-        tmp_path, tiny_model_dir, data, engine):
+        launched, tiny_model_dir, data, engine):
     """Rank 0 is SIGKILLed while writing checkpoint-6 (its shards already in); the resume from checkpoint-3 ends
-    with the weights of the uninterrupted run, bit for bit. On the way, resuming on one process is refused naming
-    both world sizes; with --force-resume FSDP2 redistributes its shards over the new ranks (on a copy), while
-    DeepSpeed's ZeRO partitions cannot be and the refusal says so. The final folder loads with from_pretrained
-    alone and gives the eval loss the sharded model gave at the last step."""
-    import shutil
-
+    with the weights of the uninterrupted run, bit for bit. Beside it, on the folder as the kill left it: resuming on
+    one process is refused naming both world sizes; with --force-resume FSDP2 redistributes its shards over the new
+    ranks, while DeepSpeed's ZeRO partitions cannot be and the refusal says so. The final folder loads with
+    from_pretrained alone and gives the eval loss the sharded model gave at the last step."""
     from conftest import assert_user_error
 
-    from tuneloop.run_files import complete_checkpoints
-    from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
     from tuneloop.engines.base import SHARDS
+    from tuneloop.run_files import complete_checkpoints
 
-    def config_of(name: str) -> str:
-        run_dir = tmp_path / name
-        run_dir.mkdir(exist_ok=True)
-        return str(write_config(run_dir / "run.yml",
-                                **base_config(run_dir, tiny_model_dir, data, **RESUMABLE, **ENGINE_KEYS[engine])))
+    root, results = launched
+    assert results[f"{engine}_straight"].returncode == 0, results[f"{engine}_straight"].stderr[-3000:]
+    assert results[f"{engine}_crash"].returncode != 0
+    as_killed = root / f"{engine}_as_killed"
+    assert [p.name for p in complete_checkpoints(as_killed / "out")] == ["checkpoint-3"]
+    assert (as_killed / "out" / "checkpoint-3" / SHARDS).is_dir()  # each rank's piece of the weights and optimizer
 
-    straight = run_two_ranks("train", config_of("straight"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    crashed = run_two_ranks("train", config_of("crashed"), env={CRASH_DURING_SAVE_ENV: "6"})
-    assert crashed.returncode != 0
-    out = tmp_path / "crashed" / "out"
-    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]
-    assert (out / "checkpoint-3" / SHARDS).is_dir()  # each rank's piece of the weights and optimizer state
-
-    assert_user_error(run_in_process("train", config_of("crashed")), "world_size (2 → 1)", "--force-resume")
-    shutil.copytree(out, tmp_path / "copy" / "out")
-    forced = run_in_process("train", config_of("copy"), "--force-resume")
+    config = resumable_config(as_killed, tiny_model_dir, data, engine)
+    assert_user_error(run_in_process("train", config), "world_size (2 → 1)", "--force-resume")
+    forced = run_in_process("train", config, "--force-resume")
     if engine == "fsdp2":
         assert forced.returncode == 0 and "resuming from" in forced.stdout, forced.stderr[-3000:]
-        summary = json.loads((tmp_path / "copy" / "out" / "summary.json").read_text())
-        assert summary["steps"] == json.loads((tmp_path / "copy" / "out" / "plan.json").read_text())["total_steps"]
+        summary = json.loads((as_killed / "out" / "summary.json").read_text())
+        assert summary["steps"] == json.loads((as_killed / "out" / "plan.json").read_text())["total_steps"]
     else:
         assert_user_error(forced, "was written by 2 ranks and this run has 1")
 
-    resumed = run_two_ranks("train", config_of("crashed"))
+    resumed = results[f"{engine}_resumed"]
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
-    expected = load_file(tmp_path / "straight" / "out" / "model.safetensors")
+    out = root / f"{engine}_crashed" / "out"
+    expected = load_file(root / f"{engine}_straight" / "out" / "model.safetensors")
     got = load_file(out / "model.safetensors")
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
     # the gathered folder is a plain Hugging Face model: `tuneloop eval` loads it with from_pretrained alone
     last_eval = [m for m in read_metrics(out) if "eval_loss" in m][-1]
     assert last_eval["step"] == RESUMABLE["max_steps"]
-    evaluated = run_in_process("eval", str(tmp_path / "crashed" / "run.yml"))
+    evaluated = run_in_process("eval", str(root / f"{engine}_crashed" / "run.yml"))
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert json.loads(evaluated.stdout.strip().splitlines()[-1])["eval_loss"] == pytest.approx(
         last_eval["eval_loss"], rel=1e-6)
 
 
 @pytest.mark.slow
-def test_lora_under_fsdp2_two_ranks_equal_one_process(tmp_path, tiny_model_dir, data):
+def test_lora_under_fsdp2_two_ranks_equal_one_process(tmp_path, launched, tiny_model_dir, data):
     """The seed's recipe without the 4-bit part: the base frozen and sharded, the adapters sharded and trained."""
-    lora = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj", "down_proj"])
-
-    def adapter(name: str, ranks: int, **keys) -> dict:
-        run_dir = tmp_path / name
-        run_dir.mkdir()
-        config = write_config(run_dir / "run.yml", **base_config(
-            run_dir, tiny_model_dir, data, **STEPS, **lora, micro_batch_size=2, gradient_accumulation_steps=4 // ranks,
-            **keys))
-        result = run_two_ranks("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        return load_file(run_dir / "out" / "adapter_model.safetensors")
-
-    one, two = adapter("one", 1), adapter("fsdp", 2, **FSDP)
+    root, results = launched
+    one_config = config_of(tmp_path / "one", tiny_model_dir, data, ranks=1, **LORA)
+    result = run_in_process("train", str(one_config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    one = load_file(tmp_path / "one" / "out" / "adapter_model.safetensors")
+    two = checked_weights(root / "lora_fsdp", results["lora_fsdp"], 2, "adapter_model.safetensors")
     assert one.keys() == two.keys()
     # lora_B starts at zero, so it is the training alone (lora_A's random start would hide a wrong update)
     trained_b = [key for key in one if "lora_B" in key]
     assert trained_b and all(float(one[key].abs().max()) > 0 for key in trained_b)
     assert relative_difference({k: two[k] for k in trained_b}, {k: one[k] for k in trained_b}) < 1e-5
-    assert not (tmp_path / "fsdp" / "out" / "model.safetensors").exists()  # the adapter alone, as without FSDP
+    assert not (root / "lora_fsdp" / "out" / "model.safetensors").exists()  # the adapter alone, as without FSDP
 
 
 # ---- the keys as users write them: accepted, warned about, or refused naming the key and the fix -----------------
@@ -227,37 +303,24 @@ def test_fsdp1_configs_and_speed_only_knobs_run_as_fsdp2_with_a_warning(tmp_path
 
 
 @pytest.mark.slow
-def test_cpu_ram_efficient_loading_reads_the_weights_on_rank_0_alone_and_trains_the_same(tmp_path, tiny_tokenizer_dir,
-                                                                                         data):
+def test_cpu_ram_efficient_loading_reads_the_weights_on_rank_0_alone_and_trains_the_same(launched):
     """`fsdp_cpu_ram_efficient_loading`: rank 1 builds the model on the meta device and gets its shards (and the
     buffers a state dict leaves out, such as the rotary inv_freq) from rank 0. A 26M-parameter LLaMA (105 MB in
     fp32, so that a whole copy shows in a process's resident memory): the weights after an AdamW step are the
     ones of the run where every rank loads, bit for bit; rank 1's peak host memory once the model is sharded is
     lower by more than half a whole copy, and below rank 0's. (Measured with 4 layers, 208 MB: 799 → 505 MB on
-    rank 1; rank 0 827 MB.)"""
-    from conftest import save_llama
-
-    model_dir = save_llama(tmp_path / "llama-26m", tiny_tokenizer_dir, hidden_size=1024, intermediate_size=2816,
-                           num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8)
-    whole_copy = sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
-
+    rank 1; rank 0 827 MB.) Each run is the first of its launch: a peak is the process's."""
+    root, results = launched
+    whole_copy = sum(path.stat().st_size for path in (root / "llama-26m").glob("*.safetensors"))
     runs = {}
-    for name, efficient in (("every_rank", False), ("rank_0", True)):
-        folder = tmp_path / name
-        folder.mkdir()
-        fsdp = {"fsdp": ["full_shard", "auto_wrap"], "fsdp_config": {"fsdp_version": 2,
-                                                                     "fsdp_cpu_ram_efficient_loading": efficient}}
-        config_file = write_config(folder / "run.yml", **base_config(
-            folder, model_dir, data, optimizer="adamw_torch", learning_rate=1e-3, max_steps=1, micro_batch_size=2,
-            **fsdp))
-        result = run_two_ranks("train", str(config_file))
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-        summary = json.loads((folder / "out" / "summary.json").read_text())
-        runs[name] = (load_file(folder / "out" / "model.safetensors"),
+    for name in ("every_rank", "rank_0"):
+        assert results[name].returncode == 0, results[name].stdout[-2000:] + results[name].stderr[-4000:]
+        summary = json.loads((root / name / "out" / "summary.json").read_text())
+        runs[name] = (load_file(root / name / "out" / "model.safetensors"),
                       [rank["peak_host_rss_at_start"] for rank in summary["held_bytes_per_rank"]])
     (expected, every_rank), (got, rank_0) = runs["every_rank"], runs["rank_0"]
     assert expected.keys() == got.keys() and all(torch.equal(expected[key], got[key]) for key in expected)
-    assert "rank 0 alone" in json.loads((tmp_path / "rank_0" / "out" / "plan.json").read_text())["engine"]
+    assert "rank 0 alone" in json.loads((root / "rank_0" / "out" / "plan.json").read_text())["engine"]
     assert rank_0[1] < every_rank[1] - whole_copy / 2 and rank_0[1] < rank_0[0]
 
 
@@ -338,49 +401,38 @@ def test_deepspeed_bf16_weights_or_fp32_weights_with_autocast_as_the_file_says(t
 
 
 @pytest.mark.slow
-def test_dpo_with_its_reference_under_fsdp2_two_ranks_equal_one_process(tmp_path, tiny_model_dir):
+def test_dpo_with_its_reference_under_fsdp2_two_ranks_equal_one_process(tmp_path, launched, tiny_model_dir):
     """A preference objective sharded: the policy under FSDP2, its frozen reference a whole copy on each rank;
     the step's loss is a mean over the pairs of all ranks, as in one process."""
-    import random
-
-    from conftest import CORPUS
-
-    words = " ".join(CORPUS).split()
-    rng = random.Random(4)
-    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(3, 10)))}],
-             "chosen": " ".join(rng.choices(words, k=rng.randint(2, 14))),
-             "rejected": " ".join(rng.choices(words, k=rng.randint(2, 14)))} for _ in range(32)]
-    pairs = write_jsonl(tmp_path / "pairs.jsonl", rows)
-    dpo = dict(rl="dpo", rl_beta=0.1, datasets=[{"path": str(pairs), "type": "chat_template"}])
-    runs = {}
-    for name, ranks, keys in (("one", 1, {}), ("fsdp", 2, FSDP)):
-        run_dir = tmp_path / name
-        run_dir.mkdir()
-        config = write_config(run_dir / "run.yml", **base_config(
-            run_dir, tiny_model_dir, pairs, **{**STEPS, **dpo}, micro_batch_size=2,
-            gradient_accumulation_steps=4 // ranks, **keys))
-        result = run_two_ranks("train", str(config)) if ranks == 2 else run_in_process("train", str(config))
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        runs[name] = load_file(run_dir / "out" / "model.safetensors")
+    root, results = launched
+    pairs = root / "pairs.jsonl"
+    config = config_of(tmp_path / "one", tiny_model_dir, pairs, ranks=1, **dpo_keys(pairs))
+    one = run_in_process("train", str(config))
+    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
+    assert results["dpo_fsdp"].returncode == 0, results["dpo_fsdp"].stdout[-3000:] + results["dpo_fsdp"].stderr[-5000:]
+    runs = {"one": load_file(tmp_path / "one" / "out" / "model.safetensors"),
+            "fsdp": load_file(root / "dpo_fsdp" / "out" / "model.safetensors")}
     before = load_file(tiny_model_dir / "model.safetensors")
     delta = {name: {k: weights[k] - before[k] for k in before} for name, weights in runs.items()}
     assert relative_difference(delta["fsdp"], delta["one"]) < 1e-5
 
 
 @pytest.mark.slow
-def test_a_checkpoint_resumed_by_another_engine_is_refused_naming_both(tmp_path, tiny_model_dir, data):
+def test_a_checkpoint_resumed_by_another_engine_is_refused_naming_both(tmp_path, tiny_model_dir, data, monkeypatch):
     """The DeepSpeed file's path is the same but its stage changed (2 → 3): the shards are laid out for ZeRO-2,
     so the resume is refused with one line, not a traceback from inside DeepSpeed."""
-    from conftest import assert_user_error, run_cli
+    from conftest import assert_user_error
 
-    from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
+    from tuneloop.train.guards import SIGNAL_AT_STEP_ENV
 
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
     config = write_config(tmp_path / "run.yml", **base_config(
         tmp_path, tiny_model_dir, data, deepspeed="ds.json", micro_batch_size=2, max_steps=6, save_strategy=None,
         save_steps=2, auto_resume_from_checkpoints=True, optimizer="adamw_torch"))
-    crashed = run_cli("train", str(config), env={CRASH_DURING_SAVE_ENV: "4"})  # one process, a group of one
-    assert crashed.returncode != 0 and (tmp_path / "out" / "checkpoint-2" / "shards").is_dir(), crashed.stderr[-2000:]
+    monkeypatch.setenv(SIGNAL_AT_STEP_ENV, "0:2")  # one process, a group of one: stopped after checkpoint-2
+    stopped = run_in_process("train", str(config))
+    monkeypatch.delenv(SIGNAL_AT_STEP_ENV)
+    assert stopped.returncode == 75 and (tmp_path / "out" / "checkpoint-2" / "shards").is_dir(), stopped.stderr[-2000:]
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     assert_user_error(run_in_process("train", str(config)), "was written by DeepSpeed ZeRO-2 and this run uses "
                       "DeepSpeed ZeRO-3")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tuneloop import run_files
 from tuneloop.config import TuneloopConfig, load_config
-from tuneloop.engines.base import leave_group_of_one
+from tuneloop.engines.base import leave_the_group
 from tuneloop.errors import CheckpointFailed, TrainingDiverged, UserError
 from tuneloop.rl_methods import is_online
 from tuneloop.train.hooks import RunHooks, TogetherHooks
@@ -125,9 +125,11 @@ class TrainingSession:
         from tuneloop.resolved import resolve_run
 
         self.resolved = resolve_run(self.cfg)
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 or not torch.distributed.is_initialized():
             # a process that made its own Accelerator before (a notebook that ran the HF Trainer, a test) left
-            # accelerate's process-wide state with its precision, and accelerate would refuse ours
+            # accelerate's process-wide state with its precision, and accelerate would refuse ours; a launched rank
+            # whose earlier run ended (end_training closed its group: a sweep of runs in one launch) would keep
+            # that state and never join a group again
             _forget_accelerate_state()
         timeout = timedelta(seconds=self.cfg.ddp_timeout) if self.cfg.ddp_timeout else None
         join_process_group(self.resolved.engine, timeout)  # (before Accelerate's, which then uses it)
@@ -422,7 +424,9 @@ class TrainingSession:
         finally:
             if self.accelerator.num_processes == 1:
                 _forget_accelerate_state()
-                leave_group_of_one()
+                leave_the_group()
+            elif exc_type is None:  # (after an unexpected error the other ranks may be anywhere: left as it is)
+                leave_the_group()
 
     def leave_together(self) -> None:
         """Ranks wait for each other (rank 0 writes the summary and report meanwhile), then tear down.

@@ -312,9 +312,16 @@ def join_process_group(spec: EngineSpec, timeout=None) -> None:
         return
     cuda = torch.cuda.is_available()
     if "WORLD_SIZE" in os.environ:
-        if spec.reduces_on_host and cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group(backend="cuda:nccl,cpu:gloo", **({"timeout": timeout} if timeout else {}))
+        rejoining = _LAUNCHED_SESSIONS[0] > 0
+        _LAUNCHED_SESSIONS[0] += 1
+        if (spec.reduces_on_host and cuda) or rejoining:
+            kwargs = {"timeout": timeout} if timeout else {}
+            if rejoining:
+                kwargs.update(_fresh_keys_in_the_launchers_store(_LAUNCHED_SESSIONS[0], timeout))
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            backend = ("cuda:nccl,cpu:gloo" if spec.reduces_on_host else "nccl") if cuda else "gloo"
+            dist.init_process_group(backend=backend, **kwargs)
         return
     if not spec.needs_a_group_alone:
         return
@@ -328,7 +335,27 @@ def join_process_group(spec: EngineSpec, timeout=None) -> None:
                             **({"timeout": timeout} if timeout else {}))
 
 
-_UNDONE_WITH_THE_GROUP_OF_ONE: list = []  # what a single process's run set up beside its group, undone with it
+# launched sessions this process has opened: a launch that runs several (a sweep of configs, the suite's runs that
+# share one launch) joins a new group for each, since the last one's end_training closed its group
+_LAUNCHED_SESSIONS = [0]
+
+
+def _fresh_keys_in_the_launchers_store(session: int, timeout) -> dict:
+    """The launcher's store (torchrun's, accelerate's) under a prefix of this session's own. A group made again on
+    the same store would start from the same keys as the closed one (torch numbers groups afresh once the default
+    group is destroyed), and gloo would then connect to the closed group's addresses ("Connection refused")."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, rank, world_size = next(dist.rendezvous("env://", rank, world_size,
+                                                   timeout=timeout or timedelta(minutes=30)))
+    return {"store": dist.PrefixStore(f"tuneloop_session_{session}/", store), "rank": rank,
+            "world_size": world_size}
+
+
+_UNDONE_WITH_THE_GROUP: list = []  # what a run set up beside its process group, undone when it leaves the group
 
 
 def launcher_variable_for_one_process(name: str, value: str) -> None:
@@ -336,20 +363,21 @@ def launcher_variable_for_one_process(name: str, value: str) -> None:
     process's run until its group of one is left. Set after Accelerate started: it must not think it was launched."""
     if name not in os.environ:
         os.environ[name] = value
-        _UNDONE_WITH_THE_GROUP_OF_ONE.append(lambda: os.environ.pop(name, None))
+        _UNDONE_WITH_THE_GROUP.append(lambda: os.environ.pop(name, None))
 
 
-def undo_with_the_group_of_one(undo) -> None:
-    """`undo()` when the group of one is left (an engine's process-wide state that would outlive it)."""
-    _UNDONE_WITH_THE_GROUP_OF_ONE.append(undo)
+def undo_when_the_group_is_left(undo) -> None:
+    """`undo()` when the run leaves its process group (an engine's process-wide state that would outlive it)."""
+    _UNDONE_WITH_THE_GROUP.append(undo)
 
 
-def leave_group_of_one() -> None:
-    """The group of one a single-process run made (join_process_group), closed with the run, and the environment
-    set with it unset, so the next run in this process (a test, a notebook) starts without them."""
+def leave_the_group() -> None:
+    """The run's process group closed (a single process's group of one, made by join_process_group; a launched
+    group, which Accelerate's end_training closed already) and what was set up beside it undone, so the next run in
+    this process (a test, a notebook, the next config of a sweep in one launch) starts without them."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    while _UNDONE_WITH_THE_GROUP_OF_ONE:
-        _UNDONE_WITH_THE_GROUP_OF_ONE.pop()()
+    while _UNDONE_WITH_THE_GROUP:
+        _UNDONE_WITH_THE_GROUP.pop()()

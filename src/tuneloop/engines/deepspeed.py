@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tuneloop.engines.base import (Engine, EngineSpec, RankBytes, WholeBytes, launcher_variable_for_one_process,
-                                   sharded_share, undo_with_the_group_of_one)
+                                   sharded_share, undo_when_the_group_is_left)
 from tuneloop.errors import UserError
 
 SHIPPED_DEEPSPEED = Path(__file__).parent / "deepspeed_configs"
@@ -234,8 +234,8 @@ class DeepSpeedEngine(Engine):
         self.base_optimizer = optimizer
         if "WORLD_SIZE" not in os.environ:  # one process, in a group of one (engines/base.py)
             launcher_variable_for_one_process("LOCAL_RANK", "0")
-            undo_with_the_group_of_one(forget_deepspeed_groups)
-            undo_with_the_group_of_one(restore_functional_linear)
+        undo_when_the_group_is_left(forget_deepspeed_groups)
+        undo_when_the_group_is_left(restore_functional_linear)
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config)
         if self.spec.stage == 3:
             # ZeRO-3 gathers a module's weights when its forward runs; the chunked loss uses the output head's
@@ -358,8 +358,8 @@ class DeepSpeedEngine(Engine):
 
 
 def forget_deepspeed_groups() -> None:
-    """DeepSpeed keeps the process groups of its first engine in module globals; after a single process's group
-    of one is gone they name a destroyed group, and the next run in the process would fail in them."""
+    """DeepSpeed keeps the process groups of its first engine in module globals; once the run's group is gone they
+    name a destroyed group, and the next run in the process would fail in them ("Group ... is not registered")."""
     from deepspeed.utils import groups
 
     for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "mesh_device", "_TENSOR_MODEL_PARALLEL_GROUP",
