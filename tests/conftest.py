@@ -197,6 +197,62 @@ def run_two_ranks(*args: str, env: dict | None = None, timeout: int = 600,
                           env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
 
+def start_train(config: Path, env: dict | None = None) -> subprocess.Popen:
+    """`tuneloop train CONFIG` in a fresh process, left running: for a run that is killed."""
+    return subprocess.Popen([sys.executable, "-m", "tuneloop", "train", str(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})))
+
+
+def wait_for_steps(output_dir: Path, steps: int, process: subprocess.Popen, timeout: float = 300) -> None:
+    """Until metrics.jsonl holds `steps` train lines (or the process ended)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and process.poll() is None:
+        metrics = output_dir / "metrics.jsonl"
+        if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(0.05)
+
+
+def killed_then_resumed(config: Path, output_dir: Path, after_steps: int,
+                        how: str = "signal") -> tuple[Path, subprocess.CompletedProcess]:
+    """The suite's one kill-and-resume protocol: the run stopped after `after_steps` steps, then the same command
+    again (auto_resume_from_checkpoints), in this process. Returns the checkpoint the resume started from and its
+    result (checked: exit 0, "resuming from" it).
+
+    how="sigkill": a true `kill -9` of a fresh process once metrics.jsonl shows the steps (it may have gone a step
+    or two further): what only a real kill shows, that whatever the process was doing, a resume finds a whole
+    checkpoint. One such test per engine and data kind; the kills inside a save are the crash-during-save tests.
+    how="signal": SIGTERM raised inside this process at the end of that step (the signal-at-step hook): the run
+    checkpoints and exits 75, as on a preemption, without a fresh interpreter."""
+    from tuneloop.run_files import complete_checkpoints
+    from tuneloop.train.guards import SIGNAL_AT_STEP_ENV
+
+    if how == "sigkill":
+        import signal
+
+        process = start_train(config)
+        wait_for_steps(output_dir, after_steps, process)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        assert process.returncode == -signal.SIGKILL, f"the run ended before the kill after step {after_steps}"
+    else:
+        assert how == "signal", how
+        os.environ[SIGNAL_AT_STEP_ENV] = f"0:{after_steps}"
+        try:
+            stopped = run_in_process("train", str(config))
+        finally:
+            del os.environ[SIGNAL_AT_STEP_ENV]
+        assert stopped.returncode == 75, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+        assert f"stopped by a signal after step {after_steps}" in stopped.stdout, stopped.stdout[-2000:]
+    newest = complete_checkpoints(output_dir)[-1]
+    resumed = run_in_process("train", str(config))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resuming from {newest}" in resumed.stdout, resumed.stdout[-2000:]
+    return newest, resumed
+
+
 def run_in_one_launch(*runs, env: dict | None = None, timeout: int = 1200) -> list[subprocess.CompletedProcess]:
     """Several `tuneloop` commands one after another in ONE 2-rank torchrun launch (tests/launch_runs.py): each run is
     a list of arguments, or (arguments, env for that run alone). A launch costs two interpreters importing torch and

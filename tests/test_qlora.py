@@ -215,14 +215,12 @@ def test_two_ddp_ranks_of_qlora_equal_one_process(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 def test_a_qlora_run_killed_at_a_random_step_resumes_to_the_same_adapter_bit_for_bit(tmp_path, tiny_model_dir):
-    """kill -9 between checkpoints (evals in between), then auto-resume: the final adapter equals the uninterrupted
-    run's exactly, and so do the losses of every step."""
+    """Stopped between checkpoints (evals in between; by the signal-at-step hook: the true kill -9 of a run on one
+    process is test_resume's), then auto-resume: the final adapter equals the uninterrupted run's exactly, and so do
+    the losses of every step."""
     import random
-    import signal
 
-    from test_resume import start_train, wait_for_steps
-
-    from tuneloop.run_files import complete_checkpoints
+    from conftest import killed_then_resumed
 
     data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(48, seed=9))
     keys = {**QLORA, "micro_batch_size": 4, "learning_rate": 2e-3, "warmup_steps": 2, "save_strategy": None,
@@ -239,15 +237,8 @@ def test_a_qlora_run_killed_at_a_random_step_resumes_to_the_same_adapter_bit_for
     total = max(line["step"] for line in expected if "loss" in line)
 
     seed = random.randrange(10**6)
-    kill_after = random.Random(seed).randint(4, total - 2)
-    process = start_train(runs["killed"])
-    wait_for_steps(tmp_path / "killed" / "out", kill_after, process)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL, f"the run ended before the kill (seed {seed})"
-    newest = complete_checkpoints(tmp_path / "killed" / "out")[-1]
-    resumed = run_in_process("train", str(runs["killed"]))
-    assert resumed.returncode == 0 and f"resuming from {newest}" in resumed.stdout, resumed.stderr[-2000:]
+    stop_after = random.Random(seed).randint(4, total - 2)
+    killed_then_resumed(runs["killed"], tmp_path / "killed" / "out", stop_after)
 
     ours = load_file(tmp_path / "killed" / "out" / "adapter_model.safetensors")
     theirs = load_file(tmp_path / "straight" / "out" / "adapter_model.safetensors")

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl
+from conftest import (base_config, killed_then_resumed, read_metrics, run_in_process, start_train, tiny_rows,
+                      write_config, write_jsonl)
 from safetensors.torch import load_file, save_file
 
 from tuneloop.run_files import STATE, complete_checkpoints
@@ -39,20 +36,6 @@ def data(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("resume_data") / "train.jsonl", tiny_rows(60, seed=21))
 
 
-def start_train(config: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tuneloop", "train", str(config)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, **(env or {})))
-
-
-def wait_for_steps(output_dir: Path, steps: int, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline and process.poll() is None:
-        metrics = output_dir / "metrics.jsonl"
-        if metrics.is_file() and sum('"loss"' in line for line in metrics.read_text().splitlines()) >= steps:
-            return
-        time.sleep(0.05)
-
-
 def weights(output_dir: Path) -> dict:
     return load_file(output_dir / "model.safetensors")
 
@@ -70,6 +53,11 @@ def uninterrupted(tmp_path, model_dir, data, keys) -> tuple[dict, list[dict]]:
     return weights(tmp_path / "straight" / "out"), read_metrics(tmp_path / "straight" / "out")
 
 
+# a true kill -9 for one variant; the others stopped in this process by the signal-at-step hook (conftest's
+# killed_then_resumed): what they add is their batching and precision across a resume, not another kind of stop
+STOPPED_BY = {"padded_accum2": "sigkill", "packed": "signal", "grouped_accum3": "signal", "masters": "signal"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_sigkill_at_a_random_point_then_auto_resume_is_bit_identical(tmp_path, tiny_model_dir, data, variant):
@@ -80,16 +68,9 @@ def test_sigkill_at_a_random_point_then_auto_resume_is_bit_identical(tmp_path, t
     run_dir = tmp_path / "killed"
     config = write_config(tmp_path / "killed.yml", **base_config(run_dir, tiny_model_dir, data, **keys))
     seed = random.randrange(10**6)
-    kill_after = random.Random(seed).randint(4, total - 4)
-    process = start_train(config)
-    wait_for_steps(run_dir / "out", kill_after, process)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert process.returncode == -signal.SIGKILL, f"the run ended before the kill (seed {seed})"
-    newest = complete_checkpoints(run_dir / "out")[-1]
-    resumed = run_in_process("train", str(config))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resuming from {newest}" in resumed.stdout, f"seed {seed}"
+    stop_after = random.Random(seed).randint(4, total - 4)
+    print(f"stopped ({STOPPED_BY[variant]}) after step {stop_after} of {total} (seed {seed})")
+    killed_then_resumed(config, run_dir / "out", stop_after, how=STOPPED_BY[variant])
 
     assert_identical(weights(run_dir / "out"), expected_weights)
     plan = json.loads((run_dir / "out" / "plan.json").read_text())
@@ -177,19 +158,14 @@ def test_auto_resume_picks_the_newest_complete_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_saves_exits_75_and_resumes_exactly(tmp_path, tiny_model_dir, data):
+    """SIGTERM (raised in this process after step 5 by the signal-at-step hook; torchrun's real exit code 75 is in the
+    two-rank test below): one checkpoint where none was scheduled, exit 75, and the resume ends bit-identical."""
     keys = {**RESUMABLE, **VARIANTS["padded_accum2"], "save_steps": 100}  # no scheduled save before the signal
     expected_weights, _ = uninterrupted(tmp_path, tiny_model_dir, data, keys)
     run_dir = tmp_path / "term"
     config = write_config(tmp_path / "term.yml", **base_config(run_dir, tiny_model_dir, data, **keys))
-    process = start_train(config)
-    wait_for_steps(run_dir / "out", 5, process)
-    process.send_signal(signal.SIGTERM)
-    stdout, _ = process.communicate(timeout=300)
-    assert process.returncode == 75, stdout[-2000:]
-    saved = complete_checkpoints(run_dir / "out")
-    assert len(saved) == 1 and "stopped by a signal" in stdout
-    resumed = run_in_process("train", str(config))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    saved, _ = killed_then_resumed(config, run_dir / "out", 5, how="signal")
+    assert saved.name == "checkpoint-5"
     assert_identical(weights(run_dir / "out"), expected_weights)
 
 
@@ -280,51 +256,61 @@ def test_resuming_from_the_checkpoint_where_early_stopping_fired_stops_again(tmp
     assert not list(out.glob(".tmp-*"))
 
 
-def two_ranks(tmp_path: Path, name: str, model_dir: Path, data: Path, keys: dict,
-              env: dict | None = None) -> subprocess.CompletedProcess:
-    """`tuneloop train` on 2 gloo ranks through torchrun, in tmp_path/name."""
-    config = write_config(tmp_path / f"{name}.yml", **base_config(tmp_path / name, model_dir, data, **keys))
-    return run_two_ranks("train", str(config), env=env)
+SIGNALLED = dict(micro_batch_size=2, max_steps=6, logging_steps=50, save_strategy=None, save_steps=100,
+                 learning_rate=1e-2, auto_resume_from_checkpoints=True)
+DROPOUT = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.2, lora_target_modules=["q_proj", "v_proj"],
+               micro_batch_size=2, gradient_accumulation_steps=1, max_steps=10, save_strategy=None, save_steps=3,
+               learning_rate=1e-2, auto_resume_from_checkpoints=True)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, tiny_model_dir, data) -> tuple[Path, dict]:
+    """This module's two-rank runs in two torchrun launches (conftest's run_in_one_launch): the signalled run
+    between its uninterrupted twin and its resume, and the dropout run's twin, then its kill inside a save (which
+    ends the launch); the second launch resumes it. The killed folder is copied as the kill left it."""
+    import shutil
+
+    from conftest import run_in_one_launch
+
+    root = tmp_path_factory.mktemp("two_ranks")
+
+    def config(name: str, keys: dict) -> str:
+        return str(write_config(root / f"{name}.yml", **base_config(root / name, tiny_model_dir, data, **keys)))
+
+    names = ["straight", "stopped", "resumed", "dropout_straight", "dropout_crash"]
+    results = dict(zip(names, run_in_one_launch(
+        ["train", config("straight", SIGNALLED)], (["train", config("stopped", SIGNALLED)], {SIGNAL_AT_STEP_ENV: "1:3"}),
+        ["train", config("stopped", SIGNALLED)], ["train", config("dropout_straight", DROPOUT)],
+        (["train", config("dropout_crashed", DROPOUT)], {CRASH_DURING_SAVE_ENV: "6"}))))
+    shutil.copytree(root / "dropout_crashed" / "out", root / "dropout_as_killed" / "out")
+    results["dropout_resumed"], = run_in_one_launch(["train", config("dropout_crashed", DROPOUT)])
+    return root, results
 
 
 @pytest.mark.slow
-def test_a_signal_on_one_rank_stops_every_rank_at_the_next_step_and_resumes_exactly(tmp_path, tiny_model_dir,
-                                                                                      data):
+def test_a_signal_on_one_rank_stops_every_rank_at_the_next_step_and_resumes_exactly(two_rank_runs):
     """Between logging steps too: rank 1 alone gets SIGTERM after step 3; both ranks checkpoint step 4
     (the flag is agreed one step later, without a sync) and exit 75; the resumed run ends bit-identical."""
-    keys = dict(micro_batch_size=2, max_steps=6, logging_steps=50, save_strategy=None, save_steps=100,
-                learning_rate=1e-2, auto_resume_from_checkpoints=True)
-    straight = two_ranks(tmp_path, "straight", tiny_model_dir, data, keys)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    stopped = two_ranks(tmp_path, "stopped", tiny_model_dir, data, keys, env={SIGNAL_AT_STEP_ENV: "1:3"})
-    assert stopped.returncode != 0 and stopped.stderr.count("exitcode  : 75") >= 1, stopped.stderr[-3000:]
+    root, results = two_rank_runs
+    assert results["straight"].returncode == 0, results["straight"].stderr[-3000:]
+    stopped = results["stopped"]
+    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert "SIGTERM received" in stopped.stdout and "stopped by a signal after step 4" in stopped.stdout
-    out = tmp_path / "stopped" / "out"
-    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-4"]
-    resumed = two_ranks(tmp_path, "stopped", tiny_model_dir, data, keys)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert_identical(weights(out), weights(tmp_path / "straight" / "out"))
+    assert results["resumed"].returncode == 0, results["resumed"].stderr[-3000:]
+    assert "resuming from" in results["resumed"].stdout and "checkpoint-4" in results["resumed"].stdout
+    assert_identical(weights(root / "stopped" / "out"), weights(root / "straight" / "out"))
 
 
 @pytest.mark.slow
-def test_two_rank_run_killed_mid_save_resumes_bit_identical_with_dropout(tmp_path, tiny_model_dir, data):
+def test_two_rank_run_killed_mid_save_resumes_bit_identical_with_dropout(two_rank_runs):
     """Each rank draws its own dropout masks; a resume must give every rank back its own RNG state."""
-    keys = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.2, lora_target_modules=["q_proj", "v_proj"],
-                micro_batch_size=2, gradient_accumulation_steps=1, max_steps=10, save_strategy=None, save_steps=3,
-                learning_rate=1e-2, auto_resume_from_checkpoints=True)
-
-    def torchrun(name: str, env: dict | None = None) -> subprocess.CompletedProcess:
-        return two_ranks(tmp_path, name, tiny_model_dir, data, keys, env)
-
-    straight = torchrun("straight")
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    crashed = torchrun("crashed", env={CRASH_DURING_SAVE_ENV: "6"})
-    assert crashed.returncode != 0
-    out = tmp_path / "crashed" / "out"
-    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]
-    assert sorted(p.name for p in (out / "checkpoint-3").glob("rng_state_*.pt")) == ["rng_state_0.pt",
-                                                                                     "rng_state_1.pt"]
-    resumed = torchrun("crashed")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected = load_file(tmp_path / "straight" / "out" / "adapter_model.safetensors")
-    assert_identical(load_file(out / "adapter_model.safetensors"), expected)
+    root, results = two_rank_runs
+    assert results["dropout_straight"].returncode == 0, results["dropout_straight"].stderr[-3000:]
+    assert results["dropout_crash"].returncode != 0
+    as_killed = root / "dropout_as_killed" / "out"
+    assert [p.name for p in complete_checkpoints(as_killed)] == ["checkpoint-3"]
+    assert sorted(p.name for p in (as_killed / "checkpoint-3").glob("rng_state_*.pt")) == ["rng_state_0.pt",
+                                                                                          "rng_state_1.pt"]
+    assert results["dropout_resumed"].returncode == 0, results["dropout_resumed"].stderr[-3000:]
+    expected = load_file(root / "dropout_straight" / "out" / "adapter_model.safetensors")
+    assert_identical(load_file(root / "dropout_crashed" / "out" / "adapter_model.safetensors"), expected)

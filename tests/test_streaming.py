@@ -16,8 +16,8 @@ import json
 
 import pytest
 from conftest import (assert_every_rank_stopped_with, assert_user_error, base_config, read_metrics, run_in_process,
-                      run_two_ranks, tiny_rows, write_config, write_jsonl)
-from test_resume import assert_identical, start_train, weights
+                      run_two_ranks, start_train, tiny_rows, write_config, write_jsonl)
+from test_resume import assert_identical, weights
 from test_seq2seq import pairs, tiny_t5_dir  # noqa: F401  (fixtures)
 
 from tuneloop.run_files import complete_checkpoints
