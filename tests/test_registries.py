@@ -25,6 +25,7 @@ from tuneloop.registry import Registry
 from tuneloop.resolved import resolve_config
 from tuneloop.rl_methods import RL_METHODS
 from tuneloop.train.state import RunState
+from tuneloop.use.exporters import EXPORTERS, Exporter
 
 MINIMAL = {"base_model": "m", "datasets": [{"path": "x"}]}
 
@@ -176,6 +177,7 @@ def test_the_registries_name_exactly_the_things_their_tests_reach():
     assert set(MODEL_KINDS.names()) == {"causal", "seq2seq", "sequence_classification", "token_classification",
                                        "vision_language"}
     assert CHAT_TEMPLATES.names()  # (walked one by one below)
+    assert set(EXPORTERS.names()) == set(EXPORT_QUANTS)
 
 
 @pytest.mark.parametrize("name", FORMATS.names())
@@ -377,3 +379,55 @@ def test_every_tracker_is_wanted_by_its_keys_alone(name):
     from tuneloop.trackers import wanted_trackers
 
     assert wanted_trackers(config_from_dict({**MINIMAL, **TRACKER_KEYS[name]})) == [name]
+
+
+# ---- export formats: `tuneloop export` reads its choices, file suffix and closing lines from EXPORTERS --------------
+
+EXPORT_QUANTS = {"gguf": "f16"}  # a quantization each format's walk writes (test_export.py walks every one of GGUF's)
+
+
+@pytest.mark.parametrize("name", EXPORTERS.names())
+def test_every_export_format_writes_its_file_through_the_command(name, tiny_model_dir, tmp_path):
+    from conftest import run_in_process
+
+    exporter = EXPORTERS[name]
+    output = tmp_path / f"model{exporter.suffix}"
+    done = run_in_process("export", "--model", str(tiny_model_dir), "--format", name, "--quant", EXPORT_QUANTS[name],
+                          "--output", str(output))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert output.is_file() and output.stat().st_size > 0 and str(output) in done.stdout  # (its closing lines)
+
+
+def test_the_export_command_knows_no_format_but_the_registrys(tiny_model_dir, tmp_path, monkeypatch):
+    """A format added to EXPORTERS is offered, written, named by its suffix and followed by its own lines; a name
+    that is not a format, or a --quant that is not the format's, is refused listing the registry's names."""
+    from conftest import assert_user_error, run_in_process
+
+    written = []
+
+    def write(folder, output, quant, **options):  # (writes nothing: the output would be in the shared model folder)
+        written.append((output, quant, options["overwrite"]))
+        return output
+
+    quants: Registry[str] = Registry("test quantization", "--quant")
+    quants.add("x1", "x1")
+    quants.add("x2", "x2")
+    fake = Exporter(summary="a test file", suffix=".test", readers="nobody", quantizations=quants, default_quant="x2",
+                    default_quant_note="the test's", quant_note="nothing else", write=write,
+                    hints=lambda output: [f"wrote {output}", "run it with: cat"])
+    added_to(EXPORTERS, "test_format", fake, monkeypatch)
+
+    listed = " ".join(run_in_process("export", "--help").stdout.split())
+    assert "test_format: a test file" in listed and "test_format: x2 (the default: the test's), x1; nothing" in listed
+    done = run_in_process("export", "--model", str(tiny_model_dir), "--format", "test_format")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert written == [(tiny_model_dir / "model-x2.test", "x2", False)]
+    assert done.stdout.splitlines() == [f"wrote {tiny_model_dir / 'model-x2.test'}", "run it with: cat"]
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--format", "test_format",
+                                     "--output", str(tmp_path / "m.gguf")), "does not end in .test", "nobody")
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--format", "test_format",
+                                     "--quant", "q8_0"), "--quant q8_0 is not one of --format test_format's: 'x1' or 'x2'")
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--format", "onnx"),
+                      "--format", "onnx", *EXPORTERS.names())
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--quant", "q2_k"),
+                      "--quant", "q2_k", "x1", *EXPORTERS["gguf"].quantizations.names())
