@@ -118,7 +118,7 @@ def test_loss_and_gradients_equal_trl(fed, tiny_model_dir, tmp_path, loss_type, 
     ours_inputs, targets, extra = tuneloop_batch(tokenizer, prompts, completions, advantages, old, reference, mask)
     loss_sum, stats = GRPOLoss(settings, ["zero"])(model, ours_inputs, targets, extra)
     units = {"completion_tokens": int(mask.sum()), "completions": len(completions), "micro_batches": 1}
-    ours = loss_sum / units[LOSS_TYPES[loss_type]]
+    ours = loss_sum / units[LOSS_TYPES[loss_type].unit]
     ours.backward()
     assert float(ours) == pytest.approx(float(trl_loss), rel=1e-5, abs=1e-7)
     for mine, theirs in zip((p.grad for p in model.parameters()), trl_grads):

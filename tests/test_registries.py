@@ -16,13 +16,16 @@ from transformers import AutoModelForCausalLM
 
 from tuneloop.config import config_from_dict
 from tuneloop.data.formats import FORMATS
+from tuneloop.dpo_loss_types import DPO_LOSS_TYPES
 from tuneloop.errors import UserError
 from tuneloop.hardware import check_hardware
+from tuneloop.online_rl.loss_types import LOSS_TYPES
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS, OptimizerKind, build_optimizer, build_scheduler
 from tuneloop.registry import Registry
 from tuneloop.resolved import resolve_config
 from tuneloop.rl_methods import RL_METHODS
 from tuneloop.train.state import RunState
+from tuneloop.use.exporters import EXPORTERS, Exporter
 
 MINIMAL = {"base_model": "m", "datasets": [{"path": "x"}]}
 
@@ -157,7 +160,6 @@ def test_the_registries_name_exactly_the_things_their_tests_reach():
 
     canonical = {FORMATS.canonical(name) for name in FORMATS.names()}
     assert canonical == set(FORMAT_EXAMPLES)
-    from tuneloop.online_rl.settings import LOSS_TYPES
     from tuneloop.rl_methods import ONLINE_METHODS, PROCESS_REWARD_OBJECTIVE, REWARD_MODEL_OBJECTIVE
 
     # (the reward models': test_reward_model.py, test_process_reward_model.py)
@@ -166,12 +168,16 @@ def test_the_registries_name_exactly_the_things_their_tests_reach():
     assert set(ONLINE_METHODS) <= set(OBJECTIVES.names())
     # every GRPO loss type is compared with TRL's (test_grpo_equivalence.py names them all)
     equivalence = (Path(__file__).parent / "test_grpo_equivalence.py").read_text()
-    assert all(f'("{name}", ' in equivalence for name in LOSS_TYPES)
+    assert all(f'("{name}", ' in equivalence for name in LOSS_TYPES.names())
+    # every DPO loss type is one a DPO method accepts (and walked below)
+    assert {name for method in RL_METHODS.names() for name in RL_METHODS[method].loss_types} == \
+        set(DPO_LOSS_TYPES.names())
     assert set(ENGINES.names()) == set(ENGINE_KEYS)
     assert set(TRACKERS.names()) == set(TRACKER_KEYS)
     assert set(MODEL_KINDS.names()) == {"causal", "seq2seq", "sequence_classification", "token_classification",
                                        "vision_language"}
     assert CHAT_TEMPLATES.names()  # (walked one by one below)
+    assert set(EXPORTERS.names()) == set(EXPORT_QUANTS)
 
 
 @pytest.mark.parametrize("name", FORMATS.names())
@@ -224,8 +230,9 @@ def preference_rows(paired: bool) -> list[dict]:
             for reply, label in (("red, green and blue", True), ("one two three", False))] * 2
 
 
-@pytest.mark.parametrize("name", RL_METHODS.names())
-def test_every_preference_method_reaches_a_finite_loss_through_its_objective(tmp_path, tiny_model_dir, name):
+def preference_loss_and_gradient(tmp_path, model_dir, paired: bool, **keys):
+    """One micro-batch (a pair, or two labelled rows) of a preference config through its objective: (the loss, its
+    stats, the model after backward)."""
     from transformers import AutoTokenizer
 
     from conftest import write_jsonl
@@ -233,19 +240,107 @@ def test_every_preference_method_reaches_a_finite_loss_through_its_objective(tmp
     from tuneloop.data.prepare import prepare
     from tuneloop.train.objectives import ObjectiveModule, objective_of
 
-    data = write_jsonl(tmp_path / "rows.jsonl", preference_rows(RL_METHODS[name].paired))
-    cfg = config_from_dict({"base_model": str(tiny_model_dir), "rl": name, "sequence_len": 256,
+    data = write_jsonl(tmp_path / "rows.jsonl", preference_rows(paired))
+    cfg = config_from_dict({"base_model": str(model_dir), "sequence_len": 256,
                             "datasets": [{"path": str(data), "type": "chat_template"}],
-                            "dataset_prepared_path": str(tmp_path / "prepared")})
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+                            "dataset_prepared_path": str(tmp_path / "prepared"), **keys})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     store = prepare(cfg, tokenizer, encoder_decoder=False).train
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir) if RL_METHODS[name].uses_reference else None
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir) if RL_METHODS[cfg.rl].uses_reference else None
     batch = Collator(store, tokenizer.pad_token_id, packed=False)([[0], [1]])
     loss, stats = ObjectiveModule(model, objective_of(cfg, reference))(batch.inputs, batch.targets, batch.extra)
+    loss.backward()
+    return loss, stats, model
+
+
+def assert_finite_and_trains(loss, stats, model):
     assert torch.isfinite(loss) and torch.isfinite(stats).all()
-    loss.backward()  # and it trains the model
     assert any(param.grad is not None and param.grad.abs().sum() > 0 for param in model.parameters())
+
+
+@pytest.mark.parametrize("name", RL_METHODS.names())
+def test_every_preference_method_reaches_a_finite_loss_through_its_objective(tmp_path, tiny_model_dir, name):
+    assert_finite_and_trains(*preference_loss_and_gradient(tmp_path, tiny_model_dir, RL_METHODS[name].paired,
+                                                           rl=name))
+
+
+@pytest.mark.parametrize("name", DPO_LOSS_TYPES.names())
+def test_every_dpo_loss_type_reaches_a_finite_loss_through_its_objective(tmp_path, tiny_model_dir, name):
+    method = next(method for method in RL_METHODS.names() if name in RL_METHODS[method].loss_types)
+    assert_finite_and_trains(*preference_loss_and_gradient(tmp_path, tiny_model_dir, RL_METHODS[method].paired,
+                                                           rl=method, dpo_loss_type=name))
+
+
+def grpo_keys(loss_type: str) -> dict:
+    return {**MINIMAL, "rl": "grpo", "micro_batch_size": 4,
+            "trl": {"loss_type": loss_type, "beta": 0.1, "num_generations": 2, "max_completion_length": 6,
+                    "reward_funcs": ["rewards.unused"]}}  # (imported only when a run starts)
+
+
+@pytest.mark.parametrize("name", LOSS_TYPES.names())
+def test_every_grpo_loss_type_reaches_a_finite_loss_through_its_objective(tiny_model_dir, name):
+    """Four completions (two prompts' groups of two, one truncated) with moved old and reference log-probs, so
+    that ratios, clipping and the KL term all take part; the objective's unit is the loss type's."""
+    from transformers import AutoTokenizer
+
+    from tuneloop.log_probs import token_log_probs
+    from tuneloop.online_rl.rollout import Completions, completion_rows
+    from tuneloop.train.objectives import ObjectiveModule, objective_of
+
+    cfg = config_from_dict({**grpo_keys(name), "base_model": str(tiny_model_dir)})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    prompts = [tokenizer("the cat sat")["input_ids"]] * 2 + [tokenizer("a dog ran")["input_ids"]] * 2
+    tokens = [[11, 12, 13], [21, 22, 23, 24, 25, 26], [31, 32], [41, 42, 43, 44]]
+    made = Completions(prompts, tokens, [len(t) for t in tokens], [len(t) == 6 for t in tokens])
+    inputs, targets, extra = completion_rows(made, 0, len(tokens), tokenizer.pad_token_id)
+    with torch.no_grad():
+        current = token_log_probs(model, inputs, targets, cfg.trl_settings.temperature)[0]
+    noise = torch.Generator().manual_seed(5)
+    extra.update(advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), rewards=torch.zeros(4, 1),
+                 total_reward=torch.zeros(4), zero_std=torch.zeros(4, dtype=torch.bool),
+                 truncated=torch.tensor(made.truncated),
+                 old_log_probs=current + 0.3 * torch.randn(current.shape, generator=noise),
+                 reference_log_probs=current + 0.5 * torch.randn(current.shape, generator=noise))
+    objective = objective_of(cfg)
+    assert objective.unit == LOSS_TYPES[name].unit
+    loss, stats = ObjectiveModule(model, objective)(inputs, targets, extra)
+    loss.backward()
+    assert_finite_and_trains(loss, stats, model)
+    line = objective.summarise(stats.tolist(), 4)
+    assert ("clip_ratio" in line) == LOSS_TYPES[name].clips and math.isfinite(line["kl"])
+
+
+# ---- the config accepts exactly the loss types its table names -------------------------------------------------
+
+PAIRS = {**MINIMAL, "datasets": [{"path": "x", "type": "chat_template"}]}
+
+
+def added_to(registry: Registry, name: str, entry, monkeypatch) -> None:
+    monkeypatch.setitem(registry._entries, name, entry)
+    monkeypatch.setitem(registry._canonical, name, name)
+
+
+def test_dpo_accepts_exactly_the_loss_types_of_its_table(monkeypatch):
+    assert RL_METHODS["dpo"].loss_types == tuple(DPO_LOSS_TYPES.names())
+    for name in DPO_LOSS_TYPES.names():
+        assert config_from_dict({**PAIRS, "rl": "dpo", "dpo_loss_type": name}).dpo_loss_type == [name]
+    message = error_of({**PAIRS, "rl": "dpo", "dpo_loss_type": "new_loss"})
+    assert f"`dpo_loss_type: new_loss` is not a loss of `rl: dpo` ({', '.join(DPO_LOSS_TYPES.names())})" in message
+    added_to(DPO_LOSS_TYPES, "new_loss", DPO_LOSS_TYPES["hinge"], monkeypatch)  # one table entry is all it takes
+    assert config_from_dict({**PAIRS, "rl": "dpo", "dpo_loss_type": "new_loss"}).dpo_loss_type == ["new_loss"]
+    assert "`dpo_loss_type: hinge` is not a loss of `rl: ipo` (ipo)" in error_of(
+        {**PAIRS, "rl": "ipo", "dpo_loss_type": "hinge"})  # (`rl: ipo` is DPO with the IPO loss alone)
+
+
+def test_grpo_accepts_exactly_the_loss_types_of_its_table(monkeypatch):
+    for name in LOSS_TYPES.names():
+        assert config_from_dict(grpo_keys(name)).trl_settings.unit == LOSS_TYPES[name].unit
+    message = error_of(grpo_keys("new_loss"))
+    assert f"got 'new_loss'; TRL's GRPO losses are {', '.join(LOSS_TYPES.names())}" in message
+    added_to(LOSS_TYPES, "new_loss", LOSS_TYPES["dapo"], monkeypatch)
+    assert config_from_dict(grpo_keys("new_loss")).trl_settings.unit == LOSS_TYPES["dapo"].unit
 
 
 ENGINE_KEYS = {
@@ -284,3 +379,55 @@ def test_every_tracker_is_wanted_by_its_keys_alone(name):
     from tuneloop.trackers import wanted_trackers
 
     assert wanted_trackers(config_from_dict({**MINIMAL, **TRACKER_KEYS[name]})) == [name]
+
+
+# ---- export formats: `tuneloop export` reads its choices, file suffix and closing lines from EXPORTERS --------------
+
+EXPORT_QUANTS = {"gguf": "f16"}  # a quantization each format's walk writes (test_export.py walks every one of GGUF's)
+
+
+@pytest.mark.parametrize("name", EXPORTERS.names())
+def test_every_export_format_writes_its_file_through_the_command(name, tiny_model_dir, tmp_path):
+    from conftest import run_in_process
+
+    exporter = EXPORTERS[name]
+    output = tmp_path / f"model{exporter.suffix}"
+    done = run_in_process("export", "--model", str(tiny_model_dir), "--format", name, "--quant", EXPORT_QUANTS[name],
+                          "--output", str(output))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert output.is_file() and output.stat().st_size > 0 and str(output) in done.stdout  # (its closing lines)
+
+
+def test_the_export_command_knows_no_format_but_the_registrys(tiny_model_dir, tmp_path, monkeypatch):
+    """A format added to EXPORTERS is offered, written, named by its suffix and followed by its own lines; a name
+    that is not a format, or a --quant that is not the format's, is refused listing the registry's names."""
+    from conftest import assert_user_error, run_in_process
+
+    written = []
+
+    def write(folder, output, quant, **options):  # (writes nothing: the output would be in the shared model folder)
+        written.append((output, quant, options["overwrite"]))
+        return output
+
+    quants: Registry[str] = Registry("test quantization", "--quant")
+    quants.add("x1", "x1")
+    quants.add("x2", "x2")
+    fake = Exporter(summary="a test file", suffix=".test", readers="nobody", quantizations=quants, default_quant="x2",
+                    default_quant_note="the test's", quant_note="nothing else", write=write,
+                    hints=lambda output: [f"wrote {output}", "run it with: cat"])
+    added_to(EXPORTERS, "test_format", fake, monkeypatch)
+
+    listed = " ".join(run_in_process("export", "--help").stdout.split())
+    assert "test_format: a test file" in listed and "test_format: x2 (the default: the test's), x1; nothing" in listed
+    done = run_in_process("export", "--model", str(tiny_model_dir), "--format", "test_format")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert written == [(tiny_model_dir / "model-x2.test", "x2", False)]
+    assert done.stdout.splitlines() == [f"wrote {tiny_model_dir / 'model-x2.test'}", "run it with: cat"]
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--format", "test_format",
+                                     "--output", str(tmp_path / "m.gguf")), "does not end in .test", "nobody")
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--format", "test_format",
+                                     "--quant", "q8_0"), "--quant q8_0 is not one of --format test_format's: 'x1' or 'x2'")
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--format", "onnx"),
+                      "--format", "onnx", *EXPORTERS.names())
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--quant", "q2_k"),
+                      "--quant", "q2_k", "x1", *EXPORTERS["gguf"].quantizations.names())

@@ -3,13 +3,15 @@ the plan.
 
 The losses themselves are train/preference.py's LOSSES (torch), one function per method under the same name;
 this table stays light because the config is validated before torch loads. A method is one entry here (its
-data, its reference, its keys and their defaults) and one loss there; a test walks both tables.
+data, its reference, its keys and their defaults) and one loss there; a test walks both tables. DPO's loss types
+(`dpo_loss_type`) are dpo_loss_types.py's DPO_LOSS_TYPES, which `rl: dpo` reads its accepted names from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tuneloop.dpo_loss_types import DPO_LOSS_TYPES
 from tuneloop.registry import Registry
 
 # every preference key, and what it does (the config refuses one that the run's method does not read)
@@ -30,25 +32,39 @@ DPO_KEYS = ("rl_beta", "dpo_beta", "dpo_loss_type", "dpo_loss_weights", "dpo_lab
             "precompute_ref_log_probs")
 
 
+EVERY_DPO_LOSS_TYPE = None  # (an RLMethod's own_loss_types: all of DPO_LOSS_TYPES, read from it when asked)
+
+
 @dataclass(frozen=True)
 class RLMethod:
-    loss_types: tuple[str, ...]  # what `dpo_loss_type` may name (empty: the key does not apply)
     uses_reference: bool  # a frozen reference model's log-probabilities are part of the loss
     unit: str = "pairs"  # what its loss is averaged over, and accumulation normalises by: "pairs" or "rows"
     paired: bool = True  # its data: chosen/rejected pairs, or unpaired rows with a desirable/undesirable label
     keys: tuple[str, ...] = ()  # the PREFERENCE_KEYS it reads
     defaults: dict = field(default_factory=dict)  # the value of each of its keys that is left unset
+    # the DPO_LOSS_TYPES names `dpo_loss_type` may take, the first the default (empty: the key does not apply), or
+    # EVERY_DPO_LOSS_TYPE: the table's names, read when asked, so that a loss type added there is accepted here
+    own_loss_types: tuple[str, ...] | None = ()
+
+    @property
+    def loss_types(self) -> tuple[str, ...]:
+        """What `dpo_loss_type` may name, the first its default."""
+        if self.own_loss_types is EVERY_DPO_LOSS_TYPE:
+            return tuple(DPO_LOSS_TYPES.names())
+        return self.own_loss_types
 
 
 RL_METHODS: Registry[RLMethod] = Registry("preference method", "rl")
-RL_METHODS.add("dpo", RLMethod(("sigmoid", "ipo", "hinge"), uses_reference=True, keys=DPO_KEYS))  # sigmoid default
-RL_METHODS.add("ipo", RLMethod(("ipo",), uses_reference=True, keys=DPO_KEYS))  # DPO with the IPO loss
-RL_METHODS.add("orpo", RLMethod((), uses_reference=False, keys=("orpo_alpha",),  # odds ratio + NLL of the chosen
+RL_METHODS.add("dpo", RLMethod(uses_reference=True, keys=DPO_KEYS,  # sigmoid by default
+                                own_loss_types=EVERY_DPO_LOSS_TYPE))
+RL_METHODS.add("ipo", RLMethod(uses_reference=True, keys=DPO_KEYS,  # DPO with the IPO loss
+                                own_loss_types=(DPO_LOSS_TYPES.canonical("ipo"),)))
+RL_METHODS.add("orpo", RLMethod(uses_reference=False, keys=("orpo_alpha",),  # odds ratio + NLL of the chosen
                                 defaults={"orpo_alpha": 0.1}))
-RL_METHODS.add("kto", RLMethod((), uses_reference=True, unit="rows", paired=False,  # unpaired, labelled rows
+RL_METHODS.add("kto", RLMethod(uses_reference=True, unit="rows", paired=False,  # unpaired, labelled rows
                                keys=("rl_beta", "dpo_beta", "precompute_ref_log_probs", "kto_desirable_weight",
                                      "kto_undesirable_weight")))
-RL_METHODS.add("simpo", RLMethod((), uses_reference=False,  # length-normalised margin + cpo_alpha × NLL (TRL's CPO)
+RL_METHODS.add("simpo", RLMethod(uses_reference=False,  # length-normalised margin + cpo_alpha × NLL (TRL's CPO)
                                  keys=("rl_beta", "dpo_beta", "simpo_gamma", "cpo_alpha"),
                                  defaults={"simpo_gamma": 0.5, "cpo_alpha": 1.0}))
 

@@ -341,7 +341,7 @@ def preference(cfg) -> Problems:
         for name in cfg.dpo_loss_type:
             if name not in method.loss_types:
                 yield f"`dpo_loss_type: {name}` is not a loss of `rl: {cfg.rl}` ({', '.join(method.loss_types)})"
-    losses = cfg.dpo_loss_type or (["ipo"] if cfg.rl == "ipo" else ["sigmoid"])
+    losses = cfg.dpo_loss_type or list(method.loss_types[:1])  # (the method's default)
     if cfg.dpo_loss_weights is not None and "dpo_loss_weights" in method.keys:
         if any(weight < 0 for weight in cfg.dpo_loss_weights):
             yield "`dpo_loss_weights` must not be negative (a negative weight would maximise that loss)"

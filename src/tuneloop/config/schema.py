@@ -260,7 +260,8 @@ class TuneloopConfig(Strict):
     rl: Optional[str] = None  # a method of rl_methods.py's RL_METHODS; unset: supervised fine-tuning
     rl_beta: Optional[float] = None  # DPO/IPO's beta (default 0.1); axolotl's older `dpo_beta` too
     dpo_beta: Optional[float] = None
-    dpo_loss_type: Optional[Union[str, list[str]]] = None  # sigmoid (default), ipo, hinge; a list is a weighted sum
+    # names of dpo_loss_types.py's DPO_LOSS_TYPES (default: the method's first, sigmoid); a list is a weighted sum
+    dpo_loss_type: Optional[Union[str, list[str]]] = None
     dpo_loss_weights: Optional[list[float]] = None  # one per dpo_loss_type (default: 1 each)
     dpo_label_smoothing: float = 0.0  # conservative DPO: the chance a pair's label is flipped
     orpo_alpha: Optional[float] = None  # ORPO's weight of the odds-ratio term (default 0.1)

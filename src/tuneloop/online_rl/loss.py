@@ -6,14 +6,9 @@ completion positions meet the output head. Everything per token is flat (one ent
 order of the batch's target positions) with `owner` naming its completion; a per-completion value is broadcast to
 its tokens, which is what TRL's (B, T) tensors times the completion mask compute.
 
-Per token, with r = exp(log π − log π_old) (token level; the completion's mean log-ratio at sequence level) and A
-the completion's advantage:
-  grpo, bnpo, dr_grpo, dapo, luspo   −min(r·A, clip(r, 1−ε, 1+ε_high)·A)   (r capped at `delta` when set)
-  cispo                              −min(r, ε_high) · A · log π            (the min without gradient)
-  sapo                               −σ(τ(r − 1))·4/τ · A                   (τ by the sign of A)
-  vespo                              −φ(w) · A · log π     (φ, without gradient: a gamma weight of the sequence ratio)
-plus β·KL (k3 estimator, times r when use_bias_correction_kl) when β ≠ 0. Summed over the unit of settings.py's
-LOSS_TYPES: the loop divides by the step's units (all ranks), so accumulation and ranks give one batch's loss
+Each token's loss is the run's loss type's surrogate (loss_types.py's LOSS_TYPES, where the formulas are), plus
+β·KL (k3 estimator, times r when use_bias_correction_kl) when β ≠ 0, reduced by the loss type's reduction to a sum
+over its unit: the loop divides by the step's units (all ranks), so accumulation and ranks give one batch's loss
 wherever TRL's normalisation spans the step, and TRL's own per-micro-batch mean for bnpo.
 """
 
@@ -24,6 +19,7 @@ import math
 import torch
 
 from tuneloop.log_probs import token_log_probs
+from tuneloop.online_rl.loss_types import LOSS_TYPES, PolicyTokens
 
 # the stats every micro-batch reports (summed over the window, then summarise()d for the train line), followed by
 # a (sum, count) pair per reward function
@@ -47,22 +43,8 @@ def per_token_losses(log_probs: torch.Tensor, old: torch.Tensor, reference: torc
         log_weight = log_ratio
     ratio = torch.exp(log_weight)
     advantage = advantages[owner].to(log_probs.dtype)
-    low, high = 1 - settings.epsilon, 1 + settings.clip_high
-    loss_type = settings.loss_type
-    logged = {}
-    if loss_type == "cispo":
-        losses = -torch.clamp(ratio, max=settings.clip_high).detach() * advantage * log_probs
-    elif loss_type == "sapo":
-        temperature = torch.where(advantage > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg)
-        losses = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantage
-    elif loss_type == "vespo":
-        losses = -vespo_weights(log_ratio, owner, advantages, n_completions, settings)[owner] * advantage * log_probs
-    else:  # the clipped surrogate of grpo, bnpo, dr_grpo, dapo and luspo
-        clipped = torch.clamp(ratio, low, high)
-        capped = torch.clamp(ratio, max=settings.delta) if settings.delta is not None else ratio
-        losses = -torch.min(capped * advantage, clipped * advantage)
-        below, above = (ratio < low) & (advantage < 0), (ratio > high) & (advantage > 0)
-        logged = {"clipped_low": below.sum(), "clipped_high": above.sum(), "clipped": (below | above).sum()}
+    tokens = PolicyTokens(log_probs, log_ratio, ratio, advantage, owner, advantages, n_completions)
+    losses, logged = LOSS_TYPES[settings.loss_type].surrogate(tokens, settings)
     if settings.beta != 0.0:
         difference = reference - log_probs
         kl = torch.exp(difference) - difference - 1
@@ -73,32 +55,9 @@ def per_token_losses(log_probs: torch.Tensor, old: torch.Tensor, reference: torc
     return losses, logged
 
 
-@torch.no_grad()
-def vespo_weights(log_ratio, owner, advantages, n_completions: int, settings) -> torch.Tensor:
-    """VESPO's φ(w) per completion: e^λ · w^k · e^(−λw) of the sequence's importance weight w, in log space, with
-    (k, λ) by the sign of its advantage; no gradient (it scales the log-probability's)."""
-    lower = math.log(1e-8)
-    sums = torch.zeros(n_completions, dtype=log_ratio.dtype, device=log_ratio.device)
-    sums = sums.index_add(0, owner, torch.clamp(log_ratio, -20.0, 20.0))
-    log_w = torch.clamp(sums, lower, 20.0)
-    positive = advantages >= 0
-    k = torch.where(positive, settings.vespo_k_pos, settings.vespo_k_neg).to(log_w.dtype)
-    lam = torch.where(positive, settings.vespo_lambda_pos, settings.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
-    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def reduced(losses: torch.Tensor, owner: torch.Tensor, n_completions: int, settings) -> torch.Tensor:
-    """The micro-batch's losses summed over its units (settings.py's LOSS_TYPES)."""
-    loss_type = settings.loss_type
-    if loss_type in ("grpo", "sapo"):  # each completion's mean over its tokens, summed over completions
-        counts = torch.bincount(owner, minlength=n_completions).to(losses.dtype).clamp(min=1.0)
-        sums = torch.zeros(n_completions, dtype=losses.dtype, device=losses.device).index_add(0, owner, losses)
-        return (sums / counts).sum()
-    if loss_type == "dr_grpo":  # a constant length for every completion
-        return losses.sum() / settings.max_completion_length
-    if loss_type == "bnpo":  # this micro-batch's mean over its tokens
-        return losses.sum() / max(losses.numel(), 1)
-    return losses.sum()  # luspo: per-completion sums; dapo, cispo, vespo: per token
+    """The micro-batch's losses summed over its units (the loss type's reduction)."""
+    return LOSS_TYPES[settings.loss_type].reduction(losses, owner, n_completions, settings)
 
 
 class GRPOLoss:
@@ -151,7 +110,7 @@ class GRPOLoss:
         line.update(completion_length=round(named["tokens"] / completions, 2),
                     truncated_ratio=round(named["truncated"] / completions, 4),
                     frac_reward_zero_std=round(named["advantage_zero_std"] / completions, 4))
-        if self.settings.loss_type not in ("cispo", "sapo", "vespo"):
+        if LOSS_TYPES[self.settings.loss_type].clips:
             line["clip_ratio"] = round(named["clipped"] / tokens, 6)
         if self.settings.beta != 0.0:
             line["kl"] = round(named["kl_sum"] / tokens, 6)

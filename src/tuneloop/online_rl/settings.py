@@ -2,8 +2,8 @@
 
 Defaults are TRL 1.16's (axolotl inherits them), so a config written for axolotl runs the same objective:
 `loss_type: dapo`, `beta: 0`, `epsilon: 0.2`, `num_generations: 8`, `temperature: 1.0`. Every loss type of TRL
-is one entry of LOSS_TYPES, with the unit its normalisation runs over (what the loop divides a step's summed loss
-by, on every rank); see loss.py for the formulas.
+is one record of loss_types.py's LOSS_TYPES (its surrogate, its reduction and the unit its normalisation runs over:
+what the loop divides a step's summed loss by, on every rank); `loss_type` accepts exactly its names.
 
 This module imports nothing heavy: it is read while the config is validated.
 """
@@ -14,14 +14,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-# loss type -> the unit a step's loss is a mean over (every rank, every micro-batch of the step):
-#   "completion_tokens": the completion tokens of the whole step (TRL's num_items_in_batch): dapo, cispo, vespo
-#   "completions": the step's completions, each its own mean (grpo, sapo) or sum (luspo, dr_grpo: / max length)
-#   "micro_batches": TRL's bnpo normalises by each micro-batch's own tokens, then averages the micro-batches;
-#                    kept as TRL defines it (the micro-batch size is part of the loss, as with KTO's KL term)
-LOSS_TYPES = {"grpo": "completions", "bnpo": "micro_batches", "dr_grpo": "completions", "dapo": "completion_tokens",
-              "cispo": "completion_tokens", "sapo": "completions", "vespo": "completion_tokens",
-              "luspo": "completions"}
+from tuneloop.online_rl.loss_types import LOSS_TYPES
 
 # keys of TRL's GRPOConfig that change the result and that tuneloop does not do (each refused, named)
 NOT_OFFERED_KEYS = {  # key -> (what it does, the value that means "off", which is accepted)
@@ -83,7 +76,7 @@ class TRLBlock(BaseModel):
     @classmethod
     def _loss_type(cls, value):
         if value not in LOSS_TYPES:
-            raise ValueError(f"got {value!r}; TRL's GRPO losses are {', '.join(LOSS_TYPES)}")
+            raise ValueError(f"got {value!r}; TRL's GRPO losses are {', '.join(LOSS_TYPES.names())}")
         return value
 
     @field_validator("num_generations")
@@ -158,7 +151,8 @@ class TRLBlock(BaseModel):
 
     @property
     def unit(self) -> str:
-        return LOSS_TYPES[self.loss_type]
+        """What a step's summed loss is divided by (loss_types.py's LossType.unit)."""
+        return LOSS_TYPES[self.loss_type].unit
 
     def generation_settings(self) -> dict:
         """The sampling settings HF `generate` takes (generation_kwargs on top, as TRL merges them)."""

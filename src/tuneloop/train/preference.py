@@ -1,4 +1,4 @@
-"""Preference losses (DPO with its sigmoid, IPO and hinge losses; ORPO; SimPO; KTO) on pairs of sequences.
+"""Preference losses (DPO with its loss types, dpo_loss_types.py; ORPO; SimPO; KTO) on pairs of sequences.
 
 A micro-batch holds whole pairs: sequence 2j is pair j's prompt + chosen reply, sequence 2j+1 its prompt +
 rejected reply, padded side by side or packed (data/collate.py numbers every sequence in `sequence_index`).
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tuneloop.dpo_loss_types import DPO_LOSS_TYPES
 from tuneloop.log_probs import reference_mode, sequence_log_probs
 from tuneloop.registry import Registry
 from tuneloop.rl_methods import RL_METHODS, setting
-
 
 
 @dataclass(frozen=True)
@@ -62,25 +62,13 @@ SETTING_KEYS = {"dpo_label_smoothing", "orpo_alpha", "kto_desirable_weight", "kt
 def dpo_losses(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor,
                settings: PairLosses) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and (chosen, rejected) rewards. `policy`, `reference`, `counts`: [2 × pairs], chosen at
-    even positions. IPO compares log-probs averaged over each reply's tokens (as in its paper and TRL); sigmoid
-    and hinge compare sums."""
+    even positions. The loss is the weighted sum of the run's loss types (dpo_loss_types.py's DPO_LOSS_TYPES)."""
     beta = settings.beta
     chosen_ratio = policy[0::2] - reference[0::2]
     rejected_ratio = policy[1::2] - reference[1::2]
-    margin = chosen_ratio - rejected_ratio
-    total = torch.zeros_like(margin)
+    total = torch.zeros_like(chosen_ratio)
     for name, weight in zip(settings.loss_types, settings.weights):
-        if name == "sigmoid":
-            smoothing = settings.dpo_label_smoothing
-            loss = -(1 - smoothing) * F.logsigmoid(beta * margin) - smoothing * F.logsigmoid(-beta * margin)
-        elif name == "hinge":
-            loss = torch.relu(1 - beta * margin)
-        elif name == "ipo":
-            averaged = chosen_ratio / counts[0::2] - rejected_ratio / counts[1::2]
-            loss = (averaged - 1 / (2 * beta)) ** 2
-        else:  # the config accepts only the names above
-            raise ValueError(f"unknown DPO loss {name!r}")
-        total = total + weight * loss
+        total = total + weight * DPO_LOSS_TYPES[name](chosen_ratio, rejected_ratio, counts, settings)
     return total, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 

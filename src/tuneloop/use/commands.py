@@ -79,19 +79,23 @@ def _add_merge(commands) -> None:
 
 
 def _add_export(commands) -> None:
-    from tuneloop.use.gguf.quantize import QUANTIZATIONS
+    from tuneloop.use.exporters import EXPORTERS, quant_names  # (light: each writer is imported when it runs)
 
-    export = commands.add_parser("export", help="the trained model as one GGUF file for llama.cpp / Ollama "
-                                 "(a LoRA run merged first), with an Ollama Modelfile beside it")
+    formats = EXPORTERS.names()
+    export = commands.add_parser("export", help="the trained model (a LoRA run merged first) as " + "; or ".join(
+        f"{EXPORTERS[name].summary} (--format {name})" for name in formats))
     _add_config_arguments(export, optional=True)
     export.add_argument("--model", metavar="DIR", help="a model folder or a LoRA adapter folder, instead of CONFIG")
     export.add_argument("--base", metavar="DIR", help="an adapter's base model, instead of the one it names")
-    export.add_argument("--format", choices=["gguf"], default="gguf", help="gguf (the one format there is)")
-    export.add_argument("--quant", choices=QUANTIZATIONS.names(), default="q8_0",
-                        help="the weights' type: q8_0 (the default: close to f16, half its size), f32, f16, bf16, "
-                             "q4_0; norms and biases stay f32")
-    export.add_argument("--output", metavar="FILE",
-                        help="the GGUF file (default: OUTPUT_DIR/model-QUANT.gguf, or DIR/model-QUANT.gguf)")
+    export.add_argument("--format", choices=formats, default=formats[0],
+                        help="; ".join(f"{name}: {EXPORTERS[name].summary}" + (" (the default)" if name == formats[0]
+                                                                              else "") for name in formats))
+    export.add_argument("--quant", choices=quant_names(), default=None,
+                        help="the weights' type; " + "; ".join(f"{name}: {EXPORTERS[name].quant_help()}"
+                                                             for name in formats))
+    suffixes = ", ".join(f"{EXPORTERS[name].suffix} ({name})" for name in formats)
+    export.add_argument("--output", metavar="FILE", help=f"the exported file (default: OUTPUT_DIR/model-QUANT.SUFFIX, "
+                        f"or DIR/model-QUANT.SUFFIX; the format's SUFFIX: {suffixes})")
     export.add_argument("--overwrite", action="store_true",
                         help="replace an existing output that tuneloop exported (never another program's file)")
     export.set_defaults(handler=command_export)
@@ -304,22 +308,27 @@ def _quantized_base_of_run(cfg, folder):
 
 def command_export(args) -> int:
     from tuneloop.hardware import quiet_deepspeed_on_cpu
-    from tuneloop.use.gguf.write import export_gguf
+    from tuneloop.use.exporters import EXPORTERS
 
     quiet_deepspeed_on_cpu()
+    exporter = EXPORTERS[args.format]
+    quant = args.quant or exporter.default_quant
+    if quant not in exporter.quantizations:  # (--quant's choices are every format's)
+        raise UserError(f"export: --quant {quant} is not one of --format {args.format}'s: "
+                        f"{exporter.quantizations.choices()}")
     folder, cfg = _source_folder(args, "export", "--model")
     trust_remote_code = _trusts_remote_code(cfg)
     if args.output:
         output = Path(args.output).expanduser()
-        if output.suffix != ".gguf":
-            raise UserError(f"export: --output {output} does not end in .gguf; llama.cpp and Ollama look for that")
+        if output.suffix != exporter.suffix:
+            raise UserError(f"export: --output {output} does not end in {exporter.suffix}; {exporter.readers} look "
+                            "for that")
     else:
-        output = folder.path / f"model-{args.quant}.gguf"
-    done = export_gguf(folder, output, args.quant, overwrite=args.overwrite, trust_remote_code=trust_remote_code,
-                       base_quantization=_quantized_base_of_run(cfg, folder) if folder.is_adapter else None)
-    print(f"exported {done.gguf} ({done.bytes / 1e6:.1f} MB) and {done.modelfile}; run it with:", flush=True)
-    print(f"  llama-cli -m {done.gguf} -cnv        # llama.cpp", flush=True)
-    print(f"  cd {done.gguf.parent} && ollama create NAME -f {done.modelfile.name} && ollama run NAME", flush=True)
+        output = folder.path / f"model-{quant}{exporter.suffix}"
+    done = exporter.write(folder, output, quant, overwrite=args.overwrite, trust_remote_code=trust_remote_code,
+                          base_quantization=_quantized_base_of_run(cfg, folder) if folder.is_adapter else None)
+    for line in exporter.hints(done):
+        print(line, flush=True)
     return 0
 
 
