@@ -91,10 +91,12 @@ def test_accumulating_4_micro_batches_of_2_equals_one_batch_of_8(tmp_path, tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["torchrun", "accelerate"])
-def test_two_ddp_ranks_equal_one_process(tmp_path, tiny_model_dir, uneven_data, accumulated_update, kind):
+def test_two_ddp_ranks_started_by_accelerate_launch_equal_one_process(tmp_path, tiny_model_dir, uneven_data,
+                                                                     accumulated_update):
+    """`accelerate launch --multi_gpu --num_processes 2` on a CPU: two real gloo ranks (the same through torchrun, with
+    every other feature's two-rank equality: test_ddp_equals_one_process.py)."""
     one_process = accumulated_update  # 4 micro-batches of 2 in one process
-    two_ranks = one_step_update(tmp_path, tiny_model_dir, uneven_data, "ddp", launcher=kind,
+    two_ranks = one_step_update(tmp_path, tiny_model_dir, uneven_data, "ddp", launcher="accelerate",
                                 micro_batch_size=2, gradient_accumulation_steps=2)
     plan = (tmp_path / "ddp" / "out" / "plan.json").read_text()
     assert '"world_size": 2' in plan and '"global_batch_size": 8' in plan

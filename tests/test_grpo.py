@@ -12,8 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import (assert_user_error, read_metrics, run_cli, run_in_process, run_two_ranks, write_config,
-                      write_jsonl)
+from conftest import assert_user_error, read_metrics, run_cli, run_in_process, write_config, write_jsonl
 from safetensors.torch import load_file
 
 WORDS = ["cat", "dog", "sun", "tree", "red", "blue", "one", "two", "fish", "bird", "moon", "star"]
@@ -136,40 +135,6 @@ def fixed_completions(path, tokenizer_dir, prompts: int) -> str:
                               for length, end in ((3, True), (8, False), (5, True), (8, False))]
     path.write_text(json.dumps(table))
     return str(path)
-
-
-@pytest.mark.slow
-def test_two_ranks_equal_one_process_on_the_same_completions(grpo_dir, tiny_model_dir, monkeypatch):
-    """Two gloo ranks (micro-batch 2 × 2 each: prompt groups of 4 span the ranks) and one process (2 × 4) train on
-    the same fed completions; the advantages are taken over whole groups across ranks, so the weights agree to
-    the fp32 reduction order."""
-    from tuneloop.online_rl.rollout import FIXED_COMPLETIONS_ENV
-
-    fed = fixed_completions(grpo_dir / "fixed.json", tiny_model_dir, 8)
-    results = {}
-    for name, ranks, micro, accumulation in (("one", 1, 2, 4), ("two", 2, 2, 2)):
-        run_dir = grpo_dir / name
-        run_dir.mkdir()
-        config = grpo_config(run_dir, tiny_model_dir, micro_batch_size=micro, gradient_accumulation_steps=accumulation,
-                             trl={"loss_type": "grpo", "scale_rewards": "batch", "log_completions": True},
-                             optimizer="sgd", learning_rate=0.1,
-                             datasets=[{"path": str(grpo_dir / "prompts.jsonl")}])
-        if ranks == 2:
-            result = run_two_ranks("train", str(config), env={FIXED_COMPLETIONS_ENV: fed})
-        else:
-            with monkeypatch.context() as patched:
-                patched.setenv(FIXED_COMPLETIONS_ENV, fed)
-                result = run_in_process("train", str(config))
-        assert result.returncode == 0, result.stderr[-3000:]
-        results[name] = (weights(run_dir / "out"), read_metrics(run_dir / "out"))
-    (one, one_lines), (two, two_lines) = results["one"], results["two"]
-    assert [line["reward"] for line in one_lines] == pytest.approx([line["reward"] for line in two_lines])
-    logged = {name: [json.loads(line) for line in
-                     (grpo_dir / name / "out" / "completions.jsonl").read_text().splitlines()]
-              for name in ("one", "two")}  # the main process logs every rank's completions, in the global order
-    assert [(r["where"], r["reward"]) for r in logged["two"]] == [(r["where"], r["reward"]) for r in logged["one"]]
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

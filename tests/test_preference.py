@@ -229,15 +229,6 @@ def test_dpo_accumulating_4_micro_batches_of_2_pairs_equals_one_batch_of_8(tmp_p
     assert relative_difference(accumulated_dpo_update, one_batch) < 1e-5
 
 
-@pytest.mark.slow
-def test_dpo_on_two_ranks_equals_one_process(tmp_path, tiny_model_dir, pairs_file, accumulated_dpo_update):
-    two_ranks = one_step_update(tmp_path, tiny_model_dir, pairs_file, "ddp", launcher="torchrun", micro_batch_size=2,
-                                gradient_accumulation_steps=2)
-    plan = json.loads((tmp_path / "ddp" / "out" / "plan.json").read_text())
-    assert plan["world_size"] == 2 and plan["global_batch_size"] == 8 and plan["unit"] == "pairs"
-    assert relative_difference(two_ranks, accumulated_dpo_update) < 1e-5
-
-
 def test_packed_pairs_train_as_padded_ones(tmp_path, tiny_model_dir, pairs_file):
     """Packing (each pair's two sequences in one row, isolated by their positions) changes nothing but speed: a
     step over all 32 pairs, padded or packed, gives the same update."""
