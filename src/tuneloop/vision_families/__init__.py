@@ -17,13 +17,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
+from collections import Counter
 
 from tuneloop.vision_families._record import KnownVisionFamily, UntrainedFamily, VisionFamily
-
-__all__ = ["KnownVisionFamily", "UntrainedFamily", "VisionFamily", "VISION_FAMILIES", "UNTRAINED_FAMILIES",
-           "TRAINED_VISION_TYPES", "TRAINED_VISION_WORDS", "VISION_FAMILY_WHY_NOT", "family_named_by",
-           "packing_families", "in_words"]
-
 
 def _family_files() -> dict[str, tuple[KnownVisionFamily, ...]]:
     """Every family file's records, by file name (sorted: the order of the lists of families)."""
@@ -42,11 +38,11 @@ def _family_files() -> dict[str, tuple[KnownVisionFamily, ...]]:
 
 FAMILY_FILES = _family_files()
 _RECORDS = [record for records in FAMILY_FILES.values() for record in records]
-_twice = sorted({record.name for record in _RECORDS if [r.name for r in _RECORDS].count(record.name) > 1})
-if _twice:
-    raise ValueError(f"vision families declared twice: {', '.join(_twice)}")
+_TWICE = [name for name, count in Counter(record.name for record in _RECORDS).items() if count > 1]
+if _TWICE:  # (one model type, one record: the tables below would keep only one of them)
+    raise ValueError(f"vision families declared twice: {', '.join(_TWICE)}")
 
-# model type -> record
+# model type -> record (and the tables derived from them: nothing below is kept by hand)
 VISION_FAMILIES = {record.name: record for record in _RECORDS if isinstance(record, VisionFamily)}
 UNTRAINED_FAMILIES = {record.name: record for record in _RECORDS if isinstance(record, UntrainedFamily)}
 TRAINED_VISION_TYPES = tuple(VISION_FAMILIES)
