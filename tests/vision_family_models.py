@@ -2,13 +2,14 @@
 hidden sizes of 32–64, one or two layers, 28-pixel vision patches (Qwen3-VL/3.5: 16-pixel, as theirs are), and
 Qwen3-VL, Qwen3.5 and InternVL folders with their image processor and tokenizer (their processors need torchvision),
 and PaddleOCR-VL with its whole processor.
-test_vision_families.py trains them."""
+test_vision_families.py trains them. TWINS (at the end) names every vision family's tiny twin: a family tuneloop
+trains (a VisionFamily record in tuneloop/vision_families/) has one here (test_vision_family_records.py holds it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from test_vision_language import tiny_tokenizer
+from test_vision_language import save_llava, save_qwen2_vl, tiny_tokenizer
 
 # SmolVLM's own template (the tokenizer's default: axolotl names none for the family), for text content
 SMOLVLM_TEMPLATE = ("<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
@@ -411,3 +412,12 @@ def save_gemma4(target: Path) -> Path:
     torch.manual_seed(0)
     Gemma4ForConditionalGeneration(config).save_pretrained(target)
     return target
+
+
+# model type -> the function that saves its tiny twin in a folder (LLaVA's and Qwen2-VL's: test_vision_language.py's)
+TWINS = {"llava": save_llava, "qwen2_vl": save_qwen2_vl,
+         "qwen2_5_vl": lambda target: save_qwen2_vl(target, version="2.5"),
+         "gemma3": save_gemma3, "gemma4": save_gemma4, "idefics3": save_idefics3, "smolvlm": save_smolvlm,
+         "mllama": save_mllama, "mistral3": save_mistral3, "internvl": save_internvl, "paddleocr_vl": save_paddleocr_vl,
+         "qwen3_vl": save_qwen3_vl, "qwen3_vl_moe": save_qwen3_vl_moe, "qwen3_5": save_qwen3_5,
+         "qwen3_5_moe": save_qwen3_5_moe, "glm4v": save_glm4v, "glm4v_moe": lambda target: save_glm4v(target, moe=True)}

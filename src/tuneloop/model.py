@@ -163,9 +163,9 @@ def attach_image_inputs(cfg: TuneloopConfig, kind: ModelKind | None, tokenizer) 
 
 
 def check_vision_packing(cfg: TuneloopConfig, family) -> None:
-    """`sample_packing` on a vision-language model: the families whose packed sequences stay apart (data/images.py:
-    VisionFamily.packs), refused naming the family for the others."""
-    from tuneloop.data.images import packing_families
+    """`sample_packing` on a vision-language model: the families whose packed sequences stay apart
+    (vision_families: VisionFamily.packs), refused naming the family for the others."""
+    from tuneloop.vision_families import packing_families
 
     for key in ("sample_packing", "eval_sample_packing"):
         if getattr(cfg, key) and not family.packs:
@@ -176,7 +176,7 @@ def check_vision_packing(cfg: TuneloopConfig, family) -> None:
 
 
 def freeze_vision_modules(cfg: TuneloopConfig, model) -> None:
-    """`freeze_mm_modules`: the vision tower and projector frozen (data/images.py names them per family)."""
+    """`freeze_mm_modules`: the vision tower and projector frozen (each family's record names them: vision_families/)."""
     from tuneloop.data.images import vision_family
 
     parts = vision_family(model.config, cfg.base_model or cfg.base_model_config).vision_modules

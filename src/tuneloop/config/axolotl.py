@@ -16,6 +16,18 @@ tables and not in the schema is unknown: the error names the nearest key of all 
 
 from __future__ import annotations
 
+from tuneloop import vision_families
+
+
+def _multimodal_not_yet() -> str:
+    """FEATURES["multimodal"]'s text, its families from their records (tuneloop/vision_families/)."""
+    wanting = [family for family in vision_families.UNTRAINED_FAMILIES.values() if family.needs]
+    libraries = " or ".join(dict.fromkeys(family.needs for family in wanting))
+    return (f"multimodal models beyond {vision_families.TRAINED_VISION_WORDS} "
+            f"({vision_families.in_words(family.words for family in wanting)} need {libraries}), audio and video "
+            f"parts, packing of the rows of {vision_families.UNPACKED_VISION_WORDS}, and streaming or preference "
+            "training of vision-language models")
+
 
 # feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
 FEATURES = {
@@ -32,11 +44,7 @@ FEATURES = {
                     "under FSDP2 and `context_parallel_size` (Ulysses) on DDP or FSDP2; sizes of 1 are accepted)"),
     "ray": ("launching on a Ray cluster", "launching on a Ray cluster (`use_ray`, `ray_num_workers`, "
             "`resources_per_worker`): tuneloop is launched with torchrun on each node (examples/slurm/ on Slurm)"),
-    "multimodal": ("multimodal models", "multimodal models beyond LLaVA, Qwen2-VL/Qwen2.5-VL/Qwen3-VL/Qwen3.5, "
-                   "GLM-4.xV, InternVL, PaddleOCR-VL, Gemma 3/4, Mllama, Idefics3/SmolVLM and Mistral 3 (Gemma 3n, "
-                   "Gemma 4 unified, Llama 4 and LFM2-VL need torchvision or timm), audio and video parts, "
-                   "packing of Qwen's, Gemma's and Mllama's rows, and streaming or preference training of "
-                   "vision-language models"),
+    "multimodal": ("multimodal models", _multimodal_not_yet()),
     "quantization": ("quantization beyond bitsandbytes", "quantization other than bitsandbytes 4/8-bit loading, "
                      "MXFP4 dequantized at load and int4/int8 QAT (GPTQ, torchao loading, fp8, NVFP4/MXFP4 QAT, QAT "
                      "under FSDP2 or DeepSpeed, 1-bit models)"),

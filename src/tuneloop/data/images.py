@@ -8,9 +8,10 @@ their final length and the plan's counts are exact. The collator decodes and pro
 when it needs them (ImageInputs.batch_inputs), with the tensors a family reads beside the pixels (Gemma 3's token
 types, Mllama's cross-attention mask).
 
-A family (VisionFamily) says what the chat text writes for an image, how the processor expands it (`layout`),
-which token it repeats, which tokens frame it (never trained, nor is any of an image's text), and which modules are
-the vision tower and projector (`freeze_mm_modules`). Families not listed are refused by name.
+A family (VisionFamily, one file each in tuneloop/vision_families/) says what the chat text writes for an image,
+how the processor expands it (`layout`, expanded here), which token it repeats, which tokens frame it (never
+trained, nor is any of an image's text), and which modules are the vision tower and projector (`freeze_mm_modules`).
+Families without a record are refused by name.
 """
 
 from __future__ import annotations
@@ -23,94 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuneloop.errors import UserError
+# (VISION_FAMILIES is read from here too: the families this module expands)
+from tuneloop.vision_families import VISION_FAMILIES, VISION_FAMILY_WHY_NOT, VisionFamily
 
 MULTIMODAL_FEATURE = "multimodal models"  # config/axolotl.py's FEATURES["multimodal"][0]
-
-
-@dataclass(frozen=True)
-class VisionFamily:
-    name: str
-    placeholder: str  # what a message's text holds where an image part was (the model's chat template writes it)
-    image_token: str  # the token the processor repeats once per image token
-    framing: tuple[str, ...]  # tokens around an image (vision start/end): never trained either
-    vision_modules: tuple[str, ...]  # module-name parts of the vision tower and projector (`freeze_mm_modules`)
-    # how the processor writes one image's text in place of the marker (`layout`): "repeat" (the image token, as
-    # many times as the image has tokens), "gemma3" (start/end of image around its soft tokens, blank lines
-    # either side), "tiles" (Idefics3/SmolVLM: a row-col tag and tokens per tile, then the global image),
-    # "cross" (Mllama: the one token stays; the decoder reads the image through cross-attention) or "framed"
-    # (InternVL: the two framing tokens around the image token, as many times as the image's tiles have tokens);
-    # "rows" (Mistral 3's Pixtral: per row of the resized image a row of image tokens and [IMG_BREAK], the last
-    # break [IMG_END]); "soft" (Gemma 4: start and end of image around as many soft tokens as the image, resized
-    # within the image processor's budget, has pooled patches)
-    layout: str = "repeat"
-    marker: str = ""  # the token the chat text holds per image, which the processor replaces ("": image_token)
-    nested: bool = False  # the image processor takes each row's images as one list (its tensors are per row)
-    # settings the family's processor gives its image processor on every call (InternVL's crop_to_patches, which
-    # its preprocessor_config.json leaves off): given here too, so the image processor alone (its processor needs
-    # torchvision) cuts the same tiles
-    image_kwargs: tuple[tuple[str, object], ...] = ()
-    # `sample_packing` keeps each packed sequence apart: the family's decoder takes plain positions (restarting per
-    # sequence) and its image features replace the image tokens in order. Not Qwen's multimodal rotary positions
-    # (computed from a row's images as one sequence), Gemma 3's bidirectional image attention (its mask is built
-    # from the whole row) or Mllama's cross-attention (a row's text reads the row's images)
-    packs: bool = False
-
-    @property
-    def text_marker(self) -> str:
-        return self.marker or self.image_token
-
-
-_QWEN_VL = dict(placeholder="<|vision_start|><|image_pad|><|vision_end|>", image_token="<|image_pad|>",
-                framing=("<|vision_start|>", "<|vision_end|>"), vision_modules=("visual",))  # (the merger is in it)
-_GLM4V = dict(placeholder="<|begin_of_image|><|image|><|end_of_image|>", image_token="<|image|>",
-              framing=("<|begin_of_image|>", "<|end_of_image|>"), vision_modules=("visual",))  # (merger in it)
-_IDEFICS3 = dict(placeholder="<image>", image_token="<image>",
-                 framing=("<fake_token_around_image>", "<global-img>",
-                          *(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7))),
-                 vision_modules=("vision_model", "connector"), layout="tiles", nested=True, packs=True)
-VISION_FAMILIES = {
-    "llava": VisionFamily("llava", "<image>\n", "<image>", (), ("vision_tower", "multi_modal_projector"), packs=True),
-    "qwen2_vl": VisionFamily("qwen2_vl", **_QWEN_VL),
-    "qwen2_5_vl": VisionFamily("qwen2_5_vl", **_QWEN_VL),
-    # Gemma 3: its template writes <start_of_image> for an image; the processor writes soft tokens after it
-    "gemma3": VisionFamily("gemma3", "<start_of_image>", "<image_soft_token>", ("<start_of_image>", "<end_of_image>"),
-                           ("vision_tower", "multi_modal_projector"), layout="gemma3", marker="<start_of_image>"),
-    "idefics3": VisionFamily("idefics3", **_IDEFICS3),
-    "smolvlm": VisionFamily("smolvlm", **_IDEFICS3),
-    "mllama": VisionFamily("mllama", "<|image|>", "<|image|>", (), ("vision_model", "multi_modal_projector"),
-                           layout="cross", nested=True),
-    # Qwen3-VL and Qwen3.5 (its vision half, on a hybrid linear-attention decoder): Qwen2-VL's image text and M-RoPE
-    "qwen3_vl": VisionFamily("qwen3_vl", **_QWEN_VL),
-    "qwen3_vl_moe": VisionFamily("qwen3_vl_moe", **_QWEN_VL),  # (Qwen3-VL-30B-A3B: the same, on a mixture of experts)
-    "qwen3_5": VisionFamily("qwen3_5", **_QWEN_VL),
-    "qwen3_5_moe": VisionFamily("qwen3_5_moe", **_QWEN_VL),  # (Qwen3.5-35B-A3B: the same, on a mixture of experts)
-    # GLM-4.1V and GLM-4.5V/4.6V (glm4v_moe): Qwen2-VL's arithmetic (14-pixel patches merged 2×2 by the tower's
-    # downsampling and merger) and M-RoPE over the row, under its own image tokens
-    "glm4v": VisionFamily("glm4v", **_GLM4V),
-    "glm4v_moe": VisionFamily("glm4v_moe", **_GLM4V),
-    # InternVL 3/3.5 (transformers' -hf layout): its template writes <IMG_CONTEXT> for an image; the processor
-    # writes <img>, the image's tiles' context tokens (its thumbnail too when it has more than one), </img>
-    "internvl": VisionFamily("internvl", "<IMG_CONTEXT>\n", "<IMG_CONTEXT>", ("<img>", "</img>"),
-                             ("vision_tower", "multi_modal_projector"), layout="framed",
-                             image_kwargs=(("crop_to_patches", True),), packs=True),
-    # Mistral 3 (Mistral-Small-3.1/3.2, Ministral 3, Mistral-Medium-3.5): [IMG] per token of Pixtral's merged patch
-    # grid, row by row; its vision tower and projector (the patch merger is in it)
-    "mistral3": VisionFamily("mistral3", "[IMG]", "[IMG]", ("[IMG_BREAK]", "[IMG_END]"),
-                             ("vision_tower", "multi_modal_projector"), layout="rows", packs=True),
-    # Gemma 4 (gemma-4-E2B/E4B/26B-A4B/31B): its template writes <|image|> for an image; the processor writes <|image>,
-    # a soft token per pooled patch of the image, <image|>. Its vision tower and the projection into the decoder
-    "gemma4": VisionFamily("gemma4", "<|image|>", "<|image|>", ("<|image>", "<image|>"),
-                           ("vision_tower", "embed_vision"), layout="soft"),
-    # PaddleOCR-VL (a NaViT tower on ERNIE-4.5): Qwen2-VL's arithmetic (14-pixel patches, 2×2 merged to a token by
-    # its projector) and M-RoPE over the row, under its own image tokens
-    "paddleocr_vl": VisionFamily("paddleocr_vl", "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
-                                 "<|IMAGE_PLACEHOLDER|>", ("<|IMAGE_START|>", "<|IMAGE_END|>"),
-                                 ("visual", "projector")),
-}
-
-
-def packing_families() -> str:
-    return ", ".join(name for name, family in VISION_FAMILIES.items() if family.packs)
 
 
 def is_vision_config(config) -> bool:
@@ -119,8 +36,6 @@ def is_vision_config(config) -> bool:
 
 def vision_family(config, source: str) -> VisionFamily:
     """The family of a vision-language model's config; others are refused naming their model type."""
-    from tuneloop.config.vision_names import VISION_FAMILY_WHY_NOT
-
     family = VISION_FAMILIES.get(getattr(config, "model_type", None))
     if family is None:
         why = VISION_FAMILY_WHY_NOT.get(config.model_type)
@@ -249,39 +164,17 @@ def checked_size(reference: str, where: str) -> tuple[int, int]:
     return size
 
 
-# the processor settings that make an image fewer tokens, per family (an image alone longer than sequence_len)
-SHRINKS = {"qwen2_vl": "processor_kwargs: {{max_pixels: {pixels}}} (an image is about max_pixels / 784 tokens) or "
-                       "image_size",
-           "idefics3": "processor_kwargs: {{do_image_splitting: false}} (one tile per image) or image_size",
-           "gemma3": None, "llava": None, "mllama": None}
-SHRINKS.update(qwen2_5_vl=SHRINKS["qwen2_vl"], smolvlm=SHRINKS["idefics3"],
-               # (16-pixel patches: about max_pixels / 1024 tokens, so the max_pixels offered is on the safe side)
-               **dict.fromkeys(("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
-                                SHRINKS["qwen2_vl"].replace("784", "1024")),
-               internvl="processor_kwargs: {{max_patches: 1}} (one tile per image)")
-# Mistral 3: an image whose longer side is N pixels is at most (N / 28)² image tokens (14-pixel patches merged 2×2)
-SHRINKS["mistral3"] = ("processor_kwargs: {{size: {{longest_edge: N}}}} (an image is at most (N / 28)² image tokens) "
-                       "or image_size")
-# GLM-4V: its size bounds the pixels of 2 frames (an image counts twice), 784 pixels an image token
-SHRINKS["glm4v"] = SHRINKS["glm4v_moe"] = (
-    "processor_kwargs: {{size: {{shortest_edge: 12544, longest_edge: {pixels}}}}} (an image is about longest_edge / "
-    "1568 tokens) or image_size")
-SHRINKS["paddleocr_vl"] = SHRINKS["qwen2_vl"]  # (14-pixel patches merged 2×2, max_pixels its image processor's too)
-# Gemma 4: every image is resized to fill max_soft_tokens (70, 140, 280, 560 or 1120), whatever its size
-SHRINKS["gemma4"] = "processor_kwargs: {{max_soft_tokens: 70}} (at most 70 image tokens an image)"
-
-
 def check_images_fit(counts: list[int], references: list[str], sizes: list[tuple[int, int]], sequence_len: int,
-                     family: str, where: str) -> None:
+                     family: VisionFamily, where: str) -> None:
     """An image whose tokens alone fill sequence_len can never train: refused naming it, its tokens and the
     processor setting that makes it fewer (the row's other images and text are the ordinary length check's)."""
     for number, (count, reference, (height, width)) in enumerate(zip(counts, references, sizes), start=1):
         if count < sequence_len:
             continue
         shown = reference.partition(":")[2] if reference.startswith("path:") else "(base64 data)"
-        shrink = SHRINKS.get(family)
+        shrink = family.shrink
         fix = (f"shrink it with {shrink.format(pixels=784 * (sequence_len // 2))}, or raise sequence_len" if shrink
-               else f"{family} makes every image this many tokens: raise sequence_len")
+               else f"{family.name} makes every image this many tokens: raise sequence_len")
         raise UserError(f"data: {where}: image {number} ({shown}, {width}×{height}) becomes {count} image tokens, "
                         f"which do not fit in sequence_len={sequence_len}; {fix}")
 

@@ -197,7 +197,7 @@ class ChunkTokenizer:
             sizes = [checked_size(reference, row.where) for reference in references]
             spans = [(0, len(text.text))] if self.train_on_inputs else text.trained_spans
             expanded, spans, counts = self.vision.expanded(text.text, spans, sizes, row.where)
-            check_images_fit(counts, references, sizes, self.sequence_len, self.vision.family.name, row.where)
+            check_images_fit(counts, references, sizes, self.sequence_len, self.vision.family, row.where)
             rendered.append(dataclasses.replace(text, text=expanded, trained_spans=spans))
             images.append(references_json(list(zip(references, counts))))
         # (train_on_inputs is in the spans already: the whole text but its images' text, newlines between tiles too)

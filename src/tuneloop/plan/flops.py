@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from tuneloop.cache import cache_root
+from tuneloop.vision_families import VISION_FAMILIES
 
 # dense (not sparse) bf16/fp16 tensor-core TFLOPS from the vendors' data sheets; the first name found in the
 # device's name wins (so "H100 PCIe" is looked up before "H100")
@@ -316,10 +317,8 @@ def mfu(real_tokens_per_second: float | None, per_token: float | None, peak: flo
 # counts as Qwen2-VL's, its 2×2 downsampling convolution and merger per image token)
 # (Gemma 4: every patch of its image processor's budget, max_soft_tokens × pooling², padding included; its
 # pooler's matmul averages them into max_soft_tokens; its embed_vision projects the image's own soft tokens)
-PROJECTOR_PARTS = ("multi_modal_projector", "connector", "merger", "deepstack_merger_list",
-                   "downsample",  # (GLM-4V's 2×2 convolution after its blocks: once per image token)
-                   "projector",  # (PaddleOCR-VL's: its 2×2 patch merge and MLP, once per image token)
-                   "embed_vision")  # (Gemma 4's projection of each soft token into the decoder)
+# (every family's projector_parts: what runs once per image token, whichever family a module is found in)
+PROJECTOR_PARTS = tuple(dict.fromkeys(part for family in VISION_FAMILIES.values() for part in family.projector_parts))
 
 
 @dataclass(frozen=True)
@@ -407,55 +406,15 @@ def vision_weights(model, config, family, image_processor=None) -> VisionWeights
     width = getattr(vision, "embed_dim", None) or vision.hidden_size
     return VisionWeights(family.name, tuple(matmuls), len(layer_list), width,
                          gradient_layers=_gradient_layers(config, len(layer_list)), in_text_count=tuple(counted),
-                         **_vision_shape(config, family.name, len(layer_list), image_processor))
+                         **_vision_shape(config, family, len(layer_list), image_processor))
 
 
-def _vision_shape(config, family: str, layers: int, image_processor=None) -> dict:
-    """How many positions the tower runs per image, and how far each attends (see the notes above)."""
-    vision = config.vision_config
-    if family == "gemma4":
-        return _gemma4_shape(vision, image_processor)
-    if family in ("llava", "gemma3"):
-        patches = (vision.image_size // vision.patch_size) ** 2
-        cls = 1 if vision.model_type == "clip_vision_model" else 0  # (CLIP's class position; SigLIP has none)
-        return {"fixed_positions": patches + cls, "cls": cls}
-    if family in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "paddleocr_vl",
-                  "glm4v", "glm4v_moe"):
-        # (PaddleOCR-VL's tower runs the patch grid too, each image apart; its projector merges 2×2 after it)
-        merge = vision.spatial_merge_size
-        if family != "qwen2_5_vl":  # (Qwen2-VL's and Qwen3-VL's blocks all attend over the whole image)
-            return {"positions_per_token": merge ** 2}
-        side = (vision.window_size // merge // vision.patch_size) * merge  # patches along a window's side
-        return {"positions_per_token": merge ** 2, "window": side ** 2,
-                "full_layers": tuple(vision.fullatt_block_indexes or range(layers))}
-    if family == "internvl":  # tile by tile: its patches, downsample_ratio along each side (0.5: 4 patches a
-        # token), and a class position, which the tile's patches attend to as well
-        patches, per_token = (_side(vision.image_size) // _side(vision.patch_size)) ** 2, round(
-            1 / config.downsample_ratio ** 2)
-        return {"positions_per_token": per_token, "cls": 1, "tile_tokens": patches // per_token,
-                "context": patches + 1}
-    if family in ("idefics3", "smolvlm"):
-        return {"positions_per_token": config.scale_factor ** 2,
-                "context": (vision.image_size // vision.patch_size) ** 2}
-    if family == "mistral3":  # Pixtral: the patch grid before the projector's patch merger, merge² patches a token
-        return {"positions_per_token": config.spatial_merge_size ** 2}
-    return {"why_not": f"not counted for {family}'s vision tower yet"}
-
-
-def _gemma4_shape(vision, image_processor) -> dict:
-    """Gemma 4: its image processor pads every image's patches to max_soft_tokens × pooling² (the budget the image
-    was resized within), and the tower runs them all (the padding masked out of attention, not out of the
-    matmuls); its pooler averages them into max_soft_tokens, of which the image's own are kept."""
-    if image_processor is None:
-        return {"why_not": "not counted for gemma4's vision tower without its image processor (the positions it runs "
-                           "are the processor's max_soft_tokens)"}
-    pooled = image_processor.max_soft_tokens
-    return {"fixed_positions": pooled * vision.pooling_kernel_size ** 2, "pooled": pooled}
-
-
-def _side(size) -> int:
-    """A square's side, where a config gives it as one number or as (height, width) (InternVL's)."""
-    return size if isinstance(size, int) else size[0]
+def _vision_shape(config, family, layers: int, image_processor=None) -> dict:
+    """How many positions the tower runs per image, and how far each attends (see the notes above): the family's
+    own tower shape (its record in tuneloop/vision_families/)."""
+    if family.tower_shape is None:
+        return {"why_not": f"not counted for {family.name}'s vision tower yet"}
+    return family.tower_shape(config, layers, image_processor)
 
 
 def _gradient_layers(config, layers: int) -> int:
