@@ -157,7 +157,12 @@ def two_ranks(tmp_path_factory, inputs) -> tuple:
                                               "dpo", "grpo", "plan")}
     for folder in folders.values():
         folder.mkdir()
+    plan_config = write_config(folders["plan"] / "run.yml", **base_config(folders["plan"], inputs["llama"],
+                                                                          inputs["plan_rows"], **PLAN_KEYS))
+    # planned before anything ran (a run records its pace for `torch_compile: auto`'s next plans), and first there
+    planned = run_in_process("plan", str(plan_config), "--json", "--world-size", "2")
     configs = {
+        "plan": (plan_config, {}),
         "plain": (plain_config(folders["plain"], inputs["llama"], inputs["rows"], 2), {}),
         "masters": (masters_config(folders["masters"], inputs["llama"], inputs["masters_rows"], 2), {}),
         "qlora": (qlora_config(folders["qlora"], inputs["llama"], inputs["qlora_rows"], 2), {}),
@@ -167,11 +172,9 @@ def two_ranks(tmp_path_factory, inputs) -> tuple:
         "dpo": (dpo_config(folders["dpo"], inputs["llama"], inputs["dpo_pairs"], 2), {}),
         "grpo": (grpo_config_of(folders["grpo"], inputs["llama"], inputs["prompts"], 2),
                  {FIXED_COMPLETIONS_ENV: inputs["fed_completions"]}),
-        "plan": (write_config(folders["plan"] / "run.yml", **base_config(folders["plan"], inputs["llama"],
-                                                                         inputs["plan_rows"], **PLAN_KEYS)), {}),
     }
     results = run_in_one_launch(*((["train", str(config)], env) for config, env in configs.values()))
-    return folders, dict(zip(configs, results))
+    return folders, {**dict(zip(configs, results)), "planned": planned}
 
 
 @pytest.mark.slow
@@ -296,15 +299,14 @@ def test_grpo_two_ranks_equal_one_process_on_the_same_completions(tmp_path, inpu
 
 @pytest.mark.slow
 def test_plan_for_two_ranks_equals_a_real_two_rank_run(inputs, two_ranks):
-    """`tuneloop plan --world-size 2` made here (the ranks of a shared launch, like this process, run the allocator a
-    TrainingSession opened from Python runs: allocator.py) is the plan.json the two ranks wrote, and the run took
-    its steps and its tokens."""
+    """`tuneloop plan --world-size 2` made here before the launch (the ranks of a shared launch, like this process,
+    run the allocator a TrainingSession opened from Python runs: allocator.py) is the plan.json the two ranks wrote,
+    and the run took its steps and its tokens."""
     folders, results = two_ranks
     finished(results["plan"])
     config, out = folders["plan"] / "run.yml", folders["plan"] / "out"
-    planned = run_in_process("plan", str(config), "--json", "--world-size", "2")
-    assert planned.returncode == 0, planned.stderr[-2000:]
-    planned = json.loads(planned.stdout)
+    assert results["planned"].returncode == 0, results["planned"].stderr[-2000:]
+    planned = json.loads(results["planned"].stdout)
     ran = json.loads((out / "plan.json").read_text())
     assert ran == planned and ran["world_size"] == 2
     steps = [m for m in read_metrics(out) if "loss" in m]
