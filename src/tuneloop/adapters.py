@@ -37,9 +37,9 @@ def lora_config(cfg, model, peft_task_type: str):
                       init_lora_weights=cfg.peft_init_lora_weights, fan_in_fan_out=bool(cfg.lora_fan_in_fan_out))
 
 
-def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
+def add_adapter(cfg, model, peft_task_type: str, checkpoint=None, checkpointing: bool | str = False):
     """The model with its LoRA adapter: the checkpoint's when resuming, else `lora_model_dir`'s trained one when
-    set, else a new one."""
+    set, else a new one. `checkpointing`: the run's (resolved.gradient_checkpointing)."""
     from peft import PeftModel, get_peft_model
 
     from tuneloop.quantized_experts import remove_lora_proxies_after_each_forward
@@ -72,7 +72,7 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
                 raise
             raise UserError(f"config: peft cannot build this LoRA variant on {type(model).__name__}: {error}") from None
     remove_lora_proxies_after_each_forward(adapted)  # (where experts are quantized: quantized_experts.py)
-    if cfg.gradient_checkpointing:
+    if checkpointing:
         require_input_grads_where_trained(adapted.get_base_model())
     return adapted
 
@@ -220,15 +220,16 @@ def quantization_config(cfg, kind: str):
                         f"{error}") from None
 
 
-def prepare_quantized(cfg, model):
+def prepare_quantized(cfg, model, checkpointing: bool | str):
     """peft's preparation of quantized weights for training (norms in fp32, input gradients), with the 4-bit
-    weights kept in the one layout training reads (keep_4bit_layout)."""
+    weights kept in the one layout training reads (keep_4bit_layout). `checkpointing`: the run's
+    (resolved.gradient_checkpointing)."""
     from peft import prepare_model_for_kbit_training
 
     keep_4bit_layout(model)
     with warnings.catch_warnings():  # peft calls transformers' deprecated gradient_checkpointing_enable
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
-        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(cfg.gradient_checkpointing),
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(checkpointing),
                                                gradient_checkpointing_kwargs=checkpointing_kwargs(cfg))
 
 

@@ -113,7 +113,6 @@ class TrainTokenizer(Strict):
 
 
 class TuneloopConfig(Strict):
-    _engine: Any = PrivateAttr(default=None)  # the sharding keys read (config/rules.py: sharding)
     _config_dir: Any = PrivateAttr(default=None)  # the YAML's folder (reward functions and transforms live there)
     # model: pretrained weights (base_model), or a model built from a config with random weights (from scratch:
     # base_model_config, a folder or a model type name such as `t5`, or reinit_weights)
@@ -717,12 +716,6 @@ class TuneloopConfig(Strict):
     def from_scratch(self) -> bool:
         """Random weights from a config (base_model_config without base_model, or reinit_weights)."""
         return self.reinit_weights or self.base_model is None
-
-    @property
-    def engine(self):
-        """The sharding keys as read by the `sharding` rule (engines/keys.py): read once, when the config is
-        validated. Code below the config reads it from resolved.py's Resolved, never from here."""
-        return self._engine
 
     @property
     def beta(self) -> float:

@@ -108,7 +108,8 @@ def load_for_eval(cfg, resolved, folder: ModelFolder, vocabulary: int):
                             quantization=quantized.bnb_config if quantized else None)
     if quantized:
         quantized.quantize_experts(model)
-        prepare_quantized(cfg, model)  # the norms in fp32 and the 4-bit layout, as the run's model had them
+        # the norms in fp32 and the 4-bit layout, as the run's model had them
+        prepare_quantized(cfg, model, resolved.gradient_checkpointing)
     model.config.use_cache = False
     if not folder.is_adapter and vocabulary > model.get_input_embeddings().weight.shape[0]:
         grow_embeddings(model, vocabulary)  # a base model next to a run that added tokens
