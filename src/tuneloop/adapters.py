@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import warnings
 
+from tuneloop.config.names import name_pattern
 from tuneloop.errors import UserError
 
 
@@ -122,7 +123,7 @@ def adapter_folder(cfg):
     """`lora_model_dir` as a folder holding a saved adapter, or None when unset."""
     from pathlib import Path
 
-    from tuneloop.use.folders import ADAPTER_CONFIG
+    from tuneloop.run_files import ADAPTER_CONFIG
 
     if not cfg.lora_model_dir:
         return None
@@ -251,12 +252,6 @@ def keep_4bit_layout(model) -> int:
 def checkpointing_kwargs(cfg) -> dict:
     """Non-reentrant by default (it works with frozen inputs and DDP); the config's own kwargs win."""
     return {"use_reentrant": False, **(cfg.gradient_checkpointing_kwargs or {})}
-
-
-def name_pattern(pattern: str) -> str:
-    """axolotl's reading of an `unfrozen_parameters` pattern: a dot is a literal dot (parameter names are dotted
-    paths), except in `.+`."""
-    return re.sub(r"\.(?!\+)", r"\\.", pattern)
 
 
 def freeze_all_but(model, patterns: list[str]) -> None:

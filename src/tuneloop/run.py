@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tuneloop import run_files
 from tuneloop.config import TuneloopConfig, load_config
-from tuneloop.engines.base import leave_group_of_one
+from tuneloop.engines.base import forget_accelerate_state, leave_group_of_one
 from tuneloop.errors import CheckpointFailed, TrainingDiverged, UserError
 from tuneloop.rl_methods import is_online
 from tuneloop.train.hooks import RunHooks, TogetherHooks
@@ -128,7 +128,7 @@ class TrainingSession:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             # a process that made its own Accelerator before (a notebook that ran the HF Trainer, a test) left
             # accelerate's process-wide state with its precision, and accelerate would refuse ours
-            _forget_accelerate_state()
+            forget_accelerate_state()
         timeout = timedelta(seconds=self.cfg.ddp_timeout) if self.cfg.ddp_timeout else None
         join_process_group(self.resolved.engine, timeout)  # (before Accelerate's, which then uses it)
         handlers = [InitProcessGroupKwargs(timeout=timeout)] if timeout else []
@@ -421,7 +421,7 @@ class TrainingSession:
                 self.leave_together()
         finally:
             if self.accelerator.num_processes == 1:
-                _forget_accelerate_state()
+                forget_accelerate_state()
                 leave_group_of_one()
 
     def leave_together(self) -> None:
@@ -517,13 +517,3 @@ def peak_memory(plan) -> dict:
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     return {"host_rss": round(rss / 1e9, 2), "cuda_allocated": round(cuda / 1e9, 2) if cuda is not None else None,
             "estimated": plan.estimated_memory_gb}
-
-
-def _forget_accelerate_state() -> None:
-    """Accelerate keeps one process-wide state (device, precision) and refuses an Accelerator with another
-    precision in the same process. A single-process run forgets it when it ends, as accelerate's own test
-    cases do between tests, so the next run in this process (a test, a benchmark, a notebook) starts clean."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()

@@ -19,6 +19,7 @@ from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, field_va
 from tuneloop.config import axolotl
 from tuneloop.config.datasets import (DATASET_FORM, PRETRAINING_FORM, DatasetConfig, PretrainingDataset, Strict,
                                       home_expanded, pretraining_entry_form)
+from tuneloop.config.names import name_pattern, repo_id_problem
 from tuneloop.data.chat_templates import check_template_name
 from tuneloop.errors import UserError
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS
@@ -477,8 +478,6 @@ class TuneloopConfig(Strict):
     @field_validator("unfrozen_parameters")
     @classmethod
     def _unfrozen_patterns(cls, value):
-        from tuneloop.adapters import name_pattern
-
         for pattern in value or []:
             if re.search(r"\[\d*(:\d*)?\]$", pattern):
                 raise ValueError(f"{pattern!r}: unfreezing a row range of a parameter asks for "
@@ -589,8 +588,6 @@ class TuneloopConfig(Strict):
     def _hub_repo_id(cls, value):
         """A malformed repo id is said here and refused when `train` starts (before the hub is reached): axolotl's
         own example configs carry placeholders (`<your-hub-model-id>`) that `check` accepts as axolotl does."""
-        from tuneloop.use.hub import repo_id_problem
-
         problem = repo_id_problem(value) if value else None
         if problem:
             warnings.warn(f"`hub_model_id: {value}` is not a Hub repo id ({problem}); `tuneloop train` refuses it: "

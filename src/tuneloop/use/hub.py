@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuneloop import run_files
+from tuneloop.config.names import repo_id_problem
 from tuneloop.errors import UserError
 from tuneloop.train.hooks import RunHooks
 
@@ -100,18 +101,6 @@ def push_command(output_dir: Path, repo_id: str, revision: str | None) -> str:
     """The command that pushes a finished output folder later."""
     command = f"tuneloop push {shlex.quote(str(output_dir))} --hub-model-id {shlex.quote(repo_id)}"
     return command + (f" --revision {shlex.quote(revision)}" if revision else "")
-
-
-def repo_id_problem(repo_id: str) -> str | None:
-    """Why `repo_id` is not a Hub repo id (huggingface_hub's own rule), or None."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        return str(error).splitlines()[0]
-    return None
 
 
 # ---- the network ------------------------------------------------------------------------------------------------
@@ -291,7 +280,7 @@ def command_push(args: argparse.Namespace) -> int:
 
 def check_finished_output(folder: Path) -> None:
     """A folder `tuneloop push` uploads: a finished run's output_dir, with its summary and its final model."""
-    from tuneloop.use.folders import ADAPTER_CONFIG, WEIGHT_PATTERNS
+    from tuneloop.run_files import ADAPTER_CONFIG, WEIGHT_PATTERNS
 
     if not folder.is_dir():
         raise UserError(f"push: {folder} is not a folder; give the output_dir of a finished tuneloop run")
