@@ -2,7 +2,7 @@
 
 This is tuneloop's entry point below the command line. `tuneloop train` is
 
-    cfg = load_run_config("run.yml")
+    cfg = load_run_config("run.yml")               # (tuneloop.config)
     with TrainingSession(cfg, hooks) as session:   # one per process; the ranks leave together
         result = session.run()
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuneloop import run_files
-from tuneloop.config import TuneloopConfig, load_config
+from tuneloop.config import TuneloopConfig
 from tuneloop.engines.base import forget_accelerate_state, leave_group_of_one
 from tuneloop.errors import CheckpointFailed, TrainingDiverged, UserError
 from tuneloop.rl_methods import is_online
@@ -34,13 +34,6 @@ from tuneloop.train.hooks import RunHooks, TogetherHooks
 
 # Test hook: rank 0 prepares its data this many seconds more slowly (the other ranks must wait without timing out)
 SLOW_PREPARE_ENV = "TUNELOOP_TEST_SLOW_PREPARE_SECONDS"
-
-
-def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
-    """The config as a run uses it: validated, with the embedded aliases resolved to local paths."""
-    from tuneloop.demo.embedded import resolve_aliases
-
-    return resolve_aliases(load_config(path, overrides))
 
 
 def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunHooks | None = None):
