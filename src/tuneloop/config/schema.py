@@ -19,12 +19,13 @@ from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, field_va
 from tuneloop.config import axolotl
 from tuneloop.config.datasets import (DATASET_FORM, PRETRAINING_FORM, DatasetConfig, PretrainingDataset, Strict,
                                       home_expanded, pretraining_entry_form)
-from tuneloop.config.names import name_pattern, repo_id_problem
+from tuneloop.config.hub import repo_id_problem
+from tuneloop.config.names import name_pattern
+from tuneloop.config.qat_block import QATBlock
 from tuneloop.data.chat_templates import check_template_name
 from tuneloop.errors import UserError
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS
 from tuneloop.online_rl.settings import TRLBlock
-from tuneloop.qat import QATBlock
 from tuneloop.rl_methods import NOT_OFFERED, ONLINE_METHODS, RL_METHODS
 
 

@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
+from tuneloop.config.hub import push_words
 from tuneloop.data.batching import BatchingSpec
 from tuneloop.data.collate import Padding, padding_for
 from tuneloop.errors import UserError
 from tuneloop.optim import optimizer_words, schedule_words
 from tuneloop.plan.schedule import run_schedule
-from tuneloop.use.hub import push_words
 from tuneloop.rl_methods import RL_METHODS, is_online, objective_name, reference_source
 from tuneloop.resolved import slow_bf16_note
 
