@@ -273,7 +273,7 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
         model_dir = build_llama(workdir / "model", Path(args.tokenizer) if args.tokenizer else embedded_model_dir(),
                                 "llama-1b")
     elif model_key == "config":
-        from tuneloop.run import load_run_config
+        from tuneloop.config import load_run_config
 
         model_dir = Path(load_run_config(args.config).base_model)
     else:
@@ -599,7 +599,8 @@ class BenchHooks(RunHooks):
 def child_tuneloop(job: dict, packed: bool, profile: bool = False) -> dict:
     """tuneloop's real run (tuneloop.run.TrainingSession, what `tuneloop train` runs) in this process, watched
     through its hooks (BenchHooks): nothing of tuneloop is patched."""
-    from tuneloop.run import TrainingSession, load_run_config
+    from tuneloop.config import load_run_config
+    from tuneloop.run import TrainingSession
 
     device = job["device"]
     hooks = BenchHooks(device, profile)

@@ -430,7 +430,8 @@ def child_result(model, tokenizer, job: dict, **measured) -> dict:
 def child_tuneloop(job: dict, bf16: bool) -> dict:
     """tuneloop's real run (TrainingSession, what `tuneloop train` runs) on the YAML config, watched through its
     hooks: nothing of tuneloop is patched."""
-    from tuneloop.run import TrainingSession, load_run_config
+    from tuneloop.config import load_run_config
+    from tuneloop.run import TrainingSession
     from tuneloop.train.hooks import RunHooks
 
     class Hooks(RunHooks):

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from tuneloop.import_noise import quiet_import_noise
-    from tuneloop.run import TrainingSession, load_run_config
+    from tuneloop.config import load_run_config
+    from tuneloop.run import TrainingSession
     from tuneloop.train.hooks import RunHooks
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -305,7 +305,8 @@ def eval_loss_per_token(model, job: dict) -> float:
 
 def child_tuneloop(job: dict) -> dict:
     """tuneloop's real run in this process, watched through its hooks (nothing patched)."""
-    from tuneloop.run import TrainingSession, load_run_config
+    from tuneloop.config import load_run_config
+    from tuneloop.run import TrainingSession
 
     hooks = VisionBenchHooks(job["image_token_id"])
     overrides = [f"output_dir={job['output_dir']}"] + (["bf16=auto"] if job["variant"].endswith("_bf16") else [])

@@ -58,7 +58,8 @@ def between_ranks(mine: list[list[int]], theirs: list[list[int]]) -> tuple[int, 
 
 def probe_main(config: str, out: str) -> int:
     """One rank: the run, with the TCP counters read after every optimizer step."""
-    from tuneloop.run import TrainingSession, load_run_config
+    from tuneloop.config import load_run_config
+    from tuneloop.run import TrainingSession
     from tuneloop.train.hooks import RunHooks
 
     store_port = int(os.environ["MASTER_PORT"])

@@ -119,3 +119,33 @@ def test_bad_set_values_are_clear_errors():
         config_from_dict(MINIMAL, ["micro_batch_size=[1,"])
     with pytest.raises(UserError, match="not an entry of that list"):
         config_from_dict(MINIMAL, ["datasets.3=1"])
+
+
+def test_a_validated_config_says_what_the_user_wrote_and_resolved_decides_what_the_run_does():
+    """The sharding keys write no other key: FSDP's activation_checkpointing turns checkpointing on, a sharding engine
+    leaves torch.compile off and rank 0's loading is left off beside `rl`, in Resolved alone (the plan shows it);
+    what is left off is still said when the config is read."""
+    from tuneloop.resolved import resolve_config
+
+    fsdp = {"fsdp_version": 2, "fsdp_config": {"activation_checkpointing": True, "cpu_ram_efficient_loading": True}}
+    with pytest.warns(UserWarning, match="`torch_compile` with fsdp2"):
+        cfg = config(torch_compile=True, **fsdp)
+    assert cfg.torch_compile is True and cfg.gradient_checkpointing is False and not hasattr(cfg, "engine")
+    resolved = resolve_config(cfg)
+    assert resolved.engine.name == "fsdp2" and resolved.engine.loads_on_rank_zero
+    assert (resolved.compiled, resolved.compile_auto, resolved.gradient_checkpointing) == (False, False, True)
+    assert resolved.to_json()["gradient_checkpointing"] is True and resolved.to_json()["compile_auto"] is False
+    plain = resolve_config(config(gradient_checkpointing="offload"))
+    assert (plain.compiled, plain.compile_auto, plain.gradient_checkpointing) == (False, True, "offload")
+    assert resolve_config(config(torch_compile=True)).compiled is True
+    assert resolve_config(config(torch_compile="auto", context_parallel_size=2)).compile_auto is False
+
+
+def test_the_mixed_precision_of_the_keys_is_one_pure_function():
+    from tuneloop.hardware import mixed_precision
+
+    assert mixed_precision(True, "auto", None) == ("fp16", "fp16: true")
+    assert mixed_precision(None, "auto", "the CPU has AMX") == ("bf16", "bf16: auto, and the CPU has AMX")
+    assert mixed_precision(None, "auto", None)[0] == "no"
+    assert mixed_precision(None, True, None) == ("bf16", "bf16: true")
+    assert mixed_precision(None, False, "the CPU has AMX") == ("no", "bf16: false")

@@ -26,9 +26,10 @@ import pytest
 import torch
 from conftest import base_config, save_llama, tiny_rows, write_config, write_jsonl
 
+from tuneloop.config import load_run_config
 from tuneloop.model import MODEL_KINDS, model_facts
 from tuneloop.plan.memory import _activations
-from tuneloop.run import TrainingSession, load_run_config
+from tuneloop.run import TrainingSession
 from tuneloop.train.hooks import RunHooks
 
 SIZES = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2}

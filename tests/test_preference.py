@@ -22,7 +22,7 @@ from tuneloop.config import config_from_dict
 from tuneloop.data.collate import Collator
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.data.prepare import prepare
-from tuneloop.run import _forget_accelerate_state
+from tuneloop.engines.base import forget_accelerate_state
 from tuneloop.train.preference import PairLosses, PreferenceLoss, sequence_log_probs
 
 WORDS = " ".join(CORPUS).split()
@@ -551,7 +551,7 @@ def test_the_dpo_loss_equals_trls_on_the_same_tokens(tmp_path, tiny_model_dir, l
         batch = next(iter(trainer.get_train_dataloader()))
         trl_loss = float(trainer.compute_loss(trainer.model, batch))
     finally:  # the Trainer's Accelerator state would refuse the next run's precision in this process
-        _forget_accelerate_state()
+        forget_accelerate_state()
 
     # TRL's rows are [chosen..., rejected...], right-padded; tuneloop's are chosen, rejected, chosen, ...
     pairs = len(rows)

@@ -51,7 +51,7 @@ def run(tmp_path_factory, tiny_model_dir, data):
 
 def quantized_copy(folder, tmp_path):
     """The folder's model quantized for real by `tuneloop quantize`'s code (QAT's settings)."""
-    from tuneloop.qat import QATBlock
+    from tuneloop.config.qat_block import QATBlock
     from tuneloop.use.folders import ModelFolder
     from tuneloop.use.quantize import quantize_folder
 
@@ -82,7 +82,8 @@ def test_saved_model_is_plain_and_trained(run, tiny_model_dir):
     """(That they are the weights step 4 trained is test_fake_quantization_starts_at_its_step's last eval.)"""
     from transformers import AutoModelForCausalLM
 
-    from tuneloop.qat import FakeQuantization, QATBlock
+    from tuneloop.config.qat_block import QATBlock
+    from tuneloop.qat import FakeQuantization
 
     _, out, _ = run
     saved, base = load_file(out / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
@@ -103,7 +104,8 @@ def test_saved_model_is_plain_and_trained(run, tiny_model_dir):
 def test_quantize_command_writes_a_reloadable_fake_quantized_model(run):
     from transformers import AutoModelForCausalLM
 
-    from tuneloop.qat import FakeQuantization, QATBlock
+    from tuneloop.config.qat_block import QATBlock
+    from tuneloop.qat import FakeQuantization
 
     config, out, _ = run
     result = run_in_process("quantize", str(config))

@@ -18,7 +18,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from tuneloop.config import config_from_dict
 from tuneloop.data.collate import Collator
 from tuneloop.data.prepare import prepare
-from tuneloop.run import _forget_accelerate_state
+from tuneloop.engines.base import forget_accelerate_state
 from tuneloop.train.reward_model import BradleyTerryLoss
 
 WORDS = " ".join(CORPUS).split()
@@ -94,7 +94,7 @@ def trl_loss_and_gradients(tmp_path, model, tokenizer, rows, coefficient):
         loss = trainer.compute_loss(trainer.model, batch)
         loss.backward()
     finally:  # the Trainer's Accelerator state would refuse the next run's precision in this process
-        _forget_accelerate_state()
+        forget_accelerate_state()
     return float(loss.detach()), {name: p.grad.clone() for name, p in model.named_parameters()}, batch
 
 

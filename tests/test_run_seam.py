@@ -10,7 +10,8 @@ import json
 
 from conftest import base_config, read_metrics, tiny_rows, write_config, write_jsonl
 
-from tuneloop.run import TrainingSession, load_run_config
+from tuneloop.config import load_run_config
+from tuneloop.run import TrainingSession
 from tuneloop.train.hooks import RunHooks
 
 

@@ -157,13 +157,14 @@ def test_the_plans_activations_divide_the_heads_and_mlp_part_over_the_tp_ranks(c
 
     text = SimpleNamespace(hidden_size=1024, num_hidden_layers=8, vocab_size=32000)
     facts = SimpleNamespace(text_config=text, chunked_loss=True, decoder_layers=None)  # (not a LLaMA-formula model)
-    cfg = SimpleNamespace(gradient_checkpointing=checkpointing, bfloat16=False, float16=False)
+    cfg = SimpleNamespace(bfloat16=False, float16=False)
     tokens, per_layer = 4096, 4096 * 1024 * 2
-    logits = _activations(cfg, facts, tokens, "bf16") - (per_layer * (8 + 34) if checkpointing
-                                                           else per_layer * 8 * 34)
+    logits = _activations(cfg, facts, tokens, "bf16", checkpointing=checkpointing) - (
+        per_layer * (8 + 34) if checkpointing else per_layer * 8 * 34)
     for tp in (1, 2, 4):
         layers = per_layer * (8 + 10 + 24 / tp) if checkpointing else per_layer * 8 * (10 + 24 / tp)
-        assert _activations(cfg, facts, tokens, "bf16", tp) == pytest.approx(layers + logits)
+        assert (_activations(cfg, facts, tokens, "bf16", tp, checkpointing=checkpointing)
+                == pytest.approx(layers + logits))
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
@@ -185,13 +186,14 @@ def test_a_llama_layers_kept_tensors_divide_over_the_tp_ranks_but_the_norms_and_
                             inputs_shared={}, adapter_outputs=0)
     text = SimpleNamespace(hidden_size=hidden, num_hidden_layers=layers, vocab_size=32000)
     facts = SimpleNamespace(text_config=text, chunked_loss=True, decoder_layers=counted)
-    cfg = SimpleNamespace(gradient_checkpointing=checkpointing, bfloat16=False, float16=False)
+    cfg = SimpleNamespace(bfloat16=False, float16=False)
     tokens = 4096
     whole = 2 * hidden * 4 + (3 * hidden + 2 * hidden) * 2  # per layer and token: fp32 norms' inputs, bf16 inputs
     split = 3000 * 4 + (5000 + hidden + 2500) * 2  # (attention in fp32 on a CPU)
-    logits = _activations(cfg, facts, tokens, "bf16", 1, on_cpu=True) - tokens * (
+    logits = _activations(cfg, facts, tokens, "bf16", 1, on_cpu=True, checkpointing=checkpointing) - tokens * (
         hidden * 4 * layers + whole + split if checkpointing else (whole + split) * layers)
     for tp in (1, 2, 4):
         every_layer = whole + split / tp
         expected = tokens * (hidden * 4 * layers + every_layer if checkpointing else every_layer * layers)
-        assert _activations(cfg, facts, tokens, "bf16", tp, on_cpu=True) == pytest.approx(expected + logits)
+        assert (_activations(cfg, facts, tokens, "bf16", tp, on_cpu=True, checkpointing=checkpointing)
+                == pytest.approx(expected + logits))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import warnings
 
+from tuneloop.config.names import name_pattern
 from tuneloop.errors import UserError
 
 
@@ -37,9 +38,9 @@ def lora_config(cfg, model, peft_task_type: str):
                       init_lora_weights=cfg.peft_init_lora_weights, fan_in_fan_out=bool(cfg.lora_fan_in_fan_out))
 
 
-def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
+def add_adapter(cfg, model, peft_task_type: str, checkpoint=None, checkpointing: bool | str = False):
     """The model with its LoRA adapter: the checkpoint's when resuming, else `lora_model_dir`'s trained one when
-    set, else a new one."""
+    set, else a new one. `checkpointing`: the run's (resolved.gradient_checkpointing)."""
     from peft import PeftModel, get_peft_model
 
     from tuneloop.quantized_experts import remove_lora_proxies_after_each_forward
@@ -72,7 +73,7 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None):
                 raise
             raise UserError(f"config: peft cannot build this LoRA variant on {type(model).__name__}: {error}") from None
     remove_lora_proxies_after_each_forward(adapted)  # (where experts are quantized: quantized_experts.py)
-    if cfg.gradient_checkpointing:
+    if checkpointing:
         require_input_grads_where_trained(adapted.get_base_model())
     return adapted
 
@@ -122,7 +123,7 @@ def adapter_folder(cfg):
     """`lora_model_dir` as a folder holding a saved adapter, or None when unset."""
     from pathlib import Path
 
-    from tuneloop.use.folders import ADAPTER_CONFIG
+    from tuneloop.run_files import ADAPTER_CONFIG
 
     if not cfg.lora_model_dir:
         return None
@@ -220,15 +221,16 @@ def quantization_config(cfg, kind: str):
                         f"{error}") from None
 
 
-def prepare_quantized(cfg, model):
+def prepare_quantized(cfg, model, checkpointing: bool | str):
     """peft's preparation of quantized weights for training (norms in fp32, input gradients), with the 4-bit
-    weights kept in the one layout training reads (keep_4bit_layout)."""
+    weights kept in the one layout training reads (keep_4bit_layout). `checkpointing`: the run's
+    (resolved.gradient_checkpointing)."""
     from peft import prepare_model_for_kbit_training
 
     keep_4bit_layout(model)
     with warnings.catch_warnings():  # peft calls transformers' deprecated gradient_checkpointing_enable
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
-        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(cfg.gradient_checkpointing),
+        return prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(checkpointing),
                                                gradient_checkpointing_kwargs=checkpointing_kwargs(cfg))
 
 
@@ -250,12 +252,6 @@ def keep_4bit_layout(model) -> int:
 def checkpointing_kwargs(cfg) -> dict:
     """Non-reentrant by default (it works with frozen inputs and DDP); the config's own kwargs win."""
     return {"use_reentrant": False, **(cfg.gradient_checkpointing_kwargs or {})}
-
-
-def name_pattern(pattern: str) -> str:
-    """axolotl's reading of an `unfrozen_parameters` pattern: a dot is a literal dot (parameter names are dotted
-    paths), except in `.+`."""
-    return re.sub(r"\.(?!\+)", r"\\.", pattern)
 
 
 def freeze_all_but(model, patterns: list[str]) -> None:

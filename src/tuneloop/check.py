@@ -7,10 +7,10 @@ needs of the machine, without reading data or the model and without importing to
 from __future__ import annotations
 
 from tuneloop.config import TuneloopConfig
+from tuneloop.config.hub import push_words
 from tuneloop.hardware import hardware_needs
 from tuneloop.resolved import Resolved, resolve_config
 from tuneloop.rl_methods import RL_METHODS, is_online, reference_source
-from tuneloop.use.hub import push_words
 
 
 def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:

@@ -26,7 +26,7 @@ def load_config_saying_warnings(args):
     """The run's config from a command's CONFIG and --set arguments, its warnings said on stderr."""
     import warnings
 
-    from tuneloop.run import load_run_config
+    from tuneloop.config import load_run_config
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -115,6 +115,21 @@ def quiet_deepspeed_on_cpu() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+def mixed_precision(fp16, bf16, native: str | None) -> tuple[str, str]:
+    """Accelerate's mixed precision for the `fp16`/`bf16` keys on a machine whose native bf16 is `native` (in words,
+    as native_bf16 says it; None: none): ("bf16", "fp16" or "no", why in words). Pure: the caller asks the machine,
+    and refuses fp16 without CUDA (resolved.precision)."""
+    if fp16:
+        return "fp16", "fp16: true"
+    if bf16 == "auto":
+        # bf16 where the hardware runs it natively: on a Zen 4 CPU a 2048² matmul ran 411 GFLOPS in bf16 against
+        # 168 in fp32, and the quickstart trained 1.5x faster
+        if native:
+            return "bf16", f"bf16: auto, and {native}"
+        return "no", "bf16: auto, and there is no native bf16 here"
+    return ("bf16", "bf16: true") if bf16 else ("no", "bf16: false")
+
+
 def native_bf16() -> str | None:
     """Where this machine computes bf16 natively, in words (None: nowhere). Asked of torch, not /proc/cpuinfo."""
     import torch

@@ -593,15 +593,16 @@ def check_sequence_len(cfg: TuneloopConfig, facts: ModelFacts) -> str | None:
             f"{limit} were never trained; quality may drop on rows that long.")
 
 
-def enable_checkpointing(cfg: TuneloopConfig, model) -> None:
+def enable_checkpointing(cfg: TuneloopConfig, model, checkpointing: bool | str) -> None:
     """Activation checkpointing (recompute each layer in the backward), non-reentrant unless the config's
-    gradient_checkpointing_kwargs say otherwise; `offload` keeps the checkpoints in CPU memory."""
+    gradient_checkpointing_kwargs say otherwise; `checkpointing` (resolved.gradient_checkpointing) "offload" keeps
+    the checkpoints in CPU memory."""
     from tuneloop.adapters import checkpointing_kwargs
 
     import torch
 
     # on a CPU the checkpoints are in CPU memory already (and pinned copies need an accelerator)
-    offload = cfg.gradient_checkpointing == "offload" and torch.cuda.is_available()
+    offload = checkpointing == "offload" and torch.cuda.is_available()
     if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5.24's name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs(cfg),
                                               offload=offload)
@@ -683,10 +684,10 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_met
         import torch
 
         with torch.device("meta"):
-            return _prepared_for_training(cfg, resolved.model_kind, built_from_config(cfg, built, config, attention),
+            return _prepared_for_training(cfg, resolved, built_from_config(cfg, built, config, attention),
                                           tokenizer, False, None)
     if cfg.from_scratch and checkpoint is None:
-        return _prepared_for_training(cfg, resolved.model_kind, built_from_config(cfg, built, config, attention),
+        return _prepared_for_training(cfg, resolved, built_from_config(cfg, built, config, attention),
                                       tokenizer, False, checkpoint)
     if checkpoint is not None and not cfg.adapter:  # the checkpoint's whole weights (an adapter's sit on the base)
         source, options = str(checkpoint), {}
@@ -707,7 +708,7 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_met
         from tuneloop.quantized_experts import quantize_experts_as_asked
 
         quantize_experts_as_asked(model, options["quantization_config"], source)
-    return _prepared_for_training(cfg, resolved.model_kind, model, tokenizer, quantized, checkpoint)
+    return _prepared_for_training(cfg, resolved, model, tokenizer, quantized, checkpoint)
 
 
 def built_from_config(cfg: TuneloopConfig, built, config, attention: str | None):
@@ -723,9 +724,9 @@ def built_from_config(cfg: TuneloopConfig, built, config, attention: str | None)
         raise UserError(f"model: cannot build a {config.model_type} model from its config: {error}") from None
 
 
-def _prepared_for_training(cfg: TuneloopConfig, kind: ModelKind, model, tokenizer, quantized, checkpoint):
-    """The loaded or built model made ready: cache off, embeddings grown to the tokenizer, checkpointing,
-    the adapter or the frozen parameters."""
+def _prepared_for_training(cfg: TuneloopConfig, resolved, model, tokenizer, quantized, checkpoint):
+    """The loaded or built model made ready: cache off, embeddings grown to the tokenizer, checkpointing (the
+    run's: resolved.gradient_checkpointing), the adapter or the frozen parameters."""
     from tuneloop import rms_norm, swiglu
     from tuneloop.adapters import add_adapter, freeze_all_but, prepare_quantized
 
@@ -735,17 +736,18 @@ def _prepared_for_training(cfg: TuneloopConfig, kind: ModelKind, model, tokenize
     swiglu.use_in(model)  # LLaMA-formula MLPs: the same values, SiLU's output made again in the backward
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         grow_embeddings(model, len(tokenizer))
+    checkpointing = resolved.gradient_checkpointing
     if quantized:
-        model = prepare_quantized(cfg, model)  # (peft's preparation checkpoints in place)
-    if cfg.gradient_checkpointing == "offload" or (cfg.gradient_checkpointing and not quantized):
-        enable_checkpointing(cfg, model)
+        model = prepare_quantized(cfg, model, checkpointing)  # (peft's preparation checkpoints in place)
+    if checkpointing == "offload" or (checkpointing and not quantized):
+        enable_checkpointing(cfg, model, checkpointing)
     if cfg.adapter:
-        return add_adapter(cfg, model, kind.peft_task_type, checkpoint)
+        return add_adapter(cfg, model, resolved.model_kind.peft_task_type, checkpoint, checkpointing)
     if cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
     if cfg.freeze_mm_modules:
         freeze_vision_modules(cfg, model)
-    if cfg.gradient_checkpointing and (cfg.unfrozen_parameters or cfg.freeze_mm_modules):
+    if checkpointing and (cfg.unfrozen_parameters or cfg.freeze_mm_modules):
         from tuneloop.adapters import require_input_grads_where_trained
 
         require_input_grads_where_trained(model)  # (re-entrant checkpointing's hooks: a frozen tower builds no graph)

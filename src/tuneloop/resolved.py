@@ -1,4 +1,5 @@
-"""What a run is, decided once: precision, attention kernel, model kind, engine, batching, stored or streamed data.
+"""What a run is, decided once: precision, attention kernel, model kind, engine, batching, stored or streamed data,
+compiled or not, activation checkpointing.
 
 The config says what the user asked for; some answers also depend on the machine (is there native bf16, can
 flash-attention run) and on the model's own config (is it an encoder-decoder). Each is decided here, in one
@@ -16,6 +17,8 @@ import importlib.util
 from dataclasses import dataclass, replace
 
 from tuneloop.engines.base import EngineSpec
+from tuneloop.engines.keys import run_engine, uncompiled_by
+from tuneloop.hardware import quantized_loading
 from tuneloop.model import ModelKind, kind_of_config, named_kind, recurrent_layers
 
 PRECISION_NAMES = {"no": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}
@@ -58,6 +61,8 @@ class Resolved:
     batching: str  # training micro-batches: "packed", "group_by_length", "token_budget" or "random"
     eval_batching: str  # eval micro-batches: "packed", "group_by_length" or "token_budget"
     compiled: bool  # torch.compile of the training step
+    compile_auto: bool  # `torch_compile: auto`, left to the plan (plan/compile_choice.py); never where nothing compiles
+    gradient_checkpointing: bool | str  # layers recomputed in the backward: True, "offload" (kept in CPU memory), False
     attention: Attention
     model_kind: ModelKind | None  # causal or seq2seq (model.py's MODEL_KINDS); None: not known from the config alone
     precision: Precision | None = None  # None: not known without the machine
@@ -76,7 +81,8 @@ class Resolved:
                 "attention": {"asked": self.attention.asked, "used": self.attention.used, "note": self.attention.note},
                 "model_kind": self.model_kind and self.model_kind.name, "engine": self.engine.identity(),
                 "batching": self.batching, "eval_batching": self.eval_batching, "streamed": self.streamed,
-                "compiled": self.compiled}
+                "compiled": self.compiled, "compile_auto": self.compile_auto,
+                "gradient_checkpointing": self.gradient_checkpointing}
 
 
 def resolve_config(cfg) -> Resolved:
@@ -121,7 +127,7 @@ def resolve_run(cfg, model_config=None) -> Resolved:
     # packed rows anywhere; on a CPU padded rows too (each row's real tokens apart, packed_attention.py)
     padded_on_cpu = not decided.encoder_decoder and not _cuda_available()
     splittable = (packed or padded_on_cpu) and not cfg.trust_remote_code and model_can_split(model_config)
-    run_precision = precision(cfg)
+    run_precision = precision(cfg, decided.engine)
     chosen = attention(cfg, splittable, sixteen_bit=run_precision.mixed != "no" or bool(cfg.bfloat16 or cfg.float16))
     if not cfg.trust_remote_code:
         chosen = eager_without_sdpa(chosen, model_config)
@@ -182,8 +188,11 @@ def eager_without_sdpa(chosen: Attention, model_config) -> Attention:
 
 def _resolved(cfg, kind: ModelKind | None) -> Resolved:
     encoder_decoder = kind is not None and kind.encoder_decoder
-    return Resolved(engine=cfg.engine, streamed=cfg.streams, batching=batching(cfg, encoder_decoder),
-                    eval_batching=eval_batching(cfg, encoder_decoder), compiled=compiled(cfg),
+    engine = run_engine(cfg, quantized_loading(cfg))
+    return Resolved(engine=engine, streamed=cfg.streams, batching=batching(cfg, encoder_decoder),
+                    eval_batching=eval_batching(cfg, encoder_decoder), compiled=compiled(cfg, engine),
+                    compile_auto=cfg.torch_compile == "auto" and uncompiled_by(engine) is None,
+                    gradient_checkpointing=gradient_checkpointing(cfg, engine),
                     attention=Attention(requested_attention(cfg)), model_kind=kind)
 
 
@@ -212,22 +221,28 @@ def eval_batching(cfg, unpacked: bool) -> str:
     return "token_budget" if cfg.max_tokens_per_micro_batch else "group_by_length"
 
 
-def compiled(cfg) -> bool:
-    """`torch_compile: true`. `auto` (the default) is decided by the plan, from the run's length and what this
+def compiled(cfg, engine: EngineSpec) -> bool:
+    """`torch_compile: true`, but never under a sharding engine or context parallel (engines/keys.py: uncompiled_by;
+    config/rules.py says so). `auto` (the default) is decided by the plan, from the run's length and what this
     machine measured for the model (plan/compile_choice.py), and starts here as not compiled; axolotl's auto means
-    "torch is recent enough" (2.5.1), which every torch tuneloop runs on is. (A sharding engine has turned both
-    off when the config was read: config/rules.py.)"""
-    return cfg.torch_compile is True
+    "torch is recent enough" (2.5.1), which every torch tuneloop runs on is."""
+    return cfg.torch_compile is True and uncompiled_by(engine) is None
 
 
-def precision(cfg) -> Precision:
+def gradient_checkpointing(cfg, engine: EngineSpec) -> bool | str:
+    """`gradient_checkpointing` (true, or "offload"), or FSDP's `activation_checkpointing`, which asks for the same
+    recomputation."""
+    return cfg.gradient_checkpointing or engine.activation_checkpointing
+
+
+def precision(cfg, engine: EngineSpec) -> Precision:
     """Accelerate's mixed precision for the config on this machine, whether the weights it computes with are bf16
     copies of fp32 masters, and why."""
     mixed = _mixed_precision(cfg)
-    masters, why_not = master_weights(cfg, mixed.mixed)
+    masters, why_not = master_weights(cfg, mixed.mixed, engine)
     if masters:
         return replace(mixed, masters=True, why=f"{mixed.why}; master_weights: {cfg.master_weights}")
-    if frozen_weights_in_bf16(cfg, mixed.mixed):
+    if frozen_weights_in_bf16(cfg, mixed.mixed, engine):
         return replace(mixed, frozen_bf16=True, why=f"{mixed.why}; master_weights: {cfg.master_weights}")
     if why_not and cfg.master_weights is True:  # (config/rules.py refuses what the config alone rules out)
         from tuneloop.errors import UserError
@@ -236,7 +251,7 @@ def precision(cfg) -> Precision:
     return mixed
 
 
-def frozen_weights_in_bf16(cfg, mixed: str) -> bool:
+def frozen_weights_in_bf16(cfg, mixed: str, engine: EngineSpec) -> bool:
     """An adapter's frozen base holds its matmul weights in bf16 under bf16 mixed precision (engines/masters.py):
     autocast would cast them to bf16 in every forward anyway, and they never change. Where the base is not fp32
     (`bfloat16`/`float16`, 4- and 8-bit), where the engine keeps its own precision (FSDP2, DeepSpeed), and under
@@ -244,10 +259,10 @@ def frozen_weights_in_bf16(cfg, mixed: str) -> bool:
     `master_weights: false` keeps them fp32 too."""
     return (mixed == "bf16" and cfg.adapter is not None and cfg.master_weights is not False
             and not (cfg.bfloat16 or cfg.float16 or cfg.load_in_4bit or cfg.load_in_8bit or cfg.peft_use_dora)
-            and (cfg.engine is None or cfg.engine.name == "ddp"))
+            and engine.name == "ddp")
 
 
-def master_weights(cfg, mixed: str) -> tuple[bool, str | None]:
+def master_weights(cfg, mixed: str, engine: EngineSpec) -> tuple[bool, str | None]:
     """(bf16 compute weights with fp32 masters, what rules them out). They compute what autocast computes (the
     same bf16 products of the same rounded weights, gradients added into fp32) without casting every weight in
     every forward and backward: one copy per optimizer step instead (engines/masters.py). Only the DDP engine needs
@@ -256,7 +271,7 @@ def master_weights(cfg, mixed: str) -> tuple[bool, str | None]:
 
     if cfg.master_weights is False:
         return False, None
-    blocker = master_weights_blocker(cfg, mixed)
+    blocker = master_weights_blocker(cfg, mixed, engine)
     return blocker is None, blocker
 
 
@@ -264,21 +279,13 @@ def _mixed_precision(cfg) -> Precision:
     import torch
 
     from tuneloop.errors import UserError
-    from tuneloop.hardware import native_bf16
+    from tuneloop.hardware import mixed_precision, native_bf16
 
-    if cfg.fp16:
-        if not torch.cuda.is_available():  # accelerate would accept it and quietly train in fp32
-            raise UserError("config: `fp16: true` needs a CUDA GPU, and this machine has none (accelerate would "
-                            "silently train in fp32 here). Remove it, or use `bf16: true` where the CPU has bf16.")
-        return Precision("fp16", "fp16: true")
-    if cfg.bf16 == "auto":
-        native = native_bf16()
-        # bf16 where the hardware runs it natively: on a Zen 4 CPU a 2048² matmul ran 411 GFLOPS in bf16 against
-        # 168 in fp32, and the quickstart trained 1.5x faster
-        if native:
-            return Precision("bf16", f"bf16: auto, and {native}")
-        return Precision("no", "bf16: auto, and there is no native bf16 here")
-    return Precision("bf16", "bf16: true") if cfg.bf16 else Precision("no", "bf16: false")
+    if cfg.fp16 and not torch.cuda.is_available():  # accelerate would accept it and quietly train in fp32
+        raise UserError("config: `fp16: true` needs a CUDA GPU, and this machine has none (accelerate would "
+                        "silently train in fp32 here). Remove it, or use `bf16: true` where the CPU has bf16.")
+    native = native_bf16() if cfg.bf16 == "auto" and not cfg.fp16 else None
+    return Precision(*mixed_precision(cfg.fp16, cfg.bf16, native))
 
 
 def slow_bf16_note(cfg, mixed: Precision) -> str | None:

@@ -2,7 +2,7 @@
 
 This is tuneloop's entry point below the command line. `tuneloop train` is
 
-    cfg = load_run_config("run.yml")
+    cfg = load_run_config("run.yml")               # (tuneloop.config)
     with TrainingSession(cfg, hooks) as session:   # one per process; the ranks leave together
         result = session.run()
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuneloop import run_files
-from tuneloop.config import TuneloopConfig, load_config
-from tuneloop.engines.base import leave_the_group
+from tuneloop.config import TuneloopConfig
+from tuneloop.engines.base import forget_accelerate_state, leave_the_group
 from tuneloop.errors import CheckpointFailed, TrainingDiverged, UserError
 from tuneloop.rl_methods import is_online
 from tuneloop.train.hooks import RunHooks, TogetherHooks
@@ -34,13 +34,6 @@ from tuneloop.train.hooks import RunHooks, TogetherHooks
 
 # Test hook: rank 0 prepares its data this many seconds more slowly (the other ranks must wait without timing out)
 SLOW_PREPARE_ENV = "TUNELOOP_TEST_SLOW_PREPARE_SECONDS"
-
-
-def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
-    """The config as a run uses it: validated, with the embedded aliases resolved to local paths."""
-    from tuneloop.demo.embedded import resolve_aliases
-
-    return resolve_aliases(load_config(path, overrides))
 
 
 def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunHooks | None = None):
@@ -130,7 +123,7 @@ class TrainingSession:
             # accelerate's process-wide state with its precision, and accelerate would refuse ours; a launched rank
             # whose earlier run ended (end_training closed its group: a sweep of runs in one launch) would keep
             # that state and never join a group again
-            _forget_accelerate_state()
+            forget_accelerate_state()
         timeout = timedelta(seconds=self.cfg.ddp_timeout) if self.cfg.ddp_timeout else None
         join_process_group(self.resolved.engine, timeout)  # (before Accelerate's, which then uses it)
         handlers = [InitProcessGroupKwargs(timeout=timeout)] if timeout else []
@@ -423,7 +416,7 @@ class TrainingSession:
                 self.leave_together()
         finally:
             if self.accelerator.num_processes == 1:
-                _forget_accelerate_state()
+                forget_accelerate_state()
                 leave_the_group()
             elif exc_type is None:  # (after an unexpected error the other ranks may be anywhere: left as it is)
                 leave_the_group()
@@ -521,13 +514,3 @@ def peak_memory(plan) -> dict:
     cuda = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     return {"host_rss": round(rss / 1e9, 2), "cuda_allocated": round(cuda / 1e9, 2) if cuda is not None else None,
             "estimated": plan.estimated_memory_gb}
-
-
-def _forget_accelerate_state() -> None:
-    """Accelerate keeps one process-wide state (device, precision) and refuses an Accelerator with another
-    precision in the same process. A single-process run forgets it when it ends, as accelerate's own test
-    cases do between tests, so the next run in this process (a test, a benchmark, a notebook) starts clean."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()

@@ -45,6 +45,9 @@ OLD_BEST = f".old-{BEST}"  # the previous best while save_best replaces it
 # ---- trackers' files (trackers.py)
 TENSORBOARD = "runs"  # as the Trainer names it
 WANDB = "wandb"  # wandb's own folder (an offline run lives there until `wandb sync`)
+# ---- a model folder as the use commands meet it (use/folders.py): a LoRA adapter's config, or weights
+ADAPTER_CONFIG = "adapter_config.json"
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 # ---- what the use commands write there (use/)
 MERGED = "merged"  # `tuneloop merge-lora`'s default output
 QUANTIZED = "quantized"  # `tuneloop quantize`'s default output (axolotl's name)

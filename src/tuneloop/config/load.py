@@ -251,3 +251,10 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopC
 
         check_reward_functions(cfg)
     return cfg
+
+
+def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
+    """The config as a run uses it: validated, with the embedded aliases resolved to local paths."""
+    from tuneloop.demo.embedded import resolve_aliases
+
+    return resolve_aliases(load_config(path, overrides))

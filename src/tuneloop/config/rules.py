@@ -2,14 +2,13 @@
 
 Every rule runs, so a config shows all of its problems at once (`tuneloop check`). A rule that reads a key
 whose own value was refused (a field error) cannot judge: it is skipped, and it speaks once that value is
-fixed. A few rules also settle what a key means when another says it (a template's text means
-`chat_template: jinja`; FSDP's activation_checkpointing turns on gradient_checkpointing): the config that comes
-out says what the run does.
+fixed. A rule writes no key (but for axolotl's alias: a template's text means `chat_template: jinja`): the config
+that comes out says what the user wrote, and what the run then does with it (the engine, compiling, checkpointing,
+precision) is decided once, in resolved.py; a rule says what it leaves off that only changes speed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from pathlib import Path
 from typing import Callable, Iterator
@@ -534,29 +533,26 @@ def reward_model(cfg) -> Problems:
 
 def sharding(cfg) -> Problems:
     """How the ranks share the model (engines/keys.py reads axolotl's fsdp and deepspeed keys), and what a
-    sharding engine cannot run with."""
-    from tuneloop.engines.keys import read_engine, read_mesh_keys
+    sharding engine cannot run with. What it leaves off that only changes speed or host memory (torch.compile,
+    rank 0's loading) is said here and decided by resolved.py, with the same functions of engines/keys.py."""
+    from tuneloop.engines.keys import engine_of, rank_zero_loading_left_off, uncompiled_by
+    from tuneloop.hardware import quantized_loading
 
-    fsdp_config = dict(cfg.fsdp_config or {})
-    if cfg.fsdp_final_state_dict_type:
-        fsdp_config.setdefault("final_state_dict_type", cfg.fsdp_final_state_dict_type)
     try:
-        mesh = read_mesh_keys(cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size,
-                              cfg.context_parallel_size, cfg.sequence_parallel_degree)
-        engine = read_engine(cfg.fsdp, cfg.fsdp_version, fsdp_config, cfg.deepspeed, mesh=mesh)
+        engine = engine_of(cfg)
     except ValueError as error:
         yield str(error)
         return
-    cfg._engine = engine
-    uncompiled = engine.name if engine.name != "ddp" else "context parallel" if mesh.cp else None
-    if uncompiled and cfg.torch_compile == "auto":
-        cfg.torch_compile = False  # (auto: nothing to say; the plan shows no compile line)
-    elif uncompiled and cfg.torch_compile:  # compiling changes only speed: said, and left off
+    uncompiled = uncompiled_by(engine)
+    if uncompiled and cfg.torch_compile is True:  # compiling changes only speed: said, and left off (auto: silent)
         warnings.warn(f"`torch_compile` with {uncompiled}: tuneloop compiles only unsharded models without context "
                       "parallel so far, so this run is not compiled (the same result, without the speed-up).",
                       UserWarning, stacklevel=2)
-        cfg.torch_compile = False
+    left_off = rank_zero_loading_left_off(engine, cfg.rl, quantized_loading(cfg))
+    if left_off:
+        warnings.warn(left_off, UserWarning, stacklevel=2)
     yield from sharded_quantized_weights(cfg, engine)
+    mesh = engine.mesh_keys
     if mesh.tp:
         yield from tensor_parallel(cfg, mesh.tp)
     if mesh.cp:
@@ -564,15 +560,6 @@ def sharding(cfg) -> Problems:
     if cfg.optimizer == "muon" and engine.name != "ddp":
         yield (f"`optimizer: muon` orthogonalises whole weight matrices, and {engine.name} hands the optimizer shards "
                "of them: use muon on DDP ranks (no `fsdp`/`deepspeed`), or an AdamW")
-    if engine.name == "fsdp2" and cfg._engine.loads_on_rank_zero and cfg.rl:
-        # the reference model (or its precomputed log-probs) is made from the policy before the engine sends the
-        # other ranks their weights: on those ranks there would be none yet
-        warnings.warn(f"`fsdp_config.cpu_ram_efficient_loading` with `rl: {cfg.rl}`: every rank loads the weights "
-                      "itself (the reference model is made from them before rank 0 could send them), so it only "
-                      "changes host memory here and is left off.", UserWarning, stacklevel=2)
-        cfg._engine = dataclasses.replace(cfg._engine, loads_on_rank_zero=False)
-    if engine.activation_checkpointing and not cfg.gradient_checkpointing:
-        cfg.gradient_checkpointing = True  # fsdp_config.activation_checkpointing is the same recomputation
 
 
 def tensor_parallel(cfg, tp: int) -> Problems:
@@ -621,16 +608,11 @@ def sharded_quantized_weights(cfg, engine) -> Problems:
     object). But an engine that casts the model's floating-point weights to 16 bits (FSDP2 gathering under bf16,
     DeepSpeed's own bf16/fp16) would cast 4-bit values packed into another float dtype, destroying them. An 8-bit
     weight's scales live on the parameter object, which FSDP2 replaces: it comes back without them."""
-    from tuneloop.hardware import quantized_loading
+    from tuneloop.hardware import mixed_precision, native_bf16, quantized_loading
 
     quantized = quantized_loading(cfg)
     if not quantized or engine.name == "ddp":
         return
-    if engine.name == "fsdp2" and engine.loads_on_rank_zero:
-        warnings.warn("`fsdp_config.cpu_ram_efficient_loading` with 4/8-bit weights: every rank loads and quantizes "
-                      "the base itself (bitsandbytes' quantization state is not something rank 0 can send yet), so "
-                      "it only changes host memory here and is left off.", UserWarning, stacklevel=2)
-        cfg._engine = dataclasses.replace(engine, loads_on_rank_zero=False)
     if quantized == "8bit" and engine.name == "fsdp2":
         yield (f"`load_in_8bit` with `fsdp` asks for {axolotl.FEATURES['fsdp2_8bit'][0]}, which tuneloop cannot do: "
                "bitsandbytes keeps an 8-bit weight's scales on the parameter FSDP2 replaces, so a gathered weight "
@@ -638,7 +620,8 @@ def sharded_quantized_weights(cfg, engine) -> Problems:
                "DDP ranks")
         return
     storage = str((cfg.bnb_config_kwargs or {}).get("bnb_4bit_quant_storage", "uint8")).removeprefix("torch.")
-    mixed = mixed_precision_of(cfg)
+    asks_machine = cfg.bf16 == "auto" and not cfg.fp16  # (fp16 needing CUDA is refused by resolved.precision)
+    mixed, _ = mixed_precision(cfg.fp16, cfg.bf16, native_bf16() if asks_machine else None)
     if engine.name == "fsdp2":
         cast = "bfloat16" if mixed == "bf16" else None
         who = "FSDP2 gathers every floating-point weight in bfloat16 (`bf16`)"
@@ -651,8 +634,20 @@ def sharded_quantized_weights(cfg, engine) -> Problems:
                "(the seed's recipe: the compute dtype) or uint8")
 
 
-def master_weights_blocker(cfg, mixed: str) -> str | None:
-    """What rules out bf16 compute weights with fp32 masters (resolved.master_weights), in words; None: nothing."""
+def read_engine_quietly(cfg):
+    """The engine the sharding keys ask for, read again without its warnings (`sharding` said them); None where
+    `sharding` refused the keys (and said why)."""
+    from tuneloop.engines.keys import engine_of
+
+    try:
+        return engine_of(cfg, quiet=True)
+    except ValueError:
+        return None
+
+
+def master_weights_blocker(cfg, mixed: str, engine) -> str | None:
+    """What rules out bf16 compute weights with fp32 masters (resolved.master_weights), in words; None: nothing.
+    `engine`: the run's (None: the sharding keys were refused, and said)."""
     if mixed != "bf16":
         return "bf16 mixed precision (`bf16: true`, or `bf16: auto` on a machine with native bf16)"
     if cfg.adapter:
@@ -660,8 +655,8 @@ def master_weights_blocker(cfg, mixed: str) -> str | None:
                 "matmul weights are held in bf16; `bfloat16: true` loads the whole base in bf16)")
     if cfg.bfloat16 or cfg.float16:
         return "fp32 weights to keep as masters (`bfloat16`/`float16` load 16-bit weights with no fp32 copy)"
-    if cfg.engine is not None and cfg.engine.name != "ddp":  # (None: the sharding keys were refused, and said)
-        return f"the DDP engine ({cfg.engine.name} keeps fp32 masters of its own under `bf16`)"
+    if engine is not None and engine.name != "ddp":
+        return f"the DDP engine ({engine.name} keeps fp32 masters of its own under `bf16`)"
     return None
 
 
@@ -669,20 +664,10 @@ def master_weights(cfg) -> Problems:
     """`master_weights: true` where the config alone rules them out (bf16 off, an adapter, 16-bit weights, a
     sharding engine); a machine without native bf16 under `bf16: auto` is resolved.py's to say."""
     if cfg.master_weights is True:
-        blocker = master_weights_blocker(cfg, "no" if cfg.bf16 is False or cfg.fp16 else "bf16")
+        blocker = master_weights_blocker(cfg, "no" if cfg.bf16 is False or cfg.fp16 else "bf16",
+                                         read_engine_quietly(cfg))
         if blocker:
             yield f"`master_weights: true` needs {blocker}"
-
-
-def mixed_precision_of(cfg) -> str:
-    """"bf16", "fp16" or "no": resolved.precision's answer (fp16 needing CUDA is refused there, not here)."""
-    from tuneloop.hardware import native_bf16
-
-    if cfg.fp16:
-        return "fp16"
-    if cfg.bf16 == "auto":
-        return "bf16" if native_bf16() else "no"
-    return "bf16" if cfg.bf16 else "no"
 
 
 def row_order(cfg) -> Problems:
@@ -733,8 +718,9 @@ def quantization_aware_training(cfg) -> Problems:
         yield (f"`qat` with `{key}`: quantization-aware training fake-quantizes the weights the run trains, and an "
                "adapter trains beside frozen ones (the merged model would not be what trained): remove one of them "
                "(axolotl refuses QAT with 4/8-bit loading too)")
-    if cfg.engine is not None and cfg.engine.name not in ("ddp", "fsdp2"):
-        yield (f"`qat` with {cfg.engine.name} asks for {axolotl.FEATURES['quantization'][0]} (QAT under DeepSpeed), "
+    engine = read_engine_quietly(cfg)
+    if engine is not None and engine.name not in ("ddp", "fsdp2"):
+        yield (f"`qat` with {engine.name} asks for {axolotl.FEATURES['quantization'][0]} (QAT under DeepSpeed), "
                "which tuneloop does not do yet: it has not run torchao's fake-quantized layers under ZeRO; train QAT "
                "on one process, DDP ranks or FSDP2 (`fsdp_version: 2`)")
 

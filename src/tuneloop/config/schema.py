@@ -19,11 +19,13 @@ from pydantic import BaseModel, Discriminator, Field, PrivateAttr, Tag, field_va
 from tuneloop.config import axolotl
 from tuneloop.config.datasets import (DATASET_FORM, PRETRAINING_FORM, DatasetConfig, PretrainingDataset, Strict,
                                       home_expanded, pretraining_entry_form)
+from tuneloop.config.hub import repo_id_problem
+from tuneloop.config.names import name_pattern
+from tuneloop.config.qat_block import QATBlock
 from tuneloop.data.chat_templates import check_template_name
 from tuneloop.errors import UserError
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS
 from tuneloop.online_rl.settings import TRLBlock
-from tuneloop.qat import QATBlock
 from tuneloop.rl_methods import NOT_OFFERED, ONLINE_METHODS, RL_METHODS
 
 
@@ -113,7 +115,6 @@ class TrainTokenizer(Strict):
 
 
 class TuneloopConfig(Strict):
-    _engine: Any = PrivateAttr(default=None)  # the sharding keys read (config/rules.py: sharding)
     _config_dir: Any = PrivateAttr(default=None)  # the YAML's folder (reward functions and transforms live there)
     # model: pretrained weights (base_model), or a model built from a config with random weights (from scratch:
     # base_model_config, a folder or a model type name such as `t5`, or reinit_weights)
@@ -479,8 +480,6 @@ class TuneloopConfig(Strict):
     @field_validator("unfrozen_parameters")
     @classmethod
     def _unfrozen_patterns(cls, value):
-        from tuneloop.adapters import name_pattern
-
         for pattern in value or []:
             if re.search(r"\[\d*(:\d*)?\]$", pattern):
                 raise ValueError(f"{pattern!r}: unfreezing a row range of a parameter asks for "
@@ -591,8 +590,6 @@ class TuneloopConfig(Strict):
     def _hub_repo_id(cls, value):
         """A malformed repo id is said here and refused when `train` starts (before the hub is reached): axolotl's
         own example configs carry placeholders (`<your-hub-model-id>`) that `check` accepts as axolotl does."""
-        from tuneloop.use.hub import repo_id_problem
-
         problem = repo_id_problem(value) if value else None
         if problem:
             warnings.warn(f"`hub_model_id: {value}` is not a Hub repo id ({problem}); `tuneloop train` refuses it: "
@@ -718,12 +715,6 @@ class TuneloopConfig(Strict):
     def from_scratch(self) -> bool:
         """Random weights from a config (base_model_config without base_model, or reinit_weights)."""
         return self.reinit_weights or self.base_model is None
-
-    @property
-    def engine(self):
-        """The sharding keys as read by the `sharding` rule (engines/keys.py): read once, when the config is
-        validated. Code below the config reads it from resolved.py's Resolved, never from here."""
-        return self._engine
 
     @property
     def beta(self) -> float:

@@ -93,7 +93,7 @@ def resolve_data_path(path: str) -> str:
 def resolve_aliases(cfg):
     """The config with every embedded alias replaced by its local path (built on first use).
 
-    Called once, where a config enters a run (run.load_run_config): below it, nothing knows aliases."""
+    Called once, where a config enters a run (config.load_run_config): below it, nothing knows aliases."""
     update = {"base_model": resolve_model_path(cfg.base_model) if cfg.base_model else None}
     if cfg.tokenizer_config:
         update["tokenizer_config"] = resolve_model_path(cfg.tokenizer_config)

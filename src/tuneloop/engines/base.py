@@ -381,3 +381,14 @@ def leave_the_group() -> None:
         dist.destroy_process_group()
     while _UNDONE_WITH_THE_GROUP:
         _UNDONE_WITH_THE_GROUP.pop()()
+
+
+def forget_accelerate_state() -> None:
+    """Accelerate keeps one process-wide state (device, precision) and refuses an Accelerator with another
+    precision in the same process. A single-process run forgets it when it ends, as accelerate's own test
+    cases do between tests, so the next run in this process (a test, a benchmark, a notebook) starts clean; a
+    launched rank forgets it before its next run (its group was closed: see TrainingSession.__enter__)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

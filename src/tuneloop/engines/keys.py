@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,54 @@ def check_mesh_for(spec: EngineSpec, mesh: MeshKeys) -> None:
                                                                    ("dp_shard_size", mesh.dp_shard)) if size)
         raise ValueError(f"{given} with `deepspeed`: ZeRO partitions over every rank and has no replicate/shard "
                          "split; remove them, or use FSDP2 (`fsdp_version: 2`) for HSDP")
+
+
+def engine_of(cfg, quiet: bool = False) -> EngineSpec:
+    """The engine a config's keys ask for (`fsdp`, `fsdp_config`, `deepspeed`, the mesh sizes), as written: a
+    ValueError names the key and the fix (config/rules.py's `sharding` reports it). The readers warn about keys that
+    only change speed; `quiet`: not again (the config's rules said it when the config was read)."""
+    fsdp_config = dict(cfg.fsdp_config or {})
+    if cfg.fsdp_final_state_dict_type:
+        fsdp_config.setdefault("final_state_dict_type", cfg.fsdp_final_state_dict_type)
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore")
+        mesh = read_mesh_keys(cfg.dp_replicate_size, cfg.dp_shard_size, cfg.tensor_parallel_size,
+                              cfg.context_parallel_size, cfg.sequence_parallel_degree)
+        return read_engine(cfg.fsdp, cfg.fsdp_version, fsdp_config, cfg.deepspeed, mesh=mesh)
+
+
+def uncompiled_by(engine: EngineSpec) -> str | None:
+    """What keeps torch.compile off, in words: a sharding engine, or context parallel (tuneloop compiles only
+    unsharded models without context parallel so far); None: nothing."""
+    if engine.name != "ddp":
+        return engine.name
+    return "context parallel" if engine.mesh_keys.cp else None
+
+
+def rank_zero_loading_left_off(engine: EngineSpec, rl: str | None, quantized: str | None) -> str | None:
+    """Why FSDP2's `cpu_ram_efficient_loading` (rank 0 alone reads the weights and sends the others their shards) is
+    left off where every rank needs the weights before the engine starts, in words (config/rules.py warns with
+    them); None: it holds, or was not asked for."""
+    if engine.name != "fsdp2" or not getattr(engine, "loads_on_rank_zero", False):
+        return None
+    if quantized:
+        return ("`fsdp_config.cpu_ram_efficient_loading` with 4/8-bit weights: every rank loads and quantizes the base "
+                "itself (bitsandbytes' quantization state is not something rank 0 can send yet), so it only changes "
+                "host memory here and is left off.")
+    if rl:
+        # the reference model (or its precomputed log-probs) is made from the policy before the engine sends the
+        # other ranks their weights: on those ranks there would be none yet
+        return (f"`fsdp_config.cpu_ram_efficient_loading` with `rl: {rl}`: every rank loads the weights itself (the "
+                "reference model is made from them before rank 0 could send them), so it only changes host memory "
+                "here and is left off.")
+    return None
+
+
+def run_engine(cfg, quantized: str | None) -> EngineSpec:
+    """The engine the run uses: the keys' (read quietly: `sharding` said what they say), with rank 0's loading left
+    off where it cannot hold (rank_zero_loading_left_off). `quantized`: hardware.quantized_loading's answer."""
+    engine = engine_of(cfg, quiet=True)
+    if rank_zero_loading_left_off(engine, cfg.rl, quantized):
+        engine = dataclasses.replace(engine, loads_on_rank_zero=False)
+    return engine

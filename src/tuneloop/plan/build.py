@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
+from tuneloop.config.hub import push_words
 from tuneloop.data.batching import BatchingSpec
 from tuneloop.data.collate import Padding, padding_for
 from tuneloop.errors import UserError
 from tuneloop.optim import optimizer_words, schedule_words
 from tuneloop.plan.schedule import run_schedule
-from tuneloop.use.hub import push_words
 from tuneloop.rl_methods import RL_METHODS, is_online, objective_name, reference_source
 from tuneloop.resolved import slow_bf16_note
 
@@ -210,7 +210,7 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
         return padding, counts, model_part, notes
 
     padding, counts, model_part, notes = counted(resolved)
-    if cfg.torch_compile == "auto" and facts is not None:
+    if resolved.compile_auto and facts is not None:
         compile_on, why = compile_decision or _auto_compile(cfg, resolved, facts, counts, model_part, world_size)
         if compile_on:  # compiled widths are rounded up (data/collate.py): counted again
             resolved = replace(resolved, compiled=True)
@@ -221,8 +221,8 @@ def _assembled(cfg, resolved, rows, world_size: int, facts, device_memory_gb, to
                     if getattr(cfg, key)]
     if compile_keys and not resolved.compiled and facts is not None:  # said, not silently dropped
         notes.append(f"{', '.join(f'`{key}`' for key in compile_keys)} given, but this run is not compiled "
-                     f"(torch_compile: {cfg.torch_compile}"
-                     + (", and the plan decided against it" if cfg.torch_compile == "auto" else "")
+                     f"(torch_compile: {'auto' if resolved.compile_auto else False}"
+                     + (", and the plan decided against it" if resolved.compile_auto else "")
                      + "): set `torch_compile: true` for them to apply")
     eval_rows = rows.prepared.stats.eval_rows
     schedule = run_schedule(cfg, counts.total_steps, counts.steps_per_epoch, eval_rows)
@@ -351,11 +351,13 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
         epochs = [counts.first_epoch_batches] + [epoch_micro_batches(lengths, spec, epoch)  # (as count_steps deals)
                                                  for epoch in range(1, counts.epochs_to_run or 1)]
         positions = largest_micro_batch_tower_positions(facts.vision, row_image_tokens(store), epochs)
-        vision_activations = vision_activation_bytes(facts.vision, positions, precision, cfg.gradient_checkpointing)
+        vision_activations = vision_activation_bytes(facts.vision, positions, precision,
+                                                     resolved.gradient_checkpointing)
     estimate = estimate_memory(cfg, facts, slice_tokens, precision, resolved.engine, world_size,
                                device_memory_gb, generated_positions=generated,
                                masters=resolved.precision.masters, frozen_bf16=resolved.precision.frozen_bf16,
-                               tensor_parallel=mesh.tp, vision_activations=vision_activations)
+                               tensor_parallel=mesh.tp, vision_activations=vision_activations,
+                               checkpointing=resolved.gradient_checkpointing)
     from tuneloop.allocator import tune_host_allocator
     from tuneloop.kernel_caches import in_words as kernel_caches_in_words
     from tuneloop.packed_attention import PER_SEQUENCE_SDPA, split_summary

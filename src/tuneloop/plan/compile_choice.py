@@ -65,7 +65,7 @@ def shape_key(cfg, resolved, model_config, world_size: int) -> str:
              "trained": [cfg.lora_target_modules, cfg.lora_target_linear, cfg.unfrozen_parameters],
              "batch": [cfg.micro_batch_size, cfg.sequence_len, resolved.batching], "engine": resolved.engine.name,
              "precision": resolved.precision.name if resolved.precision else None,
-             "attention": resolved.attention.used, "checkpointing": bool(cfg.gradient_checkpointing),
+             "attention": resolved.attention.used, "checkpointing": bool(resolved.gradient_checkpointing),
              "chunked_loss": cfg.chunked_cross_entropy, "mode": cfg.torch_compile_mode,
              "backend": cfg.torch_compile_backend, "world_size": world_size, "device": device,
              "torch": torch.__version__}

@@ -79,7 +79,7 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
                     world_size: int = 1, device_gb: float | None = None,
                     generated_positions: int = 0, masters: bool = False,
                     frozen_bf16: bool = False, tensor_parallel: int = 1,
-                    vision_activations: float = 0.0) -> MemoryEstimate:
+                    vision_activations: float = 0.0, checkpointing: bool | str = False) -> MemoryEstimate:
     """Memory per rank. Weights, gradients and optimizer state are divided by the world size where the engine
     shards them (FSDP2 all three, ZeRO-1 the optimizer, ZeRO-2 also gradients, ZeRO-3 all three) and moved to
     host memory where it offloads them: each engine says its share (engines/: `per_rank`). `device_gb` overrides
@@ -91,7 +91,8 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     after it, in the activations' place (engines/masters.py): the peak is then the larger of the two moments.
     `frozen_bf16`: an adapter's frozen base holds its matmul-only weights in bf16.
     `tensor_parallel`: the tp ranks a layer's heads and MLP are split over (their activations with them).
-    `vision_activations`: a vision-language model's tower's, for the largest micro-batch (vision_activation_bytes)."""
+    `vision_activations`: a vision-language model's tower's, for the largest micro-batch (vision_activation_bytes).
+    `checkpointing`: the run's activation checkpointing (resolved.gradient_checkpointing)."""
     params = facts.parameters
     whole = whole_bytes(cfg, facts, precision, engine, masters, frozen_bf16)
     weight_bytes = whole.weight_bytes
@@ -99,7 +100,8 @@ def estimate_memory(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precisi
     gb = 1e9
     device, here_gb = device_memory_gb()
     on_cpu = device_gb is None and device.startswith("cpu")  # (planning for other devices: --device-memory)
-    activations = (_activations(cfg, facts, tokens_per_micro_batch, precision, tensor_parallel, on_cpu)
+    activations = (_activations(cfg, facts, tokens_per_micro_batch, precision, tensor_parallel, on_cpu,
+                                checkpointing=checkpointing)
                    + vision_activations)
     if device_gb is not None:
         device = "each device (--device-memory)"
@@ -206,7 +208,7 @@ def quantized_weights_bytes(cfg, facts: ModelFacts) -> tuple[float, float] | Non
 
 
 def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision: str,
-                 tensor_parallel: int = 1, on_cpu: bool = False) -> float:
+                 tensor_parallel: int = 1, on_cpu: bool = False, *, checkpointing: bool | str = False) -> float:
     """The decoder layers' (LLaMA-formula layers counted as plan/activations.py says; others by the usual count:
     ACTIVATION_VALUES_PER_TOKEN_HIDDEN values per token and hidden unit a layer, the heads' and MLP's part divided
     over the tp ranks), plus the logits and their gradient in fp32: one chunk's with the chunked loss, the whole
@@ -225,13 +227,12 @@ def _activations(cfg, facts: ModelFacts, tokens_per_micro_batch: int, precision:
             compute_bytes=act_bytes, residual_bytes=residual_bytes, attention_bytes=4 if on_cpu else act_bytes,
             casts=precision in ("bf16", "fp16") and not weights_half, tensor_parallel=tensor_parallel)
         layer_inputs = tokens_per_micro_batch * counted.hidden * residual_bytes * counted.layers
-        activations = (layer_inputs + every_layer / max(counted.layers, 1) if cfg.gradient_checkpointing
-                       else every_layer)
+        activations = (layer_inputs + every_layer / max(counted.layers, 1) if checkpointing else every_layer)
     else:
         per_layer = tokens_per_micro_batch * hidden * act_bytes
         values = ACTIVATION_VALUES_WHOLE_UNDER_TP + (
             ACTIVATION_VALUES_PER_TOKEN_HIDDEN - ACTIVATION_VALUES_WHOLE_UNDER_TP) / tensor_parallel
-        if cfg.gradient_checkpointing:  # layer inputs kept (whole on every tp rank), one layer recomputed at a time
+        if checkpointing:  # layer inputs kept (whole on every tp rank), one layer recomputed at a time
             activations = per_layer * (layers + values)
         else:
             activations = per_layer * layers * values

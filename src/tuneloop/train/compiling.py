@@ -26,11 +26,11 @@ import contextlib
 from tuneloop.errors import UserError
 
 
-def compile_for_training(cfg, model) -> str:
+def compile_for_training(cfg, resolved, model) -> str:
     """Compiles the step's part of `model` in place; returns what was compiled, in words."""
     from tuneloop.output_head import loss_meets_head_in_chunks, output_head
 
-    if cfg.torch_compile == "auto":  # chosen for speed alone: a part torch cannot compile runs eagerly instead
+    if resolved.compile_auto:  # chosen for speed alone: a part torch cannot compile runs eagerly instead
         import torch._dynamo
 
         torch._dynamo.config.suppress_errors = True

@@ -109,7 +109,7 @@ class TrainingLoop:
         # compiled and wrapped (the same parameters under the same names: checkpoints stay plain)
         self.fake_quantization = fake_quantization_of(cfg, model, self.state.step)
         if plan.resolved.compiled:  # before DDP wraps the model; in place: names and checkpoints stay the eager ones
-            compile_for_training(cfg, model)
+            compile_for_training(cfg, plan.resolved, model)
         # what the loop runs (the model and its loss, wrapped by the engine: DDP, FSDP2 or DeepSpeed), its
         # optimizer, and the language model itself
         spec = plan.resolved.engine

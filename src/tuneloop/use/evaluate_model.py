@@ -46,10 +46,11 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
     from tuneloop.data.batching import epoch_micro_batches
     from tuneloop.data.collate import collator_for
     from tuneloop.data.images import image_inputs_of
+    from tuneloop.engines.base import forget_accelerate_state
     from tuneloop.model import SEQUENCE_CLASSIFICATION
     from tuneloop.plan.build import data_plan
     from tuneloop.resolved import resolve_run
-    from tuneloop.run import _forget_accelerate_state, prepare_data
+    from tuneloop.run import prepare_data
     from tuneloop.train.evaluate import evaluate
     from tuneloop.train.objectives import ObjectiveModule, objective_of
 
@@ -75,7 +76,7 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
         runner = ObjectiveModule(loaded, objective_of(cfg, reference))
         result = evaluate(runner, batches, collate, runner.objective, accelerator)
     finally:
-        _forget_accelerate_state()  # the next command in this process may ask for another precision
+        forget_accelerate_state()  # the next command in this process may ask for another precision
     return {"model": str(folder.path), **result}
 
 
@@ -108,7 +109,8 @@ def load_for_eval(cfg, resolved, folder: ModelFolder, vocabulary: int):
                             quantization=quantized.bnb_config if quantized else None)
     if quantized:
         quantized.quantize_experts(model)
-        prepare_quantized(cfg, model)  # the norms in fp32 and the 4-bit layout, as the run's model had them
+        # the norms in fp32 and the 4-bit layout, as the run's model had them
+        prepare_quantized(cfg, model, resolved.gradient_checkpointing)
     model.config.use_cache = False
     if not folder.is_adapter and vocabulary > model.get_input_embeddings().weight.shape[0]:
         grow_embeddings(model, vocabulary)  # a base model next to a run that added tokens

@@ -8,9 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuneloop.errors import UserError
-
-ADAPTER_CONFIG = "adapter_config.json"
-WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+from tuneloop.run_files import ADAPTER_CONFIG, WEIGHT_PATTERNS
 
 
 @dataclass(frozen=True)

@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tuneloop import run_files
+from tuneloop.config.hub import LAST_CHECKPOINT, repo_id_problem, strategy_of
 from tuneloop.errors import UserError
 from tuneloop.train.hooks import RunHooks
 
 STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
-# transformers' TrainingArguments default, which axolotl keeps when hub_strategy is unset
-DEFAULT_STRATEGY = "every_save"
-LAST_CHECKPOINT = "last-checkpoint"  # where hub_strategy: checkpoint keeps the newest checkpoint (the Trainer's name)
 MODEL_PATTERNS = tuple(entry.pattern for entry in run_files.MODEL_FILES)  # what save_pretrained writes
 # the run's records beside the final model: what was trained, and how it went
 RECORDS = (run_files.RUN_CONFIG, run_files.PLAN, run_files.METRICS, run_files.SUMMARY, run_files.RESUMES,
@@ -52,10 +50,6 @@ class Upload:
 
 
 # ---- what goes where (no network) ---------------------------------------------------------------------------------
-
-def strategy_of(cfg) -> str:
-    return cfg.hub_strategy or DEFAULT_STRATEGY
-
 
 def uploads_at_save(strategy: str, checkpoint: Path) -> list[Upload]:
     """What a checkpoint save pushes, as the Trainer's `_push_from_checkpoint`: with every strategy but `end`, the
@@ -80,38 +74,10 @@ def uploads_at_end(output_dir: Path) -> list[Upload]:
     return [Upload(output_dir, "", MODEL_PATTERNS + RECORDS, "End of training (tuneloop)")]
 
 
-def push_words(cfg, saves: int | None = None) -> str | None:
-    """Where and what the run pushes, in one line (the plan's and `check`'s); None when it does not push."""
-    if not cfg.hub_model_id:
-        return None
-    strategy = strategy_of(cfg)
-    at_saves = {"end": "",
-                "every_save": "the model at each save",
-                "checkpoint": f"the model and the newest checkpoint (as {LAST_CHECKPOINT}/) at each save",
-                "all_checkpoints": "the model and each checkpoint (as checkpoint-STEP/) at each save"}[strategy]
-    if at_saves and saves is not None:
-        at_saves += f" ({saves})" if saves else " (this run saves none)"
-    what = f"{at_saves}, and the final model at the end" if at_saves else "the final model at the end"
-    branch = f", branch {cfg.hub_revision}" if cfg.hub_revision else ""
-    return f"to the Hugging Face Hub, {cfg.hub_model_id}{branch}: {what} (hub_strategy: {strategy})"
-
-
 def push_command(output_dir: Path, repo_id: str, revision: str | None) -> str:
     """The command that pushes a finished output folder later."""
     command = f"tuneloop push {shlex.quote(str(output_dir))} --hub-model-id {shlex.quote(repo_id)}"
     return command + (f" --revision {shlex.quote(revision)}" if revision else "")
-
-
-def repo_id_problem(repo_id: str) -> str | None:
-    """Why `repo_id` is not a Hub repo id (huggingface_hub's own rule), or None."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        return str(error).splitlines()[0]
-    return None
 
 
 # ---- the network ------------------------------------------------------------------------------------------------
@@ -291,7 +257,7 @@ def command_push(args: argparse.Namespace) -> int:
 
 def check_finished_output(folder: Path) -> None:
     """A folder `tuneloop push` uploads: a finished run's output_dir, with its summary and its final model."""
-    from tuneloop.use.folders import ADAPTER_CONFIG, WEIGHT_PATTERNS
+    from tuneloop.run_files import ADAPTER_CONFIG, WEIGHT_PATTERNS
 
     if not folder.is_dir():
         raise UserError(f"push: {folder} is not a folder; give the output_dir of a finished tuneloop run")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tuneloop import run_files
 from tuneloop.errors import UserError
-from tuneloop.use.folders import ADAPTER_CONFIG, ModelFolder, adapter_base
+from tuneloop.run_files import ADAPTER_CONFIG
+from tuneloop.use.folders import ModelFolder, adapter_base
 
 
 def adapter_folder(path: str | Path, flag: str, base: str | None) -> ModelFolder:
