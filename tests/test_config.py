@@ -4,7 +4,7 @@ value errors naming the key, exclusive keys, --set overrides, exit code 2 withou
 from __future__ import annotations
 
 import pytest
-from conftest import assert_user_error, run_cli, run_in_process, write_config
+from conftest import assert_user_error, run_in_process, write_config
 
 from tuneloop.config import config_from_dict
 from tuneloop.errors import UserError
@@ -99,7 +99,7 @@ def test_an_unquoted_no_strategy_is_no_as_in_yaml_files_people_write():
 
 def test_cli_user_error_exits_2_with_one_message_and_no_traceback(tmp_path):
     path = write_config(tmp_path / "bad.yml", **MINIMAL, micro_batch_sise=2)
-    result = run_cli("plan", str(path))  # a fresh process: what a user's shell sees
+    result = run_in_process("plan", str(path))  # (the process's exit code is main's: `sys.exit(main())`)
     assert_user_error(result, "unknown key `micro_batch_sise`", "`micro_batch_size`")
     assert_user_error(run_in_process("train", str(tmp_path / "nope.yml")), "no such file")
     assert_user_error(run_in_process("plan", str(path), "--set", "novalue"), "expected KEY=VALUE")

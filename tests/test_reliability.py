@@ -475,20 +475,6 @@ def test_a_quota_the_free_space_does_not_show_is_met_by_the_probe(tmp_path, tiny
     assert not list((tmp_path / "out").glob(".tmp-disk-probe"))
 
 
-def test_no_run_prints_deepspeeds_cpu_accelerator_line(tmp_path, tiny_model_dir, data):
-    """transformers' save_pretrained makes Accelerate import DeepSpeed (installed for the sharded tests), which
-    printed "Setting accelerator to CPU" in every run: told there is no GPU, it says nothing."""
-    from conftest import run_cli
-
-    result = run_cli("train", str(config_file(tmp_path, tiny_model_dir, data, max_steps=1)))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "Setting accelerator to CPU" not in result.stdout + result.stderr
-    from tuneloop.allocator import mimalloc_library
-
-    if mimalloc_library() is not None:  # (and the command ran itself under mimalloc: allocator.py)
-        assert "host memory          mimalloc, preloaded" in result.stdout, result.stdout[-3000:]
-
-
 def test_a_metrics_line_a_full_disk_kept_out_is_written_later_never_lost_or_doubled(tmp_path, tiny_model_dir, data,
                                                                                     monkeypatch):
     import builtins

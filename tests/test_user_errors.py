@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (CHATML, assert_every_rank_stopped_with, assert_user_error, base_config, read_metrics, run_cli,
+from conftest import (CHATML, assert_every_rank_stopped_with, assert_user_error, base_config, read_metrics,
                       run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl)
 from safetensors.torch import load_file
 
@@ -426,7 +426,7 @@ def test_a_run_that_failed_before_its_first_step_does_not_block_the_next(tmp_pat
 def test_version_and_no_leaked_warnings_on_a_lora_run(tmp_path, tiny_model_dir, data):
     from tuneloop import __version__
 
-    assert run_cli("--version").stdout.strip() == f"tuneloop {__version__}"
+    assert run_in_process("--version").stdout.strip() == f"tuneloop {__version__}"
     config = config_file(tmp_path, tiny_model_dir, data, adapter="lora", lora_target_linear=True, max_steps=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
