@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # CPU wheel of torch that lies on this machine's disk; GPU users install their own torch first.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install quickstart test bench clean
+.PHONY: install quickstart test bench bench-check clean
 
 $(BIN)/tuneloop: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: install
 
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/compare.py --quick
+
+# whenever benchmarks/ changes: the benchmarks against TRL and the Seq2SeqTrainer, run whole, are fair
+bench-check: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -ra -n 2 -m bench tests/test_bench.py
 
 clean:
 	rm -rf $(VENV) last_run_prepared outputs

@@ -3,6 +3,10 @@ rows where the CPU has native bf16; elsewhere they are left out, and the benchma
 
 No timing assertions (timings on shared CPUs say nothing in a test); only that the comparison is fair
 (every row processed the same real tokens) and that the runs did comparable training (final losses agree).
+
+The quick compare.py run is part of `make test`; the three that run TRL's and the Seq2SeqTrainer's whole benchmarks
+are marked `bench`: they prove the benchmarks fair, not tuneloop correct, and run with `make bench-check` whenever
+benchmarks/ changes (the suite's own run leaves them out: pyproject.toml's addopts).
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ def test_quick_benchmark_is_fair_and_complete(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_the_dpo_benchmark_against_trl_is_fair(tmp_path):
     """benchmarks/preference.py --quick: tuneloop (padded, packed) and TRL's DPOTrainer train on the same pairs
     at the same precision; every row has its numbers and its ratio to TRL. No timing assertions."""
@@ -100,6 +105,7 @@ def test_the_dpo_benchmark_against_trl_is_fair(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_the_seq2seq_benchmark_reproduces_the_forum_comparison_fairly(tmp_path):
     """benchmarks/seq2seq.py --quick: tuneloop, Seq2SeqTrainer and the forum's max_length-padded Accelerate loop
     train the same tiny T5 (same weights, tokenizer, rows, batch, steps, optimizer) in fp32. No timing
@@ -135,6 +141,7 @@ def test_the_seq2seq_benchmark_reproduces_the_forum_comparison_fairly(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_the_grpo_benchmark_against_trl_is_fair(tmp_path):
     """benchmarks/grpo.py --quick: tuneloop and TRL's GRPOTrainer train the same steps of the same number of
     completions at the same precision, each with its generation time apart; every row has its ratio to TRL. No
