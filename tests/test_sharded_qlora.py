@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import base_config, run_in_process, run_two_ranks, tiny_rows, write_config, write_jsonl
+from conftest import base_config, run_in_process, tiny_rows, write_config, write_jsonl
 from safetensors.torch import load_file
 
 pytest.importorskip("bitsandbytes")
@@ -65,21 +65,60 @@ def relative_l2(a: dict, b: dict) -> float:
     return (sum(float((a[k] - b[k]).pow(2).sum()) for k in a) / sum(float(a[k].pow(2).sum()) for k in a)) ** 0.5
 
 
+# how each engine's run is stopped and resumed: ZeRO-3 by a true kill inside its save of checkpoint-6 (its only such
+# kill in the suite; FSDP2's is test_sharded's), FSDP2 by SIGTERM on rank 0 after step 4 (the signal-at-step hook;
+# the ranks agree on it a step later, so both save step 5 and stop)
+STOPS = {"fsdp2": ("signal", "checkpoint-5"), "zero3": ("sigkill", "checkpoint-3")}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_model_dir, data) -> tuple:
+    """Every two-rank run of this module in two torchrun launches (conftest's run_in_one_launch): the seed's
+    recipes, each engine's uninterrupted run, FSDP2's stop and resume, then ZeRO-3's kill inside a save, which ends
+    the launch; the second resumes it. The killed folder is copied as the kill left it."""
+    import shutil
+
+    from conftest import run_in_one_launch
+
+    from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
+    from tuneloop.train.guards import SIGNAL_AT_STEP_ENV
+
+    root = tmp_path_factory.mktemp("sharded_qlora")
+    seeds = {}
+    for recipe, engine_keys in SEED_ENGINES.items():
+        (root / recipe).mkdir()
+        seeds[recipe] = write_config(root / recipe / "run.yml", **base_config(root / recipe, tiny_model_dir, data,
+                                                                              **SEED_QLORA, **engine_keys))
+    straight = {engine: config_of(root, tiny_model_dir, data, f"{engine}_straight", 2, **ENGINES[engine])
+                for engine in ENGINES}
+    stopped = {engine: config_of(root, tiny_model_dir, data, f"{engine}_stopped", 2, **ENGINES[engine])
+               for engine in ENGINES}
+    names = [*(f"seed_{recipe}" for recipe in seeds), *(f"{engine}_straight" for engine in ENGINES), "fsdp2_stop",
+             "fsdp2_resumed", "zero3_stop"]
+    results = dict(zip(names, run_in_one_launch(
+        *(["train", str(config)] for config in seeds.values()), *(["train", str(config)] for config in straight.values()),
+        (["train", str(stopped["fsdp2"])], {SIGNAL_AT_STEP_ENV: "0:4"}), ["train", str(stopped["fsdp2"])],
+        (["train", str(stopped["zero3"])], {CRASH_DURING_SAVE_ENV: "6"}))))
+    shutil.copytree(root / "zero3_stopped" / "out", root / "zero3_as_killed" / "out")
+    results["zero3_resumed"], = run_in_one_launch(["train", str(stopped["zero3"])])
+    return root, results
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_two_sharded_qlora_ranks_equal_one_process_and_resume_bit_identical_after_a_kill(
-        tmp_path, tiny_model_dir, data, one_process, engine):
+        launched, tiny_model_dir, one_process, engine):
     """The uninterrupted 2-rank run: its adapter within 1e-4 relative L2 of one process's (the same NF4 weights on
     both sides, the gradients summed in another order), the plan's bytes per rank those each rank held (the packed
-    values divided, their scales whole on every rank), and its checkpoints the adapter's alone. Then rank 0 is
-    SIGKILLed while writing checkpoint-6; the resume from checkpoint-3 ends with the uninterrupted adapter, bit for
-    bit."""
+    values divided, their scales whole on every rank), and its checkpoints the adapter's alone. Then the run is
+    stopped (STOPS: ZeRO-3's rank 0 SIGKILLed while writing checkpoint-6, FSDP2's by SIGTERM on rank 0 after step 4); the
+    resume from the checkpoint before ends with the uninterrupted adapter, bit for bit."""
     from tuneloop.engines.base import SHARDS
     from tuneloop.run_files import complete_checkpoints
-    from tuneloop.train.checkpoint import CRASH_DURING_SAVE_ENV
 
-    straight = run_two_ranks("train", str(config_of(tmp_path, tiny_model_dir, data, "straight", 2, **ENGINES[engine])))
+    root, results = launched
+    straight = results[f"{engine}_straight"]
     assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-4000:]
-    out = tmp_path / "straight" / "out"
+    out = root / f"{engine}_straight" / "out"
     adapter = load_file(out / "adapter_model.safetensors")
     trained_b = {key: value for key, value in adapter.items() if "lora_B" in key}
     assert trained_b and all(float(value.abs().max()) > 0 for value in trained_b.values())
@@ -96,13 +135,17 @@ def test_two_sharded_qlora_ranks_equal_one_process_and_resume_bit_identical_afte
     saved = saved_weight_names(out / "checkpoint-6" / SHARDS, engine)
     assert saved == {key.replace(".weight", ".default.weight") for key in adapter}  # the frozen base not again
 
-    crashed = run_two_ranks("train", str(config_of(tmp_path, tiny_model_dir, data, "crashed", 2, **ENGINES[engine])),
-                            env={CRASH_DURING_SAVE_ENV: "6"})
-    assert crashed.returncode != 0
-    assert [p.name for p in complete_checkpoints(tmp_path / "crashed" / "out")] == ["checkpoint-3"]
-    resumed = run_two_ranks("train", str(tmp_path / "crashed" / "run.yml"))
-    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-4000:]
-    got = load_file(tmp_path / "crashed" / "out" / "adapter_model.safetensors")
+    how, newest = STOPS[engine]
+    stop = results[f"{engine}_stop"]
+    if how == "sigkill":
+        assert stop.returncode != 0
+        assert [p.name for p in complete_checkpoints(root / f"{engine}_as_killed" / "out")] == [newest]
+    else:
+        assert stop.returncode == 75, stop.stdout[-2000:] + stop.stderr[-3000:]
+    resumed = results[f"{engine}_resumed"]
+    assert resumed.returncode == 0 and f"resuming from {root / f'{engine}_stopped' / 'out' / newest}" in \
+        resumed.stdout, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+    got = load_file(root / f"{engine}_stopped" / "out" / "adapter_model.safetensors")
     assert got.keys() == adapter.keys() and all(torch.equal(got[key], adapter[key]) for key in got)
 
 
@@ -127,16 +170,15 @@ SEED_ENGINES = {
 
 
 @pytest.mark.parametrize("recipe", SEED_ENGINES)
-def test_the_seeds_sharded_qlora_recipes_train_on_two_ranks(tmp_path, tiny_model_dir, data, recipe):
+def test_the_seeds_sharded_qlora_recipes_train_on_two_ranks(launched, recipe):
     """The guide's QLoRA + FSDP (a 70B on 2×24 GB) and QLoRA + ZeRO-3 (2×40 GB) settings, with the model and data
     made local and tiny: 2 steps on 2 gloo ranks, every loss finite and the adapter moved."""
     from conftest import read_metrics
 
-    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, **SEED_QLORA,
-                                                              **SEED_ENGINES[recipe]))
-    result = run_two_ranks("train", str(config))
+    root, results = launched
+    result = results[f"seed_{recipe}"]
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    losses = [line["loss"] for line in read_metrics(tmp_path / "out") if "loss" in line]
+    losses = [line["loss"] for line in read_metrics(root / recipe / "out") if "loss" in line]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
-    adapter = load_file(tmp_path / "out" / "adapter_model.safetensors")
+    adapter = load_file(root / recipe / "out" / "adapter_model.safetensors")
     assert any(float(value.abs().max()) > 0 for key, value in adapter.items() if "lora_B" in key)
