@@ -255,7 +255,8 @@ def killed_then_resumed(config: Path, output_dir: Path, after_steps: int,
 
 def run_in_one_launch(*runs, env: dict | None = None, timeout: int = 1200) -> list[subprocess.CompletedProcess]:
     """Several `tuneloop` commands one after another in ONE 2-rank torchrun launch (tests/launch_runs.py): each run is
-    a list of arguments, or (arguments, env for that run alone). A launch costs two interpreters importing torch and
+    a list of arguments, or (arguments, env for that run alone), or {"args": ..., "env": ..., "then_copy": (FROM, TO)}
+    (rank 0 copies FROM to TO after the run: a folder as the run left it, before the next run changes it). A launch costs two interpreters importing torch and
     transformers (~7 s each here), and a proof of "2 ranks == one process" often needs several runs: they share it.
     Each run comes back as a launch of its own would: the first non-zero exit code of its ranks, and what its ranks
     printed (rank 0's, then rank 1's). A run after one that killed its process (the kill-during-save hook) or raised
@@ -263,8 +264,11 @@ def run_in_one_launch(*runs, env: dict | None = None, timeout: int = 1200) -> li
     import tempfile
 
     workdir = Path(tempfile.mkdtemp(prefix="tuneloop_launch_"))
-    spec = [{"args": list(run), "env": {}} if isinstance(run[0], str) else {"args": list(run[0]), "env": run[1]}
-            for run in runs]
+    spec = [run if isinstance(run, dict) else {"args": list(run), "env": {}} if isinstance(run[0], str)
+            else {"args": list(run[0]), "env": run[1]} for run in runs]
+    for run in spec:
+        run["args"] = [str(arg) for arg in run["args"]]
+        run["then_copy"] = [str(path) for path in run.get("then_copy", ())]
     (workdir / "runs.json").write_text(json.dumps(spec))
     launch = subprocess.run([*two_rank_launcher(), str(Path(__file__).with_name("launch_runs.py")),
                              str(workdir / "runs.json"), str(workdir)], capture_output=True, text=True,

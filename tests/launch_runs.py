@@ -3,8 +3,10 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/launch_runs.py RUNS.json RESULTS_DIR
 
-RUNS.json is a list of {"args": [...], "env": {...}}: each is `tuneloop ARGS` through `cli.main`, with ENV set for it
-alone (a test hook such as TUNELOOP_TEST_SIGNAL_AT_STEP). Each rank writes RESULTS_DIR/RUN.RANK.json with the exit code
+RUNS.json is a list of {"args": [...], "env": {...}, "then_copy": [FROM, TO]}: each is `tuneloop ARGS` through
+`cli.main`, with ENV set for it alone (a test hook such as TUNELOOP_TEST_SIGNAL_AT_STEP); rank 0 then copies the folder
+FROM to TO if asked (a run's output_dir as it stopped, for a test to look at after the launch resumed it: the next
+run cannot start before rank 0 joins its group). Each rank writes RESULTS_DIR/RUN.RANK.json with the exit code
 and what it printed, as a launch of its own would have. A run that ends in an exit code (a user error, a signal's
 75) lets the next one start: the ranks met that end together. An unexpected exception ends the launch: the other rank
 may be anywhere, and the launcher stops it. A run that kills its process (the kill-during-save hook) ends the launch
@@ -16,6 +18,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 import traceback
 from pathlib import Path
@@ -51,6 +54,8 @@ def main() -> int:
         if failed is not None:
             print(failed, file=sys.stderr, flush=True)
             return 1
+        if run.get("then_copy") and rank == "0":
+            shutil.copytree(*run["then_copy"])
     return 0
 
 

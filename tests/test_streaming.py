@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import (assert_every_rank_stopped_with, assert_user_error, base_config, read_metrics, run_in_process,
-                      run_two_ranks, start_train, tiny_rows, write_config, write_jsonl)
+from conftest import (assert_user_error, base_config, read_metrics, run_in_process, start_train, tiny_rows,
+                      write_config, write_jsonl)
 from test_resume import assert_identical, weights
 from test_seq2seq import pairs, tiny_t5_dir  # noqa: F401  (fixtures)
 
@@ -75,21 +75,48 @@ def test_a_streamed_run_killed_mid_save_resumes_to_the_same_weights(tmp_path, ti
     assert_identical(weights(tmp_path / "run" / "out"), weights(tmp_path / "straight" / "out"))
 
 
-@pytest.mark.slow
-def test_two_ranks_stream_their_own_shares_through_synchronised_passes_and_resume(tmp_path, tiny_model_dir, texts):
-    """Rank 0 is signalled after step 5: both ranks save step 6 (with their stream positions) and stop; a single
-    process may not take the checkpoint over; two ranks resume it and finish the plan."""
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, tiny_model_dir, texts) -> tuple:
+    """This module's two-rank runs in one launch (conftest's run_in_one_launch): a stream stopped by a signal (its
+    folder copied as it stopped), its resume, and a stream with a bad row in rank 1's share."""
+    from conftest import run_in_one_launch
+
+    root = tmp_path_factory.mktemp("streamed_two_ranks")
+    (root / "stopped").mkdir()
     keys = pretraining_keys(texts, gradient_accumulation_steps=1, save_strategy=None, save_steps=100,
                             auto_resume_from_checkpoints=True)
-    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, texts, **keys))
-    stopped = run_two_ranks("train", str(config), env={SIGNAL_AT_STEP_ENV: "0:5"})
-    assert stopped.returncode != 0 and "exitcode  : 75" in stopped.stderr, stopped.stderr[-3000:]
-    out = tmp_path / "out"
-    assert [path.name for path in complete_checkpoints(out)] == ["checkpoint-6"]
+    config = write_config(root / "stopped" / "run.yml", **base_config(root / "stopped", tiny_model_dir, texts, **keys))
+    rows = tiny_rows(12, seed=2)
+    del rows[5]["output"]  # row 5 is rank 1's (rows are dealt g % 2): rank 0 never reads it
+    (root / "bad_row").mkdir()
+    data = write_jsonl(root / "bad_row" / "rows.jsonl", rows)
+    bad_row = write_config(root / "bad_row" / "run.yml", **base_config(root / "bad_row", tiny_model_dir, data,
+                                                                       streaming=True, max_steps=4,
+                                                                       micro_batch_size=2))
+    stopped, resumed, bad = run_in_one_launch(
+        {"args": ["train", config], "env": {SIGNAL_AT_STEP_ENV: "0:5"},
+         "then_copy": (root / "stopped" / "out", root / "as_stopped" / "out")},
+        ["train", config], ["train", bad_row])
+    return root, {"stopped": stopped, "resumed": resumed, "bad_row": bad}
+
+
+@pytest.mark.slow
+def test_two_ranks_stream_their_own_shares_through_synchronised_passes_and_resume(two_rank_runs, tiny_model_dir,
+                                                                                  texts):
+    """Rank 0 is signalled after step 5: both ranks save step 6 (with their stream positions) and stop; a single
+    process may not take the checkpoint over; two ranks resume it and finish the plan."""
+    root, results = two_rank_runs
+    assert results["stopped"].returncode == 75, results["stopped"].stderr[-3000:]
+    as_stopped = root / "as_stopped"
+    assert [path.name for path in complete_checkpoints(as_stopped / "out")] == ["checkpoint-6"]
     # another number of ranks would split the stream into other shares: refused even when forced
+    keys = pretraining_keys(texts, gradient_accumulation_steps=1, save_strategy=None, save_steps=100,
+                            auto_resume_from_checkpoints=True)
+    config = write_config(as_stopped / "run.yml", **base_config(as_stopped, tiny_model_dir, texts, **keys))
     assert_user_error(run_in_process("train", str(config), "--force-resume"), "written by 2 ranks", "this run has 1")
-    resumed = run_two_ranks("train", str(config))
+    resumed = results["resumed"]
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    out = root / "stopped" / "out"
     plan = json.loads((out / "plan.json").read_text())
     lines = [line for line in read_metrics(out) if "loss" in line]
     assert plan["world_size"] == 2 and [line["step"] for line in lines] == list(range(1, 13))
@@ -125,13 +152,13 @@ def test_what_a_stream_cannot_do_is_refused(tmp_path, tiny_model_dir, texts):
 
 
 @pytest.mark.slow
-def test_a_bad_row_in_one_ranks_share_stops_every_rank_with_its_message(tmp_path, tiny_model_dir):
-    rows = tiny_rows(12, seed=2)
-    del rows[5]["output"]  # row 5 is rank 1's (rows are dealt g % 2): rank 0 never reads it
-    data = write_jsonl(tmp_path / "rows.jsonl", rows)
-    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, data, streaming=True,
-                                                             max_steps=4, micro_batch_size=2))
-    assert_every_rank_stopped_with(run_two_ranks("train", str(config)), "rows.jsonl:6: missing field `output`")
+def test_a_bad_row_in_one_ranks_share_stops_every_rank_with_its_message(two_rank_runs):
+    """Rank 1 alone reads the bad row; both ranks stop with its one line and exit 2 (through the real launcher's
+    exit codes: test_user_errors.py's two-rank test)."""
+    _, results = two_rank_runs
+    result = results["bad_row"]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("rows.jsonl:6: missing field `output`") == 2, result.stderr[-3000:]
 
 
 def test_packed_rows_inside_untrained_prompts_are_skipped_not_a_division_by_zero(tmp_path, tiny_model_dir):
