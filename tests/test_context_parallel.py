@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_user_error, base_config, read_metrics, run_in_process, run_two_ranks, write_config
+from conftest import assert_user_error, base_config, read_metrics, run_in_process, write_config
 # (the tensor-parallel test's FSDP2 keys, rows (the `data` fixture), plan call, steps and measure)
 from test_tensor_parallel import FSDP, STEPS, data, planned, relative_difference  # noqa: F401  (data: a fixture)
 
@@ -99,9 +99,42 @@ def test_the_plan_counts_one_data_rank_halves_activations_and_adds_the_all_to_al
 
 
 # ---- 2 gloo ranks, cp 2, against one process (the tensor-parallel test's steps and measure) ------------------------
+LAYOUTS = {"packed rows on DDP": {"sample_packing": True, "attn_implementation": "sdpa"},
+           "padded rows on FSDP2": {**FSDP, "val_set_size": 0.1, "eval_steps": 2}}
+# packed rows under `attn_implementation: sdpa`: the kernel behind the exchange needs the rows' block-diagonal mask
+# (SDPA per sequence, the CPU's default, splits them itself: the tp × cp test below runs it)
+SAVES = {"packed rows on DDP": {}, "padded rows on FSDP2": {"save_strategy": "steps", "save_steps": 2}}
+
+
+def layout_config(folder, model_dir, data, layout: str, **extra):
+    folder.mkdir(exist_ok=True)
+    return write_config(folder / "run.yml", **base_config(folder, model_dir, data, **STEPS, **LAYOUTS[layout], **extra))
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory, tiny_model_dir, data) -> tuple:
+    """Every cp-2 run of this module in two launches (conftest's run_in_one_launch): both layouts, then the FSDP2
+    layout killed (-9) half-way through step 3's save (a checkpoint a step), which ends the launch; the second
+    resumes it. The killed folder is copied as the kill left it."""
+    import shutil
+
+    from conftest import run_in_one_launch
+
+    root = tmp_path_factory.mktemp("cp_runs")
+    configs = {layout: layout_config(root / f"cp_{index}", tiny_model_dir, data, layout, **CP, **SAVES[layout])
+               for index, layout in enumerate(LAYOUTS)}
+    crashed = layout_config(root / "crashed", tiny_model_dir, data, "padded rows on FSDP2", **CP,
+                            save_strategy="steps", save_steps=1, auto_resume_from_checkpoints=True)
+    results = dict(zip([*LAYOUTS, "crash"], run_in_one_launch(
+        *(["train", config] for config in configs.values()), (["train", crashed], {CRASH_DURING_SAVE_ENV: "3"}))))
+    shutil.copytree(root / "crashed" / "out", root / "as_killed" / "out")
+    results["resumed"], = run_in_one_launch(["train", crashed])
+    return root, results
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["packed rows on DDP", "padded rows on FSDP2"])
-def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_model_dir, data, layout):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, cp_runs, tiny_model_dir, data, layout):
     """Both cp ranks read the same rows (one data rank) and each runs half of every row's positions; packed
     sequences cross the split. The weights, the weight change after 4 clipped AdamW steps, the logged losses (and
     eval losses) and the counts are one process's; the plan's steps are the run's. On FSDP2 a run killed (-9) half-way
@@ -110,21 +143,15 @@ def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_
     The saved folder is a plain model (no trace of the exchange in its config)."""
     from safetensors.torch import load_file
 
+    root, results = cp_runs
     packed = layout.startswith("packed")
-    # packed rows under `attn_implementation: sdpa`: the kernel behind the exchange needs the rows' block-diagonal
-    # mask (SDPA per sequence, the CPU's default, splits them itself: the tp × cp test below runs it)
-    keys = ({"sample_packing": True, "attn_implementation": "sdpa"} if packed
-            else {**FSDP, "val_set_size": 0.1, "eval_steps": 2})
-    saves = {} if packed else {"save_strategy": "steps", "save_steps": 2}
+    one_config = layout_config(tmp_path / "one", tiny_model_dir, data, layout)
+    one_result = run_in_process("train", str(one_config))
+    assert one_result.returncode == 0, one_result.stdout[-3000:] + one_result.stderr[-5000:]
     runs, losses = {}, {}
-    for name, extra in (("one", {}), ("cp", {**CP, **saves})):
-        run_dir = tmp_path / name
-        run_dir.mkdir()
-        config = write_config(run_dir / "run.yml",
-                              **base_config(run_dir, tiny_model_dir, data, **STEPS, **keys, **extra))
-        result = run_two_ranks("train", str(config)) if extra else run_in_process("train", str(config))
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        out = run_dir / "out"
+    for name, out in (("one", tmp_path / "one" / "out"), ("cp", root / f"cp_{list(LAYOUTS).index(layout)}" / "out")):
+        if name == "cp":
+            assert results[layout].returncode == 0, results[layout].stdout[-3000:] + results[layout].stderr[-5000:]
         runs[name] = (json.loads((out / "plan.json").read_text()), json.loads((out / "summary.json").read_text()),
                       load_file(out / "model.safetensors"))
         losses[name] = [line.get("loss", line.get("eval_loss")) for line in read_metrics(out)]
@@ -143,24 +170,18 @@ def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, tiny_
     assert difference < 1e-5 and change < 1e-4
     if packed:
         return
-    assert "tuneloop_ulysses" not in (tmp_path / "cp" / "out" / "config.json").read_text()
+    assert "tuneloop_ulysses" not in (root / "cp_1" / "out" / "config.json").read_text()
     # kill -9 in the middle of step 3's save (a checkpoint a step: 1 and 2 are whole), then auto-resume
-    crashed_dir = tmp_path / "crashed"
-    crashed_dir.mkdir()
-    config = write_config(crashed_dir / "run.yml", **base_config(crashed_dir, tiny_model_dir, data, **STEPS, **keys,
-                                                                 **CP, save_strategy="steps", save_steps=1,
-                                                                 auto_resume_from_checkpoints=True))
-    crashed = run_two_ranks("train", str(config), env={CRASH_DURING_SAVE_ENV: "3"})
-    assert crashed.returncode != 0
-    out = crashed_dir / "out"
-    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
-    one_rank = write_config(crashed_dir / "one.yml", **base_config(crashed_dir, tiny_model_dir, data, **STEPS, **keys,
-                                                                   auto_resume_from_checkpoints=True))
+    assert results["crash"].returncode != 0
+    as_killed = root / "as_killed"
+    assert [p.name for p in complete_checkpoints(as_killed / "out")] == ["checkpoint-1", "checkpoint-2"]
+    one_rank = write_config(as_killed / "one.yml", **base_config(as_killed, tiny_model_dir, data, **STEPS,
+                                                                 **LAYOUTS[layout], auto_resume_from_checkpoints=True))
     assert_user_error(run_in_process("train", str(one_rank)),  # another layout: both named (--force-resume reshards)
                       "mesh (mesh dp_replicate 1 × dp_shard 1 × tp 1 × cp 2 → None)", "context_parallel_size (2 → None)")
-    resumed = run_two_ranks("train", str(config))
+    resumed = results["resumed"]
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
-    again = load_file(out / "model.safetensors")
+    again = load_file(root / "crashed" / "out" / "model.safetensors")
     assert again.keys() == cp.keys() and all(torch.equal(again[k], cp[k]) for k in cp)
 
 
