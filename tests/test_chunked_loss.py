@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import tuneloop.output_head as output_head_module
+import tuneloop.kernels.output_head as output_head_module
 import tuneloop.train.chunked_loss as chunked_loss_module
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct

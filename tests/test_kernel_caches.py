@@ -1,4 +1,4 @@
-"""The CPU's matmul kernel caches, bounded (kernel_caches.py) and counted by the plan (plan/process_memory.py).
+"""The CPU's matmul kernel caches, bounded (host/kernel_caches.py) and counted by the plan (plan/process_memory.py).
 
 Each new shape of a bf16 matmul on a CPU leaves a compiled kernel in ideep's cache and in oneDNN's, 1024 entries
 each by default: a run whose shapes vary (padded rows, preference pairs, the trained tokens meeting the head) grew
@@ -16,8 +16,8 @@ import sys
 import pytest
 from conftest import base_config, tiny_rows, write_config, write_jsonl
 
-from tuneloop.hardware import native_bf16
-from tuneloop.kernel_caches import CAPACITY, SETTINGS, bound_kernel_caches
+from tuneloop.host.hardware import native_bf16
+from tuneloop.host.kernel_caches import CAPACITY, SETTINGS, bound_kernel_caches
 
 needs_bf16 = pytest.mark.skipif(native_bf16() is None, reason="bf16 matmuls run through oneDNN where the CPU has "
                                 "native bf16; elsewhere torch emulates them without these caches")
@@ -37,8 +37,8 @@ print(json.dumps({{"grew": resident() - before}}))
 
 
 def growth_over_new_shapes(environ: dict) -> int:
-    """In a fresh interpreter under the allocator tuneloop's processes run (mimalloc where installed: allocator.py)."""
-    from tuneloop.allocator import preloaded_environment
+    """In a fresh interpreter under the allocator tuneloop's processes run (mimalloc where installed: host/allocator.py)."""
+    from tuneloop.host.allocator import preloaded_environment
 
     environ = preloaded_environment(environ) or environ
     result = subprocess.run([sys.executable, "-c", GROWTH], capture_output=True, text=True, timeout=300,

@@ -1,4 +1,4 @@
-"""gpt-oss's MXFP4 checkpoints (mxfp4.py): axolotl's `model_quantization_config: Mxfp4Config` with
+"""gpt-oss's MXFP4 checkpoints (quant/mxfp4.py): axolotl's `model_quantization_config: Mxfp4Config` with
 `model_quantization_config_kwargs: {dequantize: true}` loads the packed experts as trainable weights.
 
 A tiny gpt_oss model is saved in the layout real gpt-oss checkpoints use: each expert weight as `*_blocks` (FP4

@@ -18,7 +18,7 @@ from tuneloop.config import config_from_dict
 from tuneloop.data.formats import FORMATS
 from tuneloop.dpo_loss_types import DPO_LOSS_TYPES
 from tuneloop.errors import UserError
-from tuneloop.hardware import check_hardware
+from tuneloop.host.hardware import check_hardware
 from tuneloop.online_rl.loss_types import LOSS_TYPES
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS, OptimizerKind, build_optimizer, build_scheduler
 from tuneloop.registry import Registry

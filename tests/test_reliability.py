@@ -483,9 +483,9 @@ def test_no_run_prints_deepspeeds_cpu_accelerator_line(tmp_path, tiny_model_dir,
     result = run_cli("train", str(config_file(tmp_path, tiny_model_dir, data, max_steps=1)))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Setting accelerator to CPU" not in result.stdout + result.stderr
-    from tuneloop.allocator import mimalloc_library
+    from tuneloop.host.allocator import mimalloc_library
 
-    if mimalloc_library() is not None:  # (and the command ran itself under mimalloc: allocator.py)
+    if mimalloc_library() is not None:  # (and the command ran itself under mimalloc: host/allocator.py)
         assert "host memory          mimalloc, preloaded" in result.stdout, result.stdout[-3000:]
 
 

@@ -460,10 +460,10 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
 
     from tuneloop.adapters import add_adapter, freeze_all_but
     from tuneloop.engines.masters import matmul_only_weights
-    from tuneloop.mxfp4 import dequantizes_mxfp4
-    from tuneloop.output_head import loss_meets_head_in_chunks, output_head
+    from tuneloop.quant.mxfp4 import dequantizes_mxfp4
+    from tuneloop.kernels.output_head import loss_meets_head_in_chunks, output_head
     from tuneloop.plan.activations import llama_decoder_layers
-    from tuneloop.quantized_experts import count_expert_weights, expert_parameter_names, expert_targets
+    from tuneloop.quant.quantized_experts import count_expert_weights, expert_parameter_names, expert_targets
 
     config = model_config(cfg, tokenizer)
     dequantizes_mxfp4(cfg, config)  # (an MXFP4 checkpoint and the MXFP4 keys go together: refused now, not at load)
@@ -481,7 +481,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
     embedding_name = next(name for name, module in model.named_modules() if module is model.get_input_embeddings())
     quantizable = quantizable_linears(cfg, model)
     if cfg.qat is not None:  # a group size the layers' widths do not take: refused by the plan, before training
-        from tuneloop.qat import check_fits
+        from tuneloop.quant.qat import check_fits
 
         check_fits(cfg.qat, model)
     experts = count_expert_weights(model)
@@ -640,12 +640,12 @@ class QuantizedBase(NamedTuple):
 
     bnb_config: Any  # transformers' BitsAndBytesConfig
     dtype: Any  # the dtype the weights were loaded in (and quantized from)
-    experts: bool = False  # `quantize_moe_experts`: the expert weights quantized after loading (quantized_experts.py)
+    experts: bool = False  # `quantize_moe_experts`: the expert weights quantized after loading (quant/quantized_experts.py)
 
     def quantize_experts(self, model) -> None:
         """The expert weights of a loaded base (its adapter attached or not) quantized as the run quantized them."""
         if self.experts:
-            from tuneloop.quantized_experts import quantize_experts, remove_lora_proxies_after_each_forward
+            from tuneloop.quant.quantized_experts import quantize_experts, remove_lora_proxies_after_each_forward
 
             quantize_experts(model, self.bnb_config)
             remove_lora_proxies_after_each_forward(model)
@@ -653,7 +653,7 @@ class QuantizedBase(NamedTuple):
 
 def quantized_base(cfg) -> QuantizedBase | None:
     from tuneloop.adapters import quantization_config
-    from tuneloop.hardware import quantized_loading
+    from tuneloop.host.hardware import quantized_loading
 
     kind = quantized_loading(cfg)
     if not kind:
@@ -668,10 +668,10 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_met
     from safetensors import SafetensorError
 
     from tuneloop.adapters import quantization_config
-    from tuneloop.hardware import quantized_loading
-    from tuneloop.mxfp4 import dequantizes_mxfp4, mxfp4_loading_config
+    from tuneloop.host.hardware import quantized_loading
+    from tuneloop.quant.mxfp4 import dequantizes_mxfp4, mxfp4_loading_config
 
-    from tuneloop.packed_attention import loadable
+    from tuneloop.kernels.packed_attention import loadable
 
     config = model_config(cfg, tokenizer)
     built = model_class(cfg, resolved.model_kind)
@@ -696,7 +696,7 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_met
     quantized = quantized_loading(cfg)
     if quantized:
         options["quantization_config"] = quantization_config(cfg, quantized)
-    # gpt-oss's MXFP4 experts unpacked as they load (mxfp4.py); a full checkpoint of the run holds them unpacked
+    # gpt-oss's MXFP4 experts unpacked as they load (quant/mxfp4.py); a full checkpoint of the run holds them unpacked
     if "config" in options and dequantizes_mxfp4(cfg, config):
         options["quantization_config"] = mxfp4_loading_config(cfg)
     try:
@@ -705,7 +705,7 @@ def load_model(cfg: TuneloopConfig, resolved, tokenizer, checkpoint=None, on_met
     except (OSError, ValueError, SafetensorError) as error:  # missing, unreadable or damaged weights
         raise UserError(f"model: cannot load {source!r}: {type(error).__name__}: {error}") from None
     if cfg.quantize_moe_experts:  # before peft's preparation, which would upcast 16-bit experts to fp32 first
-        from tuneloop.quantized_experts import quantize_experts_as_asked
+        from tuneloop.quant.quantized_experts import quantize_experts_as_asked
 
         quantize_experts_as_asked(model, options["quantization_config"], source)
     return _prepared_for_training(cfg, resolved, model, tokenizer, quantized, checkpoint)
@@ -727,7 +727,7 @@ def built_from_config(cfg: TuneloopConfig, built, config, attention: str | None)
 def _prepared_for_training(cfg: TuneloopConfig, resolved, model, tokenizer, quantized, checkpoint):
     """The loaded or built model made ready: cache off, embeddings grown to the tokenizer, checkpointing (the
     run's: resolved.gradient_checkpointing), the adapter or the frozen parameters."""
-    from tuneloop import rms_norm, swiglu
+    from tuneloop.kernels import rms_norm, swiglu
     from tuneloop.adapters import add_adapter, freeze_all_but, prepare_quantized
 
     # A cache in training defeats the packed-sequence mask (STACK-NOTES trap 1) and wastes memory.

@@ -42,7 +42,7 @@ def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunH
     from transformers.utils import logging as transformers_logging
 
     from tuneloop.data.source import prepare_rows
-    from tuneloop.hardware import quiet_deepspeed_on_cpu
+    from tuneloop.host.hardware import quiet_deepspeed_on_cpu
     from tuneloop.model import attach_image_inputs, check_encoder_decoder_settings, load_tokenizer
 
     quiet_deepspeed_on_cpu()
@@ -103,12 +103,12 @@ class TrainingSession:
     def __enter__(self) -> "TrainingSession":
         from datetime import timedelta
 
-        from tuneloop.allocator import tune_host_allocator
-        from tuneloop.hardware import quiet_deepspeed_on_cpu
-        from tuneloop.kernel_caches import bound_kernel_caches
+        from tuneloop.host.allocator import tune_host_allocator
+        from tuneloop.host.hardware import quiet_deepspeed_on_cpu
+        from tuneloop.host.kernel_caches import bound_kernel_caches
 
-        tune_host_allocator()  # (a session opened from Python, not the CLI: allocator.py)
-        bound_kernel_caches()  # (likewise: kernel_caches.py)
+        tune_host_allocator()  # (a session opened from Python, not the CLI: host/allocator.py)
+        bound_kernel_caches()  # (likewise: host/kernel_caches.py)
         quiet_deepspeed_on_cpu()  # (before Accelerate is imported)
         import torch
         from accelerate import Accelerator
@@ -170,7 +170,7 @@ class TrainingSession:
         from accelerate.utils import set_seed
 
         from tuneloop.config.schema import result_settings
-        from tuneloop.hardware import check_hardware
+        from tuneloop.host.hardware import check_hardware
         from tuneloop.model import apply_run_template, load_model
         from tuneloop.plan.build import build_plan
         from tuneloop.plan.memory import check_memory_fits

@@ -104,7 +104,7 @@ class EngineSpec:
         raise NotImplementedError
 
     def needs(self) -> list[str]:
-        """What the machine needs for this engine, in words (`check`; hardware.py refuses it at `train`): context
+        """What the machine needs for this engine, in words (`check`; host/hardware.py refuses it at `train`): context
         parallel's exchange is DeepSpeed's (context_parallel.py), on any engine."""
         if self.mesh_keys.cp:
             return [f"`context_parallel_size: {self.mesh_keys.cp}`: the deepspeed package, whose Ulysses attention it "

@@ -93,7 +93,7 @@ def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | No
     loader = model_class or loader_of(folder, base_config, trust_remote_code)
     options = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
-        from tuneloop.packed_attention import loadable
+        from tuneloop.kernels.packed_attention import loadable
 
         options["attn_implementation"] = loadable(attn_implementation)
     if quantization is not None:

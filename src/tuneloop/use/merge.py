@@ -88,7 +88,7 @@ def adapter_on_dequantized_base(folder: ModelFolder, quantization, trust_remote_
     import torch
     from transformers import AutoConfig
 
-    from tuneloop.quantized_experts import dequantize_experts
+    from tuneloop.quant.quantized_experts import dequantize_experts
     from tuneloop.use.folders import attach_adapter, check_base_reachable, loader_of
 
     check_base_reachable(folder)

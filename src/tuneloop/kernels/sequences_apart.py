@@ -1,6 +1,6 @@
 """Causal attention of each sequence of a CPU batch on its own, as one autograd function over the whole batch.
 
-packed_attention.py decides where the sequences are (a packed row's, or a padded row's real tokens); this runs them:
+kernels/packed_attention.py decides where the sequences are (a packed row's, or a padded row's real tokens); this runs them:
 one call of SDPA's CPU flash kernel per sequence, forward and backward, with what autograd would otherwise do around
 those calls done here directly. Cutting the batch into sequences with autograd's views cost, in the backward, a cat
 of each row's gradients, a stack of the rows', and the casts of whole tensors there and back; and joining the outputs
@@ -20,7 +20,7 @@ the CPU kernel's bf16 call costs more than its work (packed_attention.BF16_FLASH
 each input's gradient in its own dtype, rounded to `dtype` first (as autocast's cast's backward would).
 
 Sequences marked not attended (a padded row's padding) output zeros and get zero gradients: nothing real attends to
-them, and nothing reads what they give. No dropout: the CPU flash kernel has none (packed_attention.py does not split
+them, and nothing reads what they give. No dropout: the CPU flash kernel has none (kernels/packed_attention.py does not split
 where the model asks for it).
 """
 
