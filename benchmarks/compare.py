@@ -252,7 +252,7 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
 
     from tuneloop.config import config_from_dict
     from tuneloop.data.prepare import prepare
-    from tuneloop.model import load_tokenizer
+    from tuneloop.model.tokenizer import load_tokenizer
 
     setup = dict(PRESETS[preset])
     for key in ("train_rows", "eval_rows", "micro_batch_size", "gradient_accumulation_steps", "sequence_len"):
@@ -545,7 +545,7 @@ def load_hf_model(job: dict):
 def job_tokenizer(job: dict):
     """tuneloop's tokenizer for the run (same pad token and chat template the rows were prepared with)."""
     from tuneloop.config import load_config
-    from tuneloop.model import load_tokenizer
+    from tuneloop.model.tokenizer import load_tokenizer
 
     return load_tokenizer(load_config(job["config_path"]), encoder_decoder=False)
 

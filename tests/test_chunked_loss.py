@@ -171,7 +171,8 @@ def test_the_memory_estimate_follows_the_loss_path(tiny_model_dir):
     from tuneloop.config import config_from_dict
     from tuneloop.plan.memory import estimate_memory
     from tuneloop.resolved import resolve_config
-    from tuneloop.model import MODEL_KINDS, model_facts
+    from tuneloop.model.kinds import MODEL_KINDS
+    from tuneloop.plan.model_facts import model_facts
 
     estimates = {}
     for chunked in (None, False):

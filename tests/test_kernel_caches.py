@@ -37,7 +37,8 @@ print(json.dumps({{"grew": resident() - before}}))
 
 
 def growth_over_new_shapes(environ: dict) -> int:
-    """In a fresh interpreter under the allocator tuneloop's processes run (mimalloc where installed: host/allocator.py)."""
+    """In a fresh interpreter under the allocator tuneloop's processes run (mimalloc where installed:
+    host/allocator.py)."""
     from tuneloop.host.allocator import preloaded_environment
 
     environ = preloaded_environment(environ) or environ
@@ -71,7 +72,8 @@ def test_a_bf16_cpu_plan_counts_the_full_caches_and_an_fp32_one_does_not(tmp_pat
     once in a fresh interpreter at this process's capacities and cached; not counted when planning for another
     device."""
     from tuneloop.config import config_from_dict
-    from tuneloop.model import MODEL_KINDS, model_facts
+    from tuneloop.model.kinds import MODEL_KINDS
+    from tuneloop.plan.model_facts import model_facts
     from tuneloop.plan import process_memory
     from tuneloop.plan.memory import estimate_memory
     from tuneloop.resolved import resolve_config

@@ -27,7 +27,8 @@ import torch
 from conftest import base_config, save_llama, tiny_rows, write_config, write_jsonl
 
 from tuneloop.config import load_run_config
-from tuneloop.model import MODEL_KINDS, model_facts
+from tuneloop.model.kinds import MODEL_KINDS
+from tuneloop.plan.model_facts import model_facts
 from tuneloop.plan.memory import _activations
 from tuneloop.run import TrainingSession
 from tuneloop.train.hooks import RunHooks

@@ -126,12 +126,13 @@ def planned(path: Path) -> dict:
 
 
 def loaded_by_tuneloop(path: Path, monkeypatch):
-    """The model as `train` loads it (model.py's load_model), and the options it gave from_pretrained. (On this CPU
+    """The model as `train` loads it (model/load.py's load_model), and the options it gave from_pretrained. (On this CPU
     transformers would dequantize MXFP4 even unasked, having no Triton kernels: the options show tuneloop asks.)"""
     from transformers import AutoModelForCausalLM
 
     from tuneloop.config import load_config
-    from tuneloop.model import load_model, load_tokenizer
+    from tuneloop.model.load import load_model
+    from tuneloop.model.tokenizer import load_tokenizer
     from tuneloop.resolved import resolve_run
 
     with warnings.catch_warnings():

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from tuneloop.kernels import packed_attention
-from tuneloop.kernels.packed_attention import PER_SEQUENCE_SDPA, loadable, packed_lengths, per_sequence_sdpa, worth_splitting
+from tuneloop.kernels.packed_attention import (PER_SEQUENCE_SDPA, loadable, packed_lengths, per_sequence_sdpa,
+                                               worth_splitting)
 
 
 class Attending(torch.nn.Module):

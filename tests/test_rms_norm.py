@@ -1,6 +1,6 @@
-"""tuneloop's RMSNorm (kernels/rms_norm.py): given to the LLaMA-formula norms of the model a run trains, with the module's
-own forward values, its gradients to fp32 rounding, and less kept for the backward; never to a norm whose formula
-differs."""
+"""tuneloop's RMSNorm (kernels/rms_norm.py): given to the LLaMA-formula norms of the model a run trains, with the
+module's own forward values, its gradients to fp32 rounding, and less kept for the backward; never to a norm whose
+formula differs."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""tuneloop's gated MLP product (kernels/swiglu.py): given to the LLaMA-formula MLPs of the model a run trains; its output
-and every gradient are autograd's to the bit, with one [tokens, intermediate] tensor less kept for the backward."""
+"""tuneloop's gated MLP product (kernels/swiglu.py): given to the LLaMA-formula MLPs of the model a run trains; its
+output and every gradient are autograd's to the bit, with one [tokens, intermediate] tensor less kept for the
+backward."""
 
 from __future__ import annotations
 

@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     from tuneloop.host.kernel_caches import bound_kernel_caches
     from tuneloop.train.compiling import keep_compiled_artifacts
 
-    bound_kernel_caches()  # before torch's first matmul, for this process and every one it starts (host/kernel_caches.py)
+    # before torch's first matmul, for this process and every one it starts (host/kernel_caches.py)
+    bound_kernel_caches()
     if argv is None:  # the process's own command line (not a call from Python): start again under mimalloc
         restart_with_mimalloc()
     tune_host_allocator()  # before torch allocates anything (host/allocator.py)

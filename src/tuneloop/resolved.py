@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from tuneloop.engines.base import EngineSpec
 from tuneloop.engines.keys import run_engine, uncompiled_by
 from tuneloop.host.hardware import quantized_loading
-from tuneloop.model import ModelKind, kind_of_config, named_kind, recurrent_layers
+from tuneloop.model.kinds import ModelKind, kind_of_config, named_kind, recurrent_layers
 
 PRECISION_NAMES = {"no": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -64,7 +64,7 @@ class Resolved:
     compile_auto: bool  # `torch_compile: auto`, left to the plan (plan/compile_choice.py); never where nothing compiles
     gradient_checkpointing: bool | str  # layers recomputed in the backward: True, "offload" (kept in CPU memory), False
     attention: Attention
-    model_kind: ModelKind | None  # causal or seq2seq (model.py's MODEL_KINDS); None: not known from the config alone
+    model_kind: ModelKind | None  # model/kinds.py's MODEL_KINDS; None: not known from the config alone
     precision: Precision | None = None  # None: not known without the machine
     packing_note: str | None = None  # why packing that was asked for is not done (the plan warns with it)
 
@@ -101,7 +101,7 @@ def resolve_run(cfg, model_config=None) -> Resolved:
     from tuneloop.kernels.packed_attention import model_can_split
 
     if model_config is None:
-        from tuneloop.model import model_config as read_model_config
+        from tuneloop.model.model_config import model_config as read_model_config
 
         model_config = read_model_config(cfg)
     kind = named_kind(cfg) or kind_of_config(model_config)

@@ -455,7 +455,7 @@ STEPWISE_KEYS = ("step_separator", "max_completion_length", "train_on_last_step_
 
 
 def process_reward_model(cfg) -> Problems:
-    """`process_reward_model: true` (model.py's token_classification kind, train/process_reward_model.py's loss)
+    """`process_reward_model: true` (model/kinds.py's token_classification kind, train/process_reward_model.py's loss)
     trains on `type: stepwise_supervised` rows (data/stepwise.py), and they on it alone."""
     for index, entry in enumerate(cfg.datasets + cfg.test_datasets):
         stepwise = isinstance(entry.type, str) and entry.type in STEPWISE_TYPES
@@ -497,7 +497,7 @@ def process_reward_model(cfg) -> Problems:
 
 
 def reward_model(cfg) -> Problems:
-    """`reward_model: true` (a Bradley-Terry reward model: model.py's sequence_classification kind,
+    """`reward_model: true` (a Bradley-Terry reward model: model/kinds.py's sequence_classification kind,
     train/reward_model.py's loss) and the keys that go with it, or against it."""
     if not cfg.reward_model:
         for key in ("num_labels", "center_rewards_coefficient"):
@@ -706,8 +706,8 @@ def hub_push(cfg) -> Problems:
     yield from ()  # (a warning, never a problem: axolotl ignores them)
 
 def quantization_aware_training(cfg) -> Problems:
-    """`qat:` (quant/qat.py) fake-quantizes the weights the run trains, for a model quantized after training. Refused with
-    what would make it mean something else: an adapter (as in axolotl for 4/8-bit bases; a LoRA would train beside
+    """`qat:` (quant/qat.py) fake-quantizes the weights the run trains, for a model quantized after training. Refused
+    with what would make it mean something else: an adapter (as in axolotl for 4/8-bit bases; a LoRA would train beside
     frozen fake-quantized weights, and the merged model `tuneloop quantize` rounds is not what trained), and DeepSpeed,
     under which tuneloop has not run torchao's fake-quantized layers yet. (FSDP2 runs them: tests/test_qat.py.)"""
     if cfg.qat is None:

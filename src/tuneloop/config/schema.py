@@ -52,7 +52,7 @@ MXFP4_SETTINGS = ("dequantize",)
 ATTENTION_IMPLEMENTATIONS = {"sdpa", "sdpa_per_sequence", "eager", "flash_attention_2", "flash_attention_3",
                              "flex_attention", "xformers"}
 # the text-to-text (encoder-decoder) model families: their *ForConditionalGeneration classes are seq2seq models,
-# not the multimodal ones of the same suffix (model.py checks that the class and the checkpoint agree)
+# not the multimodal ones of the same suffix (model/model_config.py checks that the class and the checkpoint agree)
 SEQ2SEQ_FAMILIES = ("T5", "MT5", "UMT5", "LongT5", "Bart", "MBart", "PLBart", "Pegasus", "PegasusX", "BigBirdPegasus",
                     "Blenderbot", "BlenderbotSmall", "LED", "M2M100", "NllbMoe", "FSMT", "Mvp", "ProphetNet",
                     "SwitchTransformers", "T5Gemma", "Marian")
@@ -571,7 +571,7 @@ class TuneloopConfig(Strict):
     def _model_class(cls, value):
         if value is None or value in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM") or value.endswith("ForCausalLM"):
             return value
-        # a vision-language model's class (model.py's vision_language kind; its family is checked on loading)
+        # a vision-language model's class (model/kinds.py's vision_language kind; its family is checked on loading)
         if value == "AutoModelForImageTextToText" or value.endswith("ForConditionalGeneration"):
             return value
         if value.endswith("ForSequenceClassification"):  # a reward model's (rules.py: reward_model)

@@ -138,7 +138,7 @@ class EngineSpec:
         return False
 
     def check_model(self, facts) -> None:
-        """A UserError where the engine cannot run this model (model.ModelFacts), said by the plan before `train`
+        """A UserError where the engine cannot run this model (plan/model_facts.py), said by the plan before `train`
         meets it."""
 
     def build(self, cfg, plan, accelerator) -> "Engine":

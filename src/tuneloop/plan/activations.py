@@ -18,7 +18,7 @@ kernels/swiglu.py run), the layer is counted tensor by tensor, per token:
   the projections' rule above.
 
 Every other model keeps the usual count (plan/memory.py). The per-token widths are read from the model built on
-the meta device (model.model_facts), with its adapter and freezing, so only the projections that keep their input
+the meta device (model_facts.py), with its adapter and freezing, so only the projections that keep their input
 are counted. tests/test_activation_count.py compares this count with what autograd keeps in a real step.
 """
 

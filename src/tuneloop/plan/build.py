@@ -182,7 +182,7 @@ def build_plan(cfg, resolved, rows, tokenizer, world_size: int, device_memory_gb
     """Every number of the run: the data's, and the model's and the machine's (memory per rank on
     `device_memory_gb` GB devices when planning for other machines; MFU against the peak of the devices).
     `compile_decision`: `torch_compile: auto` decided already (by rank 0, for every rank: run.py)."""
-    from tuneloop.model import model_facts
+    from tuneloop.plan.model_facts import model_facts
 
     facts = model_facts(cfg, resolved.model_kind, tokenizer)
     return _assembled(cfg, resolved, rows, world_size, facts, device_memory_gb, tokenizer, compile_decision)
@@ -317,7 +317,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     checked against the plan), the memory per rank, the compute per token and the peak MFU is taken against;
     and their warnings (a sequence_len past the model's positions, an attention kernel that cannot run here, a
     run above the device's memory)."""
-    from tuneloop.model import check_sequence_len
+    from tuneloop.plan.model_facts import check_sequence_len
     from tuneloop.plan.flops import count_flops, head_flops_skipped, run_peak
     from tuneloop.plan.memory import estimate_memory, memory_warning
 

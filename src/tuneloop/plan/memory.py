@@ -18,7 +18,7 @@ from pathlib import Path
 from tuneloop.engines.base import WholeBytes
 from tuneloop.errors import UserError
 from tuneloop.host.hardware import quantized_loading
-from tuneloop.model import ModelFacts
+from tuneloop.plan.model_facts import ModelFacts
 from tuneloop.optim import OPTIMIZERS
 from tuneloop.kernels.output_head import chunk_tokens
 from tuneloop.rl_methods import keeps_reference_copy

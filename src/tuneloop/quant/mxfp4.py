@@ -27,7 +27,7 @@ def checkpoint_is_mxfp4(config) -> bool:
 
 
 def loaded_dtype_words(cfg) -> str:
-    """The dtype the dequantized experts load in: model.py's weights_dtype, in the plan's words."""
+    """The dtype the dequantized experts load in: model/load.py's weights_dtype, in the plan's words."""
     return "bf16" if cfg.bfloat16 else "fp16" if cfg.float16 else "fp32"
 
 

@@ -298,7 +298,7 @@ def _run_config_of(cfg, folder):
 def _quantized_base_of_run(cfg, folder):
     """(the bitsandbytes config, the weights' dtype) the adapter's run loaded its base with (CONFIG's, or its
     run_config.yml's); None for a LoRA on full-precision weights."""
-    from tuneloop.model import quantized_base
+    from tuneloop.model.load import quantized_base
 
     cfg = _run_config_of(cfg, folder)
     return quantized_base(cfg) if cfg is not None else None
