@@ -1,5 +1,5 @@
-"""What every engine is: its spec (what the keys ask for, read without torch: `check` and the plan use it) and its
-runtime (what the loop and the checkpoints talk to), with the defaults most engines share.
+"""What every engine is: its spec and its runtime, with the defaults most engines share. The spec is what the keys ask
+for, read without torch (`check` and the plan use it); the runtime is what the loop and the checkpoints talk to.
 
 A spec says how the engine shares the model: what each rank holds 1/N of and what lives in host memory, its
 share of the memory estimate (`per_rank`), its description, and what the machine needs for it. The runtime wraps

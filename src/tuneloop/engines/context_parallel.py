@@ -1,5 +1,5 @@
 """Context parallel (`context_parallel_size`, and axolotl's older `sequence_parallel_degree`): each row's positions
-split over the cp ranks of the device mesh, with DeepSpeed's Ulysses attention (axolotl's ALST recipe).
+split over the cp ranks of the device mesh. The attention is DeepSpeed's Ulysses (axolotl's ALST recipe).
 
 The cp ranks of one data coordinate read the same rows (mesh.Mesh.data_rank); each takes one contiguous slice
 of every row's positions (`ContextShare`): its tokens, their positions and their targets. Everything but attention

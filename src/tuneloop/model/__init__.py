@@ -1,2 +1,2 @@
-"""The model a run trains: its kind (kinds.py), its transformers config and class (model_config.py), its tokenizer
-(tokenizer.py), a vision-language run's settings (vision.py), and the model loaded or built (load.py)."""
+"""The model a run trains: its kind, its config and class, its tokenizer, a vision-language run's settings, and the
+model loaded or built. One module each: kinds.py, model_config.py, tokenizer.py, vision.py, load.py."""

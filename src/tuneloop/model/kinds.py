@@ -1,6 +1,6 @@
-"""What kind of model a run trains (MODEL_KINDS: causal, seq2seq, the two classifiers, vision-language), read from
-the config or the checkpoint's config, and what each kind cannot do; which layers carry state along the sequence.
-Torch-free at import: resolved.py reads it when `check` runs."""
+"""What kind of model a run trains (MODEL_KINDS), read from the config or the checkpoint's config. The kinds are causal,
+seq2seq, the two classifiers and vision-language; here too are what an encoder-decoder run cannot do and which layers
+carry state along the sequence. Torch-free at import: resolved.py reads it when `check` runs."""
 
 from __future__ import annotations
 

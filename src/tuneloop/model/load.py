@@ -1,7 +1,7 @@
-"""The model to train, loaded or built from a config (from scratch): its class, attention kernel and dtype, grown
-embeddings, activation checkpointing, the adapter or the frozen parameters, and a quantized base loaded again as the
-run loaded it. What kind of model, which attention kernel and which precision a run uses is decided once, in
-resolved.py; the loaders here are given it."""
+"""The model to train, loaded or built from a config (from scratch) and made ready for training. Its class, attention
+kernel and dtype, grown embeddings, activation checkpointing, the adapter or the frozen parameters; and a quantized base
+loaded again as the run loaded it. What kind of model, which attention kernel and which precision a run uses is decided
+once, in resolved.py; the loaders here are given it."""
 
 from __future__ import annotations
 

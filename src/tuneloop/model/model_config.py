@@ -1,5 +1,6 @@
-"""The model's transformers config as a run reads it (overrides applied, sized for a model built from scratch, a
-classifier's head set) and the class that loads it (`model_type`), checked against each other."""
+"""The model's transformers config as a run reads it, and the class that loads it (`model_type`), checked against each
+other. The config has the overrides applied, is sized to the tokenizer for a model built from scratch, and carries a
+classifier's head."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""What the plan knows of the model (ModelFacts): the model built on the meta device with its adapter, and its
-weights counted (parameters, matmul weights, quantizable layers, experts, the vision side); sequence_len checked
-against its positions."""
+"""What the plan knows of the model (ModelFacts), counted from the model built on the meta device. The model has its
+adapter or freezing; counted are its parameters, matmul weights, quantizable layers, experts and vision side;
+sequence_len is checked against its positions."""
 
 from __future__ import annotations
 
