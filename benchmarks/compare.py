@@ -252,7 +252,7 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
 
     from tuneloop.config import config_from_dict
     from tuneloop.data.prepare import prepare
-    from tuneloop.model import load_tokenizer
+    from tuneloop.model.tokenizer import load_tokenizer
 
     setup = dict(PRESETS[preset])
     for key in ("train_rows", "eval_rows", "micro_batch_size", "gradient_accumulation_steps", "sequence_len"):
@@ -343,9 +343,9 @@ def make_setup(preset: str, model_key: str, args, workdir: Path) -> dict:
 # ======================================================================================== parent: running
 def child_env(threads: int, variant: str | None = None) -> dict:
     """A variant's process environment. tuneloop's rows start under mimalloc, as the `tuneloop` command would
-    (allocator.py: they run TrainingSession in this script's child, which cannot change its allocator once
+    (host/allocator.py: they run TrainingSession in this script's child, which cannot change its allocator once
     started); the other tools' rows get glibc as their users do (no preload inherited from a `tuneloop bench`)."""
-    from tuneloop.allocator import RESTARTED, preloaded_environment
+    from tuneloop.host.allocator import RESTARTED, preloaded_environment
 
     env = {key: value for key, value in os.environ.items() if key not in ("LD_PRELOAD", RESTARTED)}
     runs = PROFILES.get(variant) or VARIANTS.get(variant, ("",))[0]  # (the profile children: "profile", ...)
@@ -386,7 +386,7 @@ def variants_for(job: dict) -> list[str]:
 
 def bf16_rows_left_out(device: str) -> str | None:
     """Why the bf16-only rows are not run here, or None where they are (a CPU with native bf16)."""
-    from tuneloop.hardware import native_bf16
+    from tuneloop.host.hardware import native_bf16
 
     if device == "cuda":
         return "on a GPU every row runs bf16"
@@ -545,7 +545,7 @@ def load_hf_model(job: dict):
 def job_tokenizer(job: dict):
     """tuneloop's tokenizer for the run (same pad token and chat template the rows were prepared with)."""
     from tuneloop.config import load_config
-    from tuneloop.model import load_tokenizer
+    from tuneloop.model.tokenizer import load_tokenizer
 
     return load_tokenizer(load_config(job["config_path"]), encoder_decoder=False)
 

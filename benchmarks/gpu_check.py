@@ -102,7 +102,7 @@ def check_packed_equals_alone(workdir: Path, model_dir: Path, tokenizer_dir: Pat
     cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(data), "type": "alpaca"}],
                             "dataset_prepared_path": str(workdir / "prepared"), "sequence_len": 512})
     prepared = prepare(cfg, AutoTokenizer.from_pretrained(tokenizer_dir))
-    from tuneloop.packed_attention import PER_SEQUENCE_SDPA, loadable, varlen_kernel
+    from tuneloop.kernels.packed_attention import PER_SEQUENCE_SDPA, loadable, varlen_kernel
 
     implementations = ["sdpa", "eager", PER_SEQUENCE_SDPA]
     if device == "cuda":
@@ -154,7 +154,7 @@ def check_varlen_kernel(device: str) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from tuneloop.packed_attention import varlen_attention, varlen_kernel
+    from tuneloop.kernels.packed_attention import varlen_attention, varlen_kernel
 
     if device != "cuda" or varlen_kernel() is None:
         return {"ok": None, "skipped": "needs CUDA and a torch with torch.nn.attention.varlen"}
@@ -453,7 +453,7 @@ def check_context_parallel_kernel(model_dir: Path, device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from tuneloop.engines import context_parallel
-    from tuneloop.packed_attention import loadable
+    from tuneloop.kernels.packed_attention import loadable
 
     if importlib.util.find_spec("deepspeed") is None:
         return {"ok": None, "skipped": "needs deepspeed (context parallel's Ulysses all-to-alls are DeepSpeed's)"}

@@ -1,4 +1,4 @@
-"""Packed rows under one mask against each sequence on its own (packed_attention.py), side by side.
+"""Packed rows under one mask against each sequence on its own (kernels/packed_attention.py), side by side.
 
 Each variant is `tuneloop train examples/quickstart.yml` in its own fresh process (the same rows, packing, seed,
 precision and steps), interleaved A B, A B ... for `--rounds` rounds:

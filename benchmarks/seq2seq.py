@@ -127,7 +127,8 @@ def build_model_folder(setup: dict, train_file: Path, eval_file: Path, workdir: 
     from transformers import T5ForConditionalGeneration
 
     from tuneloop.config import config_from_dict
-    from tuneloop.model import load_tokenizer, model_config
+    from tuneloop.model.model_config import model_config
+    from tuneloop.model.tokenizer import load_tokenizer
 
     cfg = config_from_dict(tokenizer_config(setup, [train_file, eval_file], workdir))
     tokenizer = load_tokenizer(cfg, encoder_decoder=True)
@@ -173,7 +174,7 @@ def make_setup(preset: str, args, workdir: Path) -> dict:
 
     from tuneloop.config import config_from_dict
     from tuneloop.data.prepare import prepare
-    from tuneloop.model import load_tokenizer
+    from tuneloop.model.tokenizer import load_tokenizer
 
     hf_logging.disable_progress_bar()
     setup = dict(PRESETS[preset])

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from tuneloop.import_noise import quiet_import_noise
+    from tuneloop.host.import_noise import quiet_import_noise
     from tuneloop.config import load_run_config
     from tuneloop.run import TrainingSession
     from tuneloop.train.hooks import RunHooks
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", type=int, default=0, help="on a GPU: also print the N kernels with the most "
                         "device time")
     args = parser.parse_args(argv)
-    quiet_import_noise()  # (as the command does: torchao's kernels failing to load on a CPU, import_noise.py)
+    quiet_import_noise()  # (as the command does: torchao's kernels failing to load on a CPU, host/import_noise.py)
 
     class Profiling(RunHooks):
         def __init__(self):

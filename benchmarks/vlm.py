@@ -440,7 +440,7 @@ def main(argv=None) -> int:
         expected_rows = sorted(job.pop("rows_tokens"))
         print(f"prepared {job['data']['train_rows']} train / {job['data']['eval_rows']} held-out rows in "
               f"{time.perf_counter() - started:.1f} s (workdir {root})", flush=True)
-        from tuneloop.hardware import native_bf16
+        from tuneloop.host.hardware import native_bf16
 
         variants = [name for name in VARIANTS if native_bf16() or not name.endswith("_bf16")]
         if len(variants) < len(VARIANTS):

@@ -50,8 +50,8 @@ def compile_records_of_the_suite(tmp_path_factory):
     # and measures peak FLOPS into its own file: with two busy workers a probe reads low, and this machine's cache
     # would keep that figure for the user's runs
     os.environ["TUNELOOP_PEAK_FLOPS"] = str(tmp_path_factory.mktemp("peak_flops") / "peak_flops.json")
-    # and bounds the CPU's matmul kernel caches as the command does (kernel_caches.py), for its processes' plans
-    from tuneloop.kernel_caches import bound_kernel_caches
+    # and bounds the CPU's matmul kernel caches as the command does (host/kernel_caches.py), for its processes' plans
+    from tuneloop.host.kernel_caches import bound_kernel_caches
 
     bound_kernel_caches()
 

@@ -1,4 +1,4 @@
-"""The host allocator (allocator.py): a process the command line starts executes itself again once under mimalloc
+"""The host allocator (host/allocator.py): a process the command line starts executes itself again once under mimalloc
 (preloaded, freed memory kept), with its arguments and environment; where it cannot (a process already running,
 TUNELOOP_MALLOC=glibc, the user's own LD_PRELOAD) glibc runs with mmap and trimming off, so memory a process frees
 stays in it for the next step; with TUNELOOP_MALLOC=default glibc hands a large block back at once. Observed through
@@ -14,11 +14,11 @@ import sys
 
 import pytest
 
-from tuneloop.allocator import mimalloc_library
+from tuneloop.host.allocator import mimalloc_library
 
 PROBE = """
 import json, sys
-from tuneloop.allocator import tune_host_allocator
+from tuneloop.host.allocator import tune_host_allocator
 
 def resident_mb():
     with open("/proc/self/statm") as handle:
@@ -36,7 +36,7 @@ print(json.dumps({"said": said, "held": held - before, "kept": after - before}))
 
 RESTARTING = """
 import json, os, sys
-from tuneloop.allocator import restart_with_mimalloc, tune_host_allocator
+from tuneloop.host.allocator import restart_with_mimalloc, tune_host_allocator
 
 print("started", flush=True)  # printed twice where the process executes itself again
 restart_with_mimalloc()

@@ -284,7 +284,7 @@ def test_a_config_naming_a_familys_template_plans_and_trains_on_a_tiny_twin_of_t
 @pytest.mark.parametrize("sample", SAMPLES)
 def test_a_sample_of_accepted_configs_plans_and_trains_where_the_machine_can(tmp_path, tiny_model_dir, sample):
     from tuneloop.config import config_from_dict
-    from tuneloop.hardware import hardware_needs
+    from tuneloop.host.hardware import hardware_needs
     from tuneloop.resolved import resolve_config
 
     raw = local_version(yaml.safe_load((EXAMPLES / SAMPLES[sample]).read_text()), tiny_model_dir, tmp_path)
@@ -296,7 +296,7 @@ def test_a_sample_of_accepted_configs_plans_and_trains_where_the_machine_can(tmp
     assert plan["total_steps"] == 2
     if "flash" in str(raw.get("attn_implementation")) and not shutil.which("nvidia-smi"):
         packed = "packed" in (plan["resolved"]["batching"], plan["resolved"]["eval_batching"])
-        assert plan["attention"] == ("sdpa_per_sequence" if packed else "sdpa")  # (packed_attention.py)
+        assert plan["attention"] == ("sdpa_per_sequence" if packed else "sdpa")  # (kernels/packed_attention.py)
         assert any("using sdpa" in warning for warning in plan["warnings"])
     trained = run_in_process("train", str(path))
     with warnings.catch_warnings():

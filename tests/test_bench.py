@@ -36,7 +36,7 @@ def test_quick_benchmark_is_fair_and_complete(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
-    from tuneloop.hardware import native_bf16
+    from tuneloop.host.hardware import native_bf16
 
     document = json.loads(out.read_text())
     assert document["preset"] == "quick"
@@ -165,7 +165,7 @@ def test_the_grpo_benchmark_against_trl_is_fair(tmp_path):
 def test_tuneloop_rows_and_their_profiles_start_under_mimalloc_and_other_tools_rows_do_not(monkeypatch):
     """compare.py starts each row's process as its tool's users get it: tuneloop's (and the --profile children that
     run tuneloop) under mimalloc as the `tuneloop` command would, the Trainer's and the bare loop's under glibc."""
-    from tuneloop.allocator import GLIBC_SETTINGS, OPT_OUT, mimalloc_library
+    from tuneloop.host.allocator import GLIBC_SETTINGS, OPT_OUT, mimalloc_library
 
     if mimalloc_library() is None:
         pytest.skip("mimalloc is not installed here (cmeel-mimalloc, Linux only)")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import tuneloop.output_head as output_head_module
+import tuneloop.kernels.output_head as output_head_module
 import tuneloop.train.chunked_loss as chunked_loss_module
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
@@ -171,7 +171,8 @@ def test_the_memory_estimate_follows_the_loss_path(tiny_model_dir):
     from tuneloop.config import config_from_dict
     from tuneloop.plan.memory import estimate_memory
     from tuneloop.resolved import resolve_config
-    from tuneloop.model import MODEL_KINDS, model_facts
+    from tuneloop.model.kinds import MODEL_KINDS
+    from tuneloop.plan.model_facts import model_facts
 
     estimates = {}
     for chunked in (None, False):

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tuneloop.config import config_from_dict
 from tuneloop.data.collate import Padding, padding_for
-from tuneloop.model import count_matmul_weights
+from tuneloop.plan.model_facts import count_matmul_weights
 from tuneloop.plan.flops import attention_context, count_flops, gpu_table_peak
 from tuneloop.resolved import resolve_config
 

@@ -142,7 +142,7 @@ def test_a_validated_config_says_what_the_user_wrote_and_resolved_decides_what_t
 
 
 def test_the_mixed_precision_of_the_keys_is_one_pure_function():
-    from tuneloop.hardware import mixed_precision
+    from tuneloop.host.hardware import mixed_precision
 
     assert mixed_precision(True, "auto", None) == ("fp16", "fp16: true")
     assert mixed_precision(None, "auto", "the CPU has AMX") == ("bf16", "bf16: auto, and the CPU has AMX")

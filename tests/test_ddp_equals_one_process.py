@@ -300,8 +300,8 @@ def test_grpo_two_ranks_equal_one_process_on_the_same_completions(tmp_path, inpu
 @pytest.mark.slow
 def test_plan_for_two_ranks_equals_a_real_two_rank_run(inputs, two_ranks):
     """`tuneloop plan --world-size 2` made here before the launch (the ranks of a shared launch, like this process,
-    run the allocator a TrainingSession opened from Python runs: allocator.py) is the plan.json the two ranks wrote,
-    and the run took its steps and its tokens."""
+    run the allocator a TrainingSession opened from Python runs: host/allocator.py) is the plan.json the two ranks
+    wrote, and the run took its steps and its tokens."""
     folders, results = two_ranks
     finished(results["plan"])
     config, out = folders["plan"] / "run.yml", folders["plan"] / "out"

@@ -14,7 +14,7 @@ pytest.importorskip("torchao")
 IMPORT_AS_A_COMMAND_DOES = """
 import logging, sys
 if sys.argv[1] == "quiet":
-    from tuneloop.import_noise import quiet_import_noise
+    from tuneloop.host.import_noise import quiet_import_noise
     quiet_import_noise()
 import transformers.modeling_utils  # imports torchao, as every command that loads a model does
 import peft  # imports bitsandbytes, as every LoRA command does

@@ -1,4 +1,4 @@
-"""The CPU's matmul kernel caches, bounded (kernel_caches.py) and counted by the plan (plan/process_memory.py).
+"""The CPU's matmul kernel caches, bounded (host/kernel_caches.py) and counted by the plan (plan/process_memory.py).
 
 Each new shape of a bf16 matmul on a CPU leaves a compiled kernel in ideep's cache and in oneDNN's, 1024 entries
 each by default: a run whose shapes vary (padded rows, preference pairs, the trained tokens meeting the head) grew
@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from tuneloop.hardware import native_bf16
-from tuneloop.kernel_caches import CAPACITY, SETTINGS, bound_kernel_caches
+from tuneloop.host.hardware import native_bf16
+from tuneloop.host.kernel_caches import CAPACITY, SETTINGS, bound_kernel_caches
 
 needs_bf16 = pytest.mark.skipif(native_bf16() is None, reason="bf16 matmuls run through oneDNN where the CPU has "
                                 "native bf16; elsewhere torch emulates them without these caches")
@@ -36,8 +36,9 @@ print(json.dumps({{"grew": resident() - before}}))
 
 
 def growth_over_new_shapes(environ: dict) -> int:
-    """In a fresh interpreter under the allocator tuneloop's processes run (mimalloc where installed: allocator.py)."""
-    from tuneloop.allocator import preloaded_environment
+    """In a fresh interpreter under the allocator tuneloop's processes run (mimalloc where installed:
+    host/allocator.py)."""
+    from tuneloop.host.allocator import preloaded_environment
 
     environ = preloaded_environment(environ) or environ
     result = subprocess.run([sys.executable, "-c", GROWTH], capture_output=True, text=True, timeout=300,
@@ -70,7 +71,8 @@ def test_a_bf16_cpu_plan_counts_the_full_caches_and_an_fp32_one_does_not(tmp_pat
     once in a fresh interpreter at this process's capacities and cached; not counted when planning for another
     device."""
     from tuneloop.config import config_from_dict
-    from tuneloop.model import MODEL_KINDS, model_facts
+    from tuneloop.model.kinds import MODEL_KINDS
+    from tuneloop.plan.model_facts import model_facts
     from tuneloop.plan import process_memory
     from tuneloop.plan.memory import estimate_memory
     from tuneloop.resolved import resolve_config

@@ -9,7 +9,7 @@ nothing else (the same batch, embeddings, head and loss): that difference, per l
 say for the same tokens. In fp32, under bf16 autocast with fp32 masters, and with a LoRA adapter on bf16 frozen
 weights. Measured here: within 0.6–1.1% of the count in all three (the old count, 34 values per token and hidden
 unit, said 2.08×, 1.39× and 1.34× what they keep). Sequences of 256-token packed rows: on this CPU each sequence's
-attention runs apart (packed_attention.py), as in the quickstart.
+attention runs apart (kernels/packed_attention.py), as in the quickstart.
 
 On a CPU, the process's own libraries (plan/process_memory.py).
 """
@@ -27,7 +27,8 @@ import torch
 from conftest import base_config, save_llama, tiny_rows, write_config, write_jsonl
 
 from tuneloop.config import load_run_config
-from tuneloop.model import MODEL_KINDS, model_facts
+from tuneloop.model.kinds import MODEL_KINDS
+from tuneloop.plan.model_facts import model_facts
 from tuneloop.plan.memory import _activations
 from tuneloop.run import TrainingSession
 from tuneloop.train.hooks import RunHooks

@@ -170,7 +170,7 @@ def test_without_the_key_a_folder_with_tekken_json_keeps_its_transformers_tokeni
     """mistral-common installed must not change the tokenizer of a run that did not ask for it (transformers picks
     it by itself for a Mistral checkpoint holding tekken.json)."""
     from tuneloop.data.mistral_chat import is_mistral_common
-    from tuneloop.model import load_tokenizer
+    from tuneloop.model.tokenizer import load_tokenizer
 
     folder = tmp_path / "both"
     shutil.copytree(tiny_tokenizer_dir, folder)

@@ -1,4 +1,4 @@
-"""gpt-oss's MXFP4 checkpoints (mxfp4.py): axolotl's `model_quantization_config: Mxfp4Config` with
+"""gpt-oss's MXFP4 checkpoints (quant/mxfp4.py): axolotl's `model_quantization_config: Mxfp4Config` with
 `model_quantization_config_kwargs: {dequantize: true}` loads the packed experts as trainable weights.
 
 A tiny gpt_oss model is saved in the layout real gpt-oss checkpoints use: each expert weight as `*_blocks` (FP4
@@ -126,12 +126,13 @@ def planned(path: Path) -> dict:
 
 
 def loaded_by_tuneloop(path: Path, monkeypatch):
-    """The model as `train` loads it (model.py's load_model), and the options it gave from_pretrained. (On this CPU
+    """The model as `train` loads it (model/load.py's load_model), and the options it gave from_pretrained. (On this CPU
     transformers would dequantize MXFP4 even unasked, having no Triton kernels: the options show tuneloop asks.)"""
     from transformers import AutoModelForCausalLM
 
     from tuneloop.config import load_config
-    from tuneloop.model import load_model, load_tokenizer
+    from tuneloop.model.load import load_model
+    from tuneloop.model.tokenizer import load_tokenizer
     from tuneloop.resolved import resolve_run
 
     with warnings.catch_warnings():

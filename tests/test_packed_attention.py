@@ -1,4 +1,4 @@
-"""SDPA per sequence on packed rows (packed_attention.py): the same attention as SDPA under the block-diagonal
+"""SDPA per sequence on packed rows (kernels/packed_attention.py): the same attention as SDPA under the block-diagonal
 mask, forward and backward, fp32 and bf16; it splits only rows that are packed and worth it, and the plan
 chooses it for packed CPU runs, and for padded rows on a CPU (each row's real tokens apart)."""
 
@@ -11,8 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from tuneloop import packed_attention
-from tuneloop.packed_attention import PER_SEQUENCE_SDPA, loadable, packed_lengths, per_sequence_sdpa, worth_splitting
+from tuneloop.kernels import packed_attention
+from tuneloop.kernels.packed_attention import (PER_SEQUENCE_SDPA, loadable, packed_lengths, per_sequence_sdpa,
+                                               worth_splitting)
 
 
 class Attending(torch.nn.Module):
@@ -118,7 +119,7 @@ def test_under_bf16_autocast_the_split_matches_sdpa_to_bf16_precision(tiny_model
 def test_models_outside_the_attention_interface_keep_sdpa():
     from transformers import FalconConfig, LlamaConfig
 
-    from tuneloop.packed_attention import model_can_split
+    from tuneloop.kernels.packed_attention import model_can_split
 
     assert model_can_split(LlamaConfig()) and not model_can_split(FalconConfig())
     # attention dropout: neither flash kernel has it, so the rows stay under SDPA's mask (and the plan says sdpa)
@@ -145,7 +146,7 @@ def test_sequences_apart_is_sdpa_on_each_sequence_under_autograd_to_the_bit(monk
     SDPA called on each sequence's slices, in the dtypes autocast would give it, joined by autograd."""
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from tuneloop.sequences_apart import sequences_apart
+    from tuneloop.kernels.sequences_apart import sequences_apart
 
     monkeypatch.setattr(packed_attention, "BF16_FLASH_FROM", 64)
     torch.manual_seed(0)
@@ -204,7 +205,7 @@ def padding_mask(lengths: list[int], width: int) -> torch.Tensor:
 
 
 def test_padded_lengths_reads_right_padding_and_refuses_every_other_mask():
-    from tuneloop.packed_attention import padded_lengths
+    from tuneloop.kernels.packed_attention import padded_lengths
 
     assert padded_lengths(padding_mask([5, 8, 3], 8), 3, 8) == [5, 8, 3]
     left = padding_mask([8, 8], 8).clone()

@@ -177,7 +177,8 @@ def test_global_batch_larger_than_the_data_and_warmup_as_long_as_the_run():
 def test_memory_estimate_counts_the_real_parameters_and_warns_above_the_device(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from tuneloop.model import MODEL_KINDS, model_facts
+    from tuneloop.model.kinds import MODEL_KINDS
+    from tuneloop.plan.model_facts import model_facts
     from tuneloop.plan.memory import MemoryEstimate, estimate_memory, memory_warning
 
     cfg = config_from_dict({"base_model": str(tiny_model_dir), "datasets": [{"path": "x"}]})

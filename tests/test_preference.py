@@ -135,7 +135,7 @@ def test_the_loss_and_its_gradient_equal_a_hand_computation(tmp_path, tiny_model
     store = prepared.train
     torch.manual_seed(0)
     policy_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    policy_model.config.use_cache = False  # as model.py loads it: packed rows need it (STACK-NOTES trap 1)
+    policy_model.config.use_cache = False  # as model/load.py loads it: packed rows need it (STACK-NOTES trap 1)
     reference_model = copy.deepcopy(policy_model)  # moved away from the policy, so the log-ratios are not zero
     with torch.no_grad():
         for parameter in reference_model.parameters():
@@ -174,7 +174,7 @@ def test_the_loss_and_its_gradient_equal_a_hand_computation(tmp_path, tiny_model
 
 def test_a_lora_runs_reference_is_its_base_with_the_adapter_off(tmp_path, tiny_model_dir, pairs_file,
                                                                   prepared_pairs):
-    from tuneloop.model import load_model
+    from tuneloop.model.load import load_model
     from tuneloop.resolved import resolve_run
     from tuneloop.train.reference import live_reference_model
 

@@ -30,7 +30,7 @@ def store_bytes(folder: Path) -> dict[str, bytes]:
 
 
 def test_one_and_two_processes_write_the_same_cache_under_the_same_key(tmp_path, tiny_model_dir, monkeypatch):
-    from tuneloop.model import load_tokenizer
+    from tuneloop.model.tokenizer import load_tokenizer
 
     monkeypatch.setattr(prepare_module, "CHUNK_ROWS", 16)  # 300 rows: 19 chunks to share between the workers
     data = write_jsonl(tmp_path / "rows.jsonl", tiny_rows(300))
@@ -71,7 +71,7 @@ def test_a_script_without_a_main_guard_still_prepares_its_data_in_its_own_proces
     script.write_text(textwrap.dedent(f"""
         from tuneloop.config import config_from_dict
         from tuneloop.data import prepare
-        from tuneloop.model import load_tokenizer
+        from tuneloop.model.tokenizer import load_tokenizer
 
         prepare.CHUNK_ROWS = 16
         cfg = config_from_dict({{"base_model": {str(tiny_model_dir)!r}, "sequence_len": 256,
@@ -151,7 +151,7 @@ def test_data_files_are_hashed_once_until_they_change(tmp_path, tiny_model_dir):
     import json
     import os
 
-    from tuneloop.model import load_tokenizer
+    from tuneloop.model.tokenizer import load_tokenizer
 
     data = write_jsonl(tmp_path / "rows.jsonl", tiny_rows(40))
     cfg = config_for(tmp_path, tiny_model_dir, data, "prepared")

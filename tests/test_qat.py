@@ -1,4 +1,4 @@
-"""Quantization-aware training (`qat:`, qat.py) and `tuneloop quantize` (use/quantize.py), on the tiny LLaMA:
+"""Quantization-aware training (`qat:`, quant/qat.py) and `tuneloop quantize` (use/quantize.py), on the tiny LLaMA:
 
 - the fake quantization is in the forward from step `fake_quant_after_n_steps` on and not before: each eval of the
   run equals the plain model's eval (the same weights, from that step's checkpoint) up to that step, and the
@@ -83,7 +83,7 @@ def test_saved_model_is_plain_and_trained(run, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from tuneloop.config.qat_block import QATBlock
-    from tuneloop.qat import FakeQuantization
+    from tuneloop.quant.qat import FakeQuantization
 
     _, out, _ = run
     saved, base = load_file(out / "model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
@@ -105,7 +105,7 @@ def test_quantize_command_writes_a_reloadable_fake_quantized_model(run):
     from transformers import AutoModelForCausalLM
 
     from tuneloop.config.qat_block import QATBlock
-    from tuneloop.qat import FakeQuantization
+    from tuneloop.quant.qat import FakeQuantization
 
     config, out, _ = run
     result = run_in_process("quantize", str(config))

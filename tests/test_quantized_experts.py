@@ -83,7 +83,7 @@ def test_merge_lora_folds_the_adapter_into_the_dequantized_experts(moe_run, tiny
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from tuneloop.adapters import keep_4bit_layout
-    from tuneloop.quantized_experts import quantize_experts
+    from tuneloop.quant.quantized_experts import quantize_experts
 
     merged_dir = tmp_path / "merged"
     result = run_in_process("merge-lora", str(moe_run["config"]), "--output", str(merged_dir))
@@ -135,11 +135,11 @@ def test_lora_on_two_weights_of_one_quantized_experts_module_is_refused_by_the_p
 def test_lora_on_4_bit_experts_computes_what_it_does_on_their_dequantized_values():
     """Two forward/backward passes of LoRA on 4-bit experts against the same LoRA on a plain model holding the
     dequantized values: the same loss and adapter gradients, exactly. (peft alone would leave its delta's
-    parametrization in place after the first pass and stack a second one: quantized_experts.py.)"""
+    parametrization in place after the first pass and stack a second one: quant/quantized_experts.py.)"""
     from peft import LoraConfig, get_peft_model
     from transformers import BitsAndBytesConfig, MixtralConfig, MixtralForCausalLM
 
-    from tuneloop.quantized_experts import quantize_experts, remove_lora_proxies_after_each_forward
+    from tuneloop.quant.quantized_experts import quantize_experts, remove_lora_proxies_after_each_forward
 
     config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)

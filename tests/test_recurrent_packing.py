@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tuneloop.model import recurrent_layers
+from tuneloop.model.kinds import recurrent_layers
 
 
 @pytest.mark.parametrize("model_type, extra, expected", [

@@ -18,7 +18,7 @@ from tuneloop.config import config_from_dict
 from tuneloop.data.formats import FORMATS
 from tuneloop.dpo_loss_types import DPO_LOSS_TYPES
 from tuneloop.errors import UserError
-from tuneloop.hardware import check_hardware
+from tuneloop.host.hardware import check_hardware
 from tuneloop.online_rl.loss_types import LOSS_TYPES
 from tuneloop.optim import OPTIMIZERS, SCHEDULERS, OptimizerKind, build_optimizer, build_scheduler
 from tuneloop.registry import Registry
@@ -60,7 +60,8 @@ def test_aliases_answer_for_their_entry_and_a_name_cannot_be_taken_twice():
 
 @pytest.mark.parametrize("name", OPTIMIZERS.names())
 def test_every_optimizer_builds_or_is_refused_and_the_memory_estimate_knows_its_state(name, tiny_model_dir):
-    from tuneloop.model import MODEL_KINDS, model_facts
+    from tuneloop.model.kinds import MODEL_KINDS
+    from tuneloop.plan.model_facts import model_facts
     from tuneloop.plan.memory import estimate_memory
 
     cfg = config_from_dict({**MINIMAL, "base_model": str(tiny_model_dir), "optimizer": name})
@@ -153,7 +154,7 @@ FORMAT_EXAMPLES = {
 def test_the_registries_name_exactly_the_things_their_tests_reach():
     from tuneloop.data.chat_templates import CHAT_TEMPLATES
     from tuneloop.engines.keys import ENGINES
-    from tuneloop.model import MODEL_KINDS
+    from tuneloop.model.kinds import MODEL_KINDS
     from tuneloop.trackers import TRACKERS
     from tuneloop.train.objectives import OBJECTIVES
     from tuneloop.train.preference import LOSSES

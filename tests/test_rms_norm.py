@@ -1,6 +1,6 @@
-"""tuneloop's RMSNorm (rms_norm.py): given to the LLaMA-formula norms of the model a run trains, with the module's
-own forward values, its gradients to fp32 rounding, and less kept for the backward; never to a norm whose formula
-differs."""
+"""tuneloop's RMSNorm (kernels/rms_norm.py): given to the LLaMA-formula norms of the model a run trains, with the
+module's own forward values, its gradients to fp32 rounding, and less kept for the backward; never to a norm whose
+formula differs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from tuneloop import rms_norm
+from tuneloop.kernels import rms_norm
 
 
 def saved_bytes(function) -> int:

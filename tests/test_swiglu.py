@@ -1,5 +1,6 @@
-"""tuneloop's gated MLP product (swiglu.py): given to the LLaMA-formula MLPs of the model a run trains; its output
-and every gradient are autograd's to the bit, with one [tokens, intermediate] tensor less kept for the backward."""
+"""tuneloop's gated MLP product (kernels/swiglu.py): given to the LLaMA-formula MLPs of the model a run trains; its
+output and every gradient are autograd's to the bit, with one [tokens, intermediate] tensor less kept for the
+backward."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tuneloop import swiglu
+from tuneloop.kernels import swiglu
 from test_rms_norm import saved_bytes
 
 

@@ -452,7 +452,7 @@ def per_sequence_losses(model, batch) -> list[float]:
 def splitting_always():
     """Every packed row split at its sequences (the kernel weighs the split's fixed cost per call against the row's
     mask, and would keep a short test row whole)."""
-    from tuneloop import packed_attention
+    from tuneloop.kernels import packed_attention
 
     costs = dict(packed_attention.CALL_COST)
     packed_attention.CALL_COST.update({name: 0 for name in costs})
@@ -472,8 +472,8 @@ def test_packed_rows_give_each_sequence_the_loss_it_has_alone(tmp_path, model_di
     from tuneloop.config import config_from_dict
     from tuneloop.data.collate import collator_for
     from tuneloop.data.images import image_inputs_of
-    from tuneloop import packed_attention
-    from tuneloop.packed_attention import PER_SEQUENCE_SDPA, loadable
+    from tuneloop.kernels import packed_attention
+    from tuneloop.kernels.packed_attention import PER_SEQUENCE_SDPA, loadable
     from tuneloop.resolved import resolve_run
     from tuneloop.run import prepare_data
 

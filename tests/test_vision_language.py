@@ -490,7 +490,7 @@ def test_a_frozen_tower_under_a_checkpointed_adapter_builds_no_graph(tmp_path, l
     from tuneloop.config import config_from_dict
     from tuneloop.data.collate import collator_for
     from tuneloop.data.images import image_inputs_of
-    from tuneloop.model import load_model
+    from tuneloop.model.load import load_model
     from tuneloop.resolved import resolve_run
     from tuneloop.run import prepare_data
 

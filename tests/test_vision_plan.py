@@ -117,7 +117,7 @@ def old_count(model_dir: Path, lengths: np.ndarray, targets: int, frozen: bool) 
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from tuneloop.model import count_matmul_weights
+    from tuneloop.plan.model_facts import count_matmul_weights
     from tuneloop.plan.flops import count_flops
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -149,7 +149,7 @@ def test_torchs_flop_counter_agrees_with_the_count_on_one_forward_and_backward(l
     from transformers import AutoModelForImageTextToText
 
     from tuneloop.data.images import VISION_FAMILIES
-    from tuneloop.model import count_matmul_weights
+    from tuneloop.plan.model_facts import count_matmul_weights
     from tuneloop.plan.flops import count_flops, image_flops, vision_weights
 
     model = AutoModelForImageTextToText.from_pretrained(llava_dir, attn_implementation="eager")

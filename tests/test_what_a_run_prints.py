@@ -1,5 +1,5 @@
 """What a user's shell shows of a run, read off ONE fresh `tuneloop train` process (module-scoped): a LoRA run of a
-tiny LLaMA with `bf16: auto`, started as `python -m tuneloop`, so the command re-executes itself under mimalloc, bounds
+tiny LLaMA with `bf16: auto`, started as `python -m tuneloop`, so the command re-executes itself under mimalloc (host/allocator.py), bounds
 the CPU's matmul kernel caches and quiets its libraries' import noise before torch runs anything. Each test reads one
 thing of that output; what needs a process of its own (a reader that goes away, a hub that is down, a peak of
 resident memory) stays in its own module."""
@@ -13,8 +13,8 @@ import sys
 import pytest
 from conftest import base_config, tiny_rows, write_config, write_jsonl
 
-from tuneloop.hardware import native_bf16
-from tuneloop.kernel_caches import CAPACITY, SETTINGS
+from tuneloop.host.hardware import native_bf16
+from tuneloop.host.kernel_caches import CAPACITY, SETTINGS
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_no_run_prints_deepspeeds_cpu_accelerator_line(run):
 
 
 def test_the_command_runs_itself_under_mimalloc_and_its_plan_says_so(run):
-    from tuneloop.allocator import mimalloc_library
+    from tuneloop.host.allocator import mimalloc_library
 
     if mimalloc_library() is None:
         pytest.skip("no mimalloc library on this platform: glibc, tuned (allocator.py)")

@@ -1,3 +1,5 @@
+"""`python -m tuneloop`: the command line (cli.py)."""
+
 import sys
 
 from tuneloop.cli import main

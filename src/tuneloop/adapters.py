@@ -43,7 +43,7 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None, checkpointing:
     set, else a new one. `checkpointing`: the run's (resolved.gradient_checkpointing)."""
     from peft import PeftModel, get_peft_model
 
-    from tuneloop.quantized_experts import remove_lora_proxies_after_each_forward
+    from tuneloop.quant.quantized_experts import remove_lora_proxies_after_each_forward
 
     lora = lora_config(cfg, model, peft_task_type)
     start = checkpoint if checkpoint is not None else adapter_folder(cfg)
@@ -72,7 +72,7 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None, checkpointing:
             if not uses_lora_variant(cfg):
                 raise
             raise UserError(f"config: peft cannot build this LoRA variant on {type(model).__name__}: {error}") from None
-    remove_lora_proxies_after_each_forward(adapted)  # (where experts are quantized: quantized_experts.py)
+    remove_lora_proxies_after_each_forward(adapted)  # (where experts are quantized: quant/quantized_experts.py)
     if checkpointing:
         require_input_grads_where_trained(adapted.get_base_model())
     return adapted
@@ -184,7 +184,7 @@ def target_parameters(cfg, model) -> list[str] | None:
     """`lora_target_parameters` as peft can match them: a quantized expert weight (quantize_moe_experts) is a
     parametrized parameter, which peft finds by its full name only, so the names given (`experts.gate_up_proj`, a
     suffix as peft matches plain parameters) are widened to the full names they end."""
-    from tuneloop.quantized_experts import expert_targets, quantized_expert_names
+    from tuneloop.quant.quantized_experts import expert_targets, quantized_expert_names
 
     given = cfg.lora_target_parameters
     quantized = quantized_expert_names(model) if given else []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from tuneloop.config import TuneloopConfig
 from tuneloop.config.hub import push_words
-from tuneloop.hardware import hardware_needs
+from tuneloop.host.hardware import hardware_needs
 from tuneloop.resolved import Resolved, resolve_config
 from tuneloop.rl_methods import RL_METHODS, is_online, reference_source
 

@@ -311,17 +311,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tuneloop.allocator import restart_with_mimalloc, tune_host_allocator
-    from tuneloop.import_noise import quiet_import_noise
-    from tuneloop.kernel_caches import bound_kernel_caches
+    from tuneloop.host.allocator import restart_with_mimalloc, tune_host_allocator
+    from tuneloop.host.import_noise import quiet_import_noise
+    from tuneloop.host.kernel_caches import bound_kernel_caches
     from tuneloop.train.compiling import keep_compiled_artifacts
 
-    bound_kernel_caches()  # before torch's first matmul, for this process and every one it starts (kernel_caches.py)
+    # before torch's first matmul, for this process and every one it starts (host/kernel_caches.py)
+    bound_kernel_caches()
     if argv is None:  # the process's own command line (not a call from Python): start again under mimalloc
         restart_with_mimalloc()
-    tune_host_allocator()  # before torch allocates anything (allocator.py)
+    tune_host_allocator()  # before torch allocates anything (host/allocator.py)
     keep_compiled_artifacts()
-    quiet_import_noise()  # before transformers imports torchao (import_noise.py)
+    quiet_import_noise()  # before transformers imports torchao (host/import_noise.py)
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)

@@ -93,7 +93,7 @@ def peak_memory_gb() -> float:
     """The device's peak allocation on a GPU, else this process's peak resident memory (a cheap syscall)."""
     import torch
 
-    from tuneloop.hardware import peak_host_rss_bytes
+    from tuneloop.host.hardware import peak_host_rss_bytes
 
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 1e9

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from tuneloop.data.labels import IGNORE_INDEX
-from tuneloop.output_head import chunk_tokens, output_head
+from tuneloop.kernels.output_head import chunk_tokens, output_head
 
 
 def _target_log_probs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -1,6 +1,6 @@
-"""Muon as axolotl defines it (`optimizer: muon`, axolotl-contribs-mit 0.0.6, the version axolotl pins): the
-hidden weight matrices take SGD momentum whose update is orthogonalised by a Newton-Schulz iteration; the rest
-(embeddings, the output head, peft's modules_to_save, and 1-D weights) take an AdamW of its own.
+"""Muon as axolotl defines it (`optimizer: muon`, axolotl-contribs-mit 0.0.6, the version axolotl pins). The hidden
+weight matrices take SGD momentum whose update is orthogonalised by a Newton-Schulz iteration; the rest (embeddings, the
+output head, peft's modules_to_save, and 1-D weights) take an AdamW of its own.
 
 What a step does, per hidden matrix W (A × B) with gradient G and momentum buffer M:
     M ← μ·M + G;  U ← G + μ·M (Nesterov) or M;  O ← NewtonSchulz5(U) in bf16

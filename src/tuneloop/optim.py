@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules: one registry entry each, built from the config and the plan.
 
 An optimizer entry says how to build it, how many bytes of state it keeps per trained parameter
-(the plan's memory estimate reads it), and whether it needs a CUDA GPU or another library (hardware.py
+(the plan's memory estimate reads it), and whether it needs a CUDA GPU or another library (host/hardware.py
 refuses it when `train` starts on a machine without them; the config and the plan accept it). A
 scheduler entry builds a torch LR scheduler that the loop steps once per optimizer
 step. torch is imported inside the builders: the config reads these tables before torch loads.

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 from tuneloop.engines.base import EngineSpec
 from tuneloop.engines.keys import run_engine, uncompiled_by
-from tuneloop.hardware import quantized_loading
-from tuneloop.model import ModelKind, kind_of_config, named_kind, recurrent_layers
+from tuneloop.host.hardware import quantized_loading
+from tuneloop.model.kinds import ModelKind, kind_of_config, named_kind, recurrent_layers
 
 PRECISION_NAMES = {"no": "fp32", "bf16": "bf16 mixed precision", "fp16": "fp16 mixed precision"}
 FLASH_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
@@ -64,7 +64,7 @@ class Resolved:
     compile_auto: bool  # `torch_compile: auto`, left to the plan (plan/compile_choice.py); never where nothing compiles
     gradient_checkpointing: bool | str  # layers recomputed in the backward: True, "offload" (kept in CPU memory), False
     attention: Attention
-    model_kind: ModelKind | None  # causal or seq2seq (model.py's MODEL_KINDS); None: not known from the config alone
+    model_kind: ModelKind | None  # model/kinds.py's MODEL_KINDS; None: not known from the config alone
     precision: Precision | None = None  # None: not known without the machine
     packing_note: str | None = None  # why packing that was asked for is not done (the plan warns with it)
 
@@ -98,10 +98,10 @@ def _cuda_available() -> bool:
 
 def resolve_run(cfg, model_config=None) -> Resolved:
     """Stage 2: with this machine and the model's config (read here unless given)."""
-    from tuneloop.packed_attention import model_can_split
+    from tuneloop.kernels.packed_attention import model_can_split
 
     if model_config is None:
-        from tuneloop.model import model_config as read_model_config
+        from tuneloop.model.model_config import model_config as read_model_config
 
         model_config = read_model_config(cfg)
     kind = named_kind(cfg) or kind_of_config(model_config)
@@ -124,7 +124,7 @@ def resolve_run(cfg, model_config=None) -> Resolved:
                               "the next (the kernels here take no sequence boundaries), so rows are grouped by "
                               "length instead: the same loss per sequence, with some padding"))
         packed = False
-    # packed rows anywhere; on a CPU padded rows too (each row's real tokens apart, packed_attention.py)
+    # packed rows anywhere; on a CPU padded rows too (each row's real tokens apart, kernels/packed_attention.py)
     padded_on_cpu = not decided.encoder_decoder and not _cuda_available()
     splittable = (packed or padded_on_cpu) and not cfg.trust_remote_code and model_can_split(model_config)
     run_precision = precision(cfg, decided.engine)
@@ -170,7 +170,7 @@ def eager_without_sdpa(chosen: Attention, model_config) -> Attention:
     builds the same block-diagonal mask from position_ids)."""
     from transformers import AutoModelForCausalLM
 
-    from tuneloop.packed_attention import PER_SEQUENCE_SDPA
+    from tuneloop.kernels.packed_attention import PER_SEQUENCE_SDPA
 
     if chosen.used not in ("sdpa", PER_SEQUENCE_SDPA):
         return chosen
@@ -279,7 +279,7 @@ def _mixed_precision(cfg) -> Precision:
     import torch
 
     from tuneloop.errors import UserError
-    from tuneloop.hardware import mixed_precision, native_bf16
+    from tuneloop.host.hardware import mixed_precision, native_bf16
 
     if cfg.fp16 and not torch.cuda.is_available():  # accelerate would accept it and quietly train in fp32
         raise UserError("config: `fp16: true` needs a CUDA GPU, and this machine has none (accelerate would "
@@ -293,7 +293,7 @@ def slow_bf16_note(cfg, mixed: Precision) -> str | None:
     bf16 products are emulated: a 2048² matmul ran 1.9 GFLOPS in bf16 against 38 in fp32 on an AVX2 EPYC."""
     import torch
 
-    from tuneloop.hardware import native_bf16
+    from tuneloop.host.hardware import native_bf16
 
     if mixed.mixed != "bf16" or cfg.bf16 is not True or torch.cuda.is_available() or native_bf16():
         return None
@@ -320,7 +320,7 @@ def attention(cfg, packed: bool = False, sixteen_bit: bool = False) -> Attention
 
     `packed` (rows that can be split — packed rows, and padded ones on a CPU — of a model whose attention goes
     through transformers' attention interface): on a CPU, SDPA runs each packed sequence, or each padded row's real
-    tokens, on its own where that is cheaper than the whole row under one mask (packed_attention.py; measured
+    tokens, on its own where that is cheaper than the whole row under one mask (kernels/packed_attention.py; measured
     there; under torch.compile it stays eager). On a GPU a `sixteen_bit` run's
     packed rows go to torch's own varlen flash kernel in one call (where this torch has it: no flash-attn
     package needed), which skips the masked blocks SDPA's kernels compute. Not where the config says
@@ -328,7 +328,7 @@ def attention(cfg, packed: bool = False, sixteen_bit: bool = False) -> Attention
     sdpa_per_sequence` asks for the split anywhere)."""
     import torch
 
-    from tuneloop.packed_attention import PER_SEQUENCE_SDPA, varlen_kernel
+    from tuneloop.kernels.packed_attention import PER_SEQUENCE_SDPA, varlen_kernel
 
     asked = requested_attention(cfg)
     cuda = torch.cuda.is_available()

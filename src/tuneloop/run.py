@@ -42,8 +42,10 @@ def prepare_data(cfg: TuneloopConfig, resolved, force: bool = False, hooks: RunH
     from transformers.utils import logging as transformers_logging
 
     from tuneloop.data.source import prepare_rows
-    from tuneloop.hardware import quiet_deepspeed_on_cpu
-    from tuneloop.model import attach_image_inputs, check_encoder_decoder_settings, load_tokenizer
+    from tuneloop.host.hardware import quiet_deepspeed_on_cpu
+    from tuneloop.model.kinds import check_encoder_decoder_settings
+    from tuneloop.model.tokenizer import load_tokenizer
+    from tuneloop.model.vision import attach_image_inputs
 
     quiet_deepspeed_on_cpu()
     transformers_logging.disable_progress_bar()  # per-file load/save bars drown the plan and the step lines
@@ -103,12 +105,12 @@ class TrainingSession:
     def __enter__(self) -> "TrainingSession":
         from datetime import timedelta
 
-        from tuneloop.allocator import tune_host_allocator
-        from tuneloop.hardware import quiet_deepspeed_on_cpu
-        from tuneloop.kernel_caches import bound_kernel_caches
+        from tuneloop.host.allocator import tune_host_allocator
+        from tuneloop.host.hardware import quiet_deepspeed_on_cpu
+        from tuneloop.host.kernel_caches import bound_kernel_caches
 
-        tune_host_allocator()  # (a session opened from Python, not the CLI: allocator.py)
-        bound_kernel_caches()  # (likewise: kernel_caches.py)
+        tune_host_allocator()  # (a session opened from Python, not the CLI: host/allocator.py)
+        bound_kernel_caches()  # (likewise: host/kernel_caches.py)
         quiet_deepspeed_on_cpu()  # (before Accelerate is imported)
         import torch
         from accelerate import Accelerator
@@ -170,8 +172,9 @@ class TrainingSession:
         from accelerate.utils import set_seed
 
         from tuneloop.config.schema import result_settings
-        from tuneloop.hardware import check_hardware
-        from tuneloop.model import apply_run_template, load_model
+        from tuneloop.host.hardware import check_hardware
+        from tuneloop.model.load import load_model
+        from tuneloop.model.tokenizer import apply_run_template
         from tuneloop.plan.build import build_plan
         from tuneloop.plan.memory import check_memory_fits
         from tuneloop.train.guards import StopRequests
@@ -270,7 +273,7 @@ class TrainingSession:
     def _reference(self, model, tokenizer, rows, resume: Path | None):
         """A preference run's reference: (frozen model or None, precomputed log-probs or None). See
         train/reference.py; a supervised run has neither."""
-        from tuneloop.model import load_model
+        from tuneloop.model.load import load_model
         from tuneloop.train.reference import live_reference_model, precomputed_reference
 
         cfg, resolved = self.cfg, self.resolved

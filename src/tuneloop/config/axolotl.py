@@ -172,7 +172,7 @@ _REFUSED_BY_FEATURE = {
     # context parallel, the same attention as the Ulysses exchange tuneloop runs: speed only)
     # (model_quantization_config and its kwargs are schema fields now: Mxfp4Config loads, and other classes are
     # refused there under this feature)
-    # (`qat` is a schema field now: int4/int8 QAT through torchao, qat.py; its GPU-only dtypes are refused there)
+    # (`qat` is a schema field now: int4/int8 QAT through torchao, quant/qat.py; its GPU-only dtypes are refused there)
     "quantization": """
         use_onebitllms gptq quantization fp8
         fp8_enable_fsdp_float8_all_gather gemma4_fp8_nonexpert gemma4_nf4_nonexpert nvfp4_merge_aware

@@ -1,5 +1,5 @@
-"""axolotl's `qat:` block as the config reads it (no torch, no torchao: `check` validates it); qat.py trains with it
-and use/quantize.py quantizes by it."""
+"""axolotl's `qat:` block as the config reads it (no torch, no torchao: `check` validates it); quant/qat.py trains
+with it and use/quantize.py quantizes by it."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 from tuneloop.config import axolotl
 from tuneloop.config.datasets import (CHAT_ONLY_KEYS, PAIRED_ONLY_KEYS, TRAINED_TURN_KEYS, UNPAIRED_ONLY_KEYS,
                                       PreferenceFormat, given, jinja_means_jinja)
+from tuneloop.config.schema import MXFP4_CLASS, MXFP4_SETTINGS
 from tuneloop.data.formats import FORMATS
 from tuneloop.data.mistral_chat import CHAT_TYPES as MISTRAL_CHAT_TYPES
 from tuneloop.data.preference import PREFERENCE_FORMATS, REWARD_FORMATS, UNPAIRED_FORMATS
@@ -196,11 +197,9 @@ def lora_variants(cfg) -> Problems:
 
 
 def model_quantization(cfg) -> Problems:
-    """`model_quantization_config` (Mxfp4Config, the one class the schema takes: mxfp4.py) and its settings: the
+    """`model_quantization_config` (Mxfp4Config, the one class the schema takes: quant/mxfp4.py) and its settings: the
     experts dequantized (packed MXFP4 does not train), loaded from a checkpoint, and through no other quantization
     config (transformers loads through one)."""
-    from tuneloop.mxfp4 import MXFP4_CLASS, MXFP4_SETTINGS
-
     settings = cfg.model_quantization_config_kwargs or {}
     if cfg.model_quantization_config is None:
         if settings:
@@ -456,7 +455,7 @@ STEPWISE_KEYS = ("step_separator", "max_completion_length", "train_on_last_step_
 
 
 def process_reward_model(cfg) -> Problems:
-    """`process_reward_model: true` (model.py's token_classification kind, train/process_reward_model.py's loss)
+    """`process_reward_model: true` (model/kinds.py's token_classification kind, train/process_reward_model.py's loss)
     trains on `type: stepwise_supervised` rows (data/stepwise.py), and they on it alone."""
     for index, entry in enumerate(cfg.datasets + cfg.test_datasets):
         stepwise = isinstance(entry.type, str) and entry.type in STEPWISE_TYPES
@@ -498,7 +497,7 @@ def process_reward_model(cfg) -> Problems:
 
 
 def reward_model(cfg) -> Problems:
-    """`reward_model: true` (a Bradley-Terry reward model: model.py's sequence_classification kind,
+    """`reward_model: true` (a Bradley-Terry reward model: model/kinds.py's sequence_classification kind,
     train/reward_model.py's loss) and the keys that go with it, or against it."""
     if not cfg.reward_model:
         for key in ("num_labels", "center_rewards_coefficient"):
@@ -536,7 +535,7 @@ def sharding(cfg) -> Problems:
     sharding engine cannot run with. What it leaves off that only changes speed or host memory (torch.compile,
     rank 0's loading) is said here and decided by resolved.py, with the same functions of engines/keys.py."""
     from tuneloop.engines.keys import engine_of, rank_zero_loading_left_off, uncompiled_by
-    from tuneloop.hardware import quantized_loading
+    from tuneloop.host.hardware import quantized_loading
 
     try:
         engine = engine_of(cfg)
@@ -608,7 +607,7 @@ def sharded_quantized_weights(cfg, engine) -> Problems:
     object). But an engine that casts the model's floating-point weights to 16 bits (FSDP2 gathering under bf16,
     DeepSpeed's own bf16/fp16) would cast 4-bit values packed into another float dtype, destroying them. An 8-bit
     weight's scales live on the parameter object, which FSDP2 replaces: it comes back without them."""
-    from tuneloop.hardware import mixed_precision, native_bf16, quantized_loading
+    from tuneloop.host.hardware import mixed_precision, native_bf16, quantized_loading
 
     quantized = quantized_loading(cfg)
     if not quantized or engine.name == "ddp":
@@ -707,8 +706,8 @@ def hub_push(cfg) -> Problems:
     yield from ()  # (a warning, never a problem: axolotl ignores them)
 
 def quantization_aware_training(cfg) -> Problems:
-    """`qat:` (qat.py) fake-quantizes the weights the run trains, for a model quantized after training. Refused with
-    what would make it mean something else: an adapter (as in axolotl for 4/8-bit bases; a LoRA would train beside
+    """`qat:` (quant/qat.py) fake-quantizes the weights the run trains, for a model quantized after training. Refused
+    with what would make it mean something else: an adapter (as in axolotl for 4/8-bit bases; a LoRA would train beside
     frozen fake-quantized weights, and the merged model `tuneloop quantize` rounds is not what trained), and DeepSpeed,
     under which tuneloop has not run torchao's fake-quantized layers yet. (FSDP2 runs them: tests/test_qat.py.)"""
     if cfg.qat is None:

@@ -43,12 +43,16 @@ RUN_LENGTH = OnResume("the run's length, which a resume may change while it ends
 
 ZERO_MEANS = {"evals_per_epoch": " (no evals)", "saves_per_epoch": " (no saves)", "max_grad_norm": " (no clipping)"}
 # what `attn_implementation` may say; kernels that cannot run on this machine fall back to sdpa (same maths).
-# sdpa_per_sequence: SDPA over each packed sequence apart (packed_attention.py), which tuneloop chooses itself
+# sdpa_per_sequence: SDPA over each packed sequence apart (kernels/packed_attention.py), which tuneloop chooses itself
 # for packed CPU runs unless `attn_implementation: sdpa` asks for transformers' SDPA path as it is
+# the one transformers quantization config class a checkpoint loads through (gpt-oss's MXFP4 experts, dequantized:
+# quant/mxfp4.py), and the settings tuneloop passes to it (config/rules.py refuses the others)
+MXFP4_CLASS = "Mxfp4Config"
+MXFP4_SETTINGS = ("dequantize",)
 ATTENTION_IMPLEMENTATIONS = {"sdpa", "sdpa_per_sequence", "eager", "flash_attention_2", "flash_attention_3",
                              "flex_attention", "xformers"}
 # the text-to-text (encoder-decoder) model families: their *ForConditionalGeneration classes are seq2seq models,
-# not the multimodal ones of the same suffix (model.py checks that the class and the checkpoint agree)
+# not the multimodal ones of the same suffix (model/model_config.py checks that the class and the checkpoint agree)
 SEQ2SEQ_FAMILIES = ("T5", "MT5", "UMT5", "LongT5", "Bart", "MBart", "PLBart", "Pegasus", "PegasusX", "BigBirdPegasus",
                     "Blenderbot", "BlenderbotSmall", "LED", "M2M100", "NllbMoe", "FSMT", "Mvp", "ProphetNet",
                     "SwitchTransformers", "T5Gemma", "Marian")
@@ -162,10 +166,10 @@ class TuneloopConfig(Strict):
     load_in_4bit: bool = False
     load_in_8bit: bool = False
     bnb_config_kwargs: Optional[dict[str, Any]] = None
-    quantize_moe_experts: bool = False  # a MoE model's 3-D expert weights in 4-bit too (quantized_experts.py)
-    qat: Optional[QATBlock] = None  # quantization-aware training: fake-quantized Linear layers (qat.py)
+    quantize_moe_experts: bool = False  # a MoE model's 3-D expert weights in 4-bit too (quant/quantized_experts.py)
+    qat: Optional[QATBlock] = None  # quantization-aware training: fake-quantized Linear layers (quant/qat.py)
     # a transformers quantization config class the checkpoint loads through, with its settings: Mxfp4Config with
-    # `dequantize: true` only (gpt-oss's MXFP4 experts loaded as trainable weights: mxfp4.py)
+    # `dequantize: true` only (gpt-oss's MXFP4 experts loaded as trainable weights: quant/mxfp4.py)
     model_quantization_config: Optional[str] = None
     model_quantization_config_kwargs: Optional[dict[str, Any]] = None
     unfrozen_parameters: Optional[list[str]] = None  # full fine-tuning of only the parameters these regexes match
@@ -522,8 +526,6 @@ class TuneloopConfig(Strict):
     @classmethod
     def _quantization_class(cls, value):
         """Mxfp4Config is the one class tuneloop loads through (its settings are the `mxfp4` rule's to judge)."""
-        from tuneloop.mxfp4 import MXFP4_CLASS
-
         if value is None or value == MXFP4_CLASS:
             return value
         raise ValueError(f"got {value!r}: loading through {value} asks for "
@@ -569,7 +571,7 @@ class TuneloopConfig(Strict):
     def _model_class(cls, value):
         if value is None or value in ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM") or value.endswith("ForCausalLM"):
             return value
-        # a vision-language model's class (model.py's vision_language kind; its family is checked on loading)
+        # a vision-language model's class (model/kinds.py's vision_language kind; its family is checked on loading)
         if value == "AutoModelForImageTextToText" or value.endswith("ForConditionalGeneration"):
             return value
         if value.endswith("ForSequenceClassification"):  # a reward model's (rules.py: reward_model)

@@ -1,5 +1,5 @@
-"""Which vision-language family a config names, read from the config alone (`check` imports no torch and opens no
-model): the model's own config.json where `base_model` is a local folder, else the family its hub id names.
+"""Which vision-language family a config names, read from the config alone. `check` imports no torch and opens no model:
+the family is the model's own config.json's where `base_model` is a local folder, else the one its hub id names.
 
 A vision-language run is recognised by `processor_type` or a vision-language `model_type`. Its family decides
 whether tuneloop can train it (the records of tuneloop/vision_families/, torch-free); `check` refuses the families

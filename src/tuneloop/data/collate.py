@@ -6,7 +6,7 @@ last token of one packed sequence to predict the first token of the next.
 
 Packed rows carry `position_ids` that restart at 0 for each sequence and no attention mask:
 transformers then builds a block-diagonal causal mask from the position ids (this needs
-`use_cache=False`, which model.py sets). Unpacked rows carry an attention mask instead.
+`use_cache=False`, which model/load.py sets). Unpacked rows carry an attention mask instead.
 
 The sampler deals out units: rows of the store, or groups of them (a preference pair is its chosen and
 rejected sequence). Unpacked, each sequence of a unit gets a row of its own; packed, a unit's sequences

@@ -1,5 +1,5 @@
-"""`tokenizer_use_mistral_common: true`: the tokenizer and the chat encoding of mistral-common (Mistral's own
-library), as axolotl's Mistral configs (Magistral, Devstral, Ministral, Mistral-Small, Voxtral) ask for.
+"""`tokenizer_use_mistral_common: true`: the tokenizer and the chat encoding of mistral-common (Mistral's own library).
+axolotl's Mistral configs (Magistral, Devstral, Ministral, Mistral-Small, Voxtral) ask for it.
 
 Those models are trained on mistral-common's encoding of a conversation (a `ChatCompletionRequest` turned into
 tokens: `[INST]…[/INST]`, `[SYSTEM_PROMPT]`, `[THINK]…[/THINK]` as control tokens), not on a Jinja template's

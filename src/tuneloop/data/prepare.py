@@ -463,7 +463,7 @@ _WORKER: ChunkTokenizer | None = None
 def _start_worker(state_file: str) -> None:
     """In a spawned worker: one thread of tokenization per process (the processes are the parallelism). The
     state comes in a file: a large argument would block the parent's write to a worker that died starting."""
-    from tuneloop.allocator import tune_host_allocator
+    from tuneloop.host.allocator import tune_host_allocator
 
     global _WORKER
     tune_host_allocator()

@@ -26,7 +26,7 @@ from tuneloop.data.batching import BatchingSpec, epoch_micro_batches
 from tuneloop.data.collate import MicroBatch, Padding, collator_for
 from tuneloop.data.images import image_inputs_of
 from tuneloop.data.steps import Step, TrainingSteps
-from tuneloop.packed_attention import attention_work, padded_attention_work
+from tuneloop.kernels.packed_attention import attention_work, padded_attention_work
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,5 @@
-"""What every engine is: its spec (what the keys ask for, read without torch: `check` and the plan use it) and its
-runtime (what the loop and the checkpoints talk to), with the defaults most engines share.
+"""What every engine is: its spec and its runtime, with the defaults most engines share. The spec is what the keys ask
+for, read without torch (`check` and the plan use it); the runtime is what the loop and the checkpoints talk to.
 
 A spec says how the engine shares the model: what each rank holds 1/N of and what lives in host memory, its
 share of the memory estimate (`per_rank`), its description, and what the machine needs for it. The runtime wraps
@@ -104,7 +104,7 @@ class EngineSpec:
         raise NotImplementedError
 
     def needs(self) -> list[str]:
-        """What the machine needs for this engine, in words (`check`; hardware.py refuses it at `train`): context
+        """What the machine needs for this engine, in words (`check`; host/hardware.py refuses it at `train`): context
         parallel's exchange is DeepSpeed's (context_parallel.py), on any engine."""
         if self.mesh_keys.cp:
             return [f"`context_parallel_size: {self.mesh_keys.cp}`: the deepspeed package, whose Ulysses attention it "
@@ -138,7 +138,7 @@ class EngineSpec:
         return False
 
     def check_model(self, facts) -> None:
-        """A UserError where the engine cannot run this model (model.ModelFacts), said by the plan before `train`
+        """A UserError where the engine cannot run this model (plan/model_facts.py), said by the plan before `train`
         meets it."""
 
     def build(self, cfg, plan, accelerator) -> "Engine":

@@ -1,5 +1,5 @@
 """Context parallel (`context_parallel_size`, and axolotl's older `sequence_parallel_degree`): each row's positions
-split over the cp ranks of the device mesh, with DeepSpeed's Ulysses attention (axolotl's ALST recipe).
+split over the cp ranks of the device mesh. The attention is DeepSpeed's Ulysses (axolotl's ALST recipe).
 
 The cp ranks of one data coordinate read the same rows (mesh.Mesh.data_rank); each takes one contiguous slice
 of every row's positions (`ContextShare`): its tokens, their positions and their targets. Everything but attention
@@ -10,8 +10,8 @@ rows, and a fourth all-to-all gives each rank its slice back (and the backward d
 
 The kernel behind it sees whole rows, so packed rows keep their sequences apart as on one process: the row's
 whole position_ids ride to it as a keyword of the model's forward (transformers hands its keywords down to every
-attention call), and SDPA per sequence (packed_attention.py) or SDPA causally over the row runs on them. Rows are
-right-padded, so causal attention alone keeps every real token off the padding: no mask is made (the attention is
+attention call), and SDPA per sequence (kernels/packed_attention.py) or SDPA causally over the row runs on them. Rows
+are right-padded, so causal attention alone keeps every real token off the padding: no mask is made (the attention is
 registered without a mask function, so transformers builds none from the slice's 2-D mask).
 
 Targets are shifted by the collator before the split (targets[t] is the token position t predicts), so no slice

@@ -36,7 +36,7 @@ import torch
 def matmul_only_weights(model: torch.nn.Module, cfg=None, trained: bool = True) -> list[torch.nn.Parameter]:
     """The trained (or, `trained=False`, the frozen) fp32 weights that only matmuls read: what autocast would cast in
     every forward and backward (less the output head where the run's loss meets it in chunks)."""
-    from tuneloop.output_head import loss_meets_head_in_chunks, output_head
+    from tuneloop.kernels.output_head import loss_meets_head_in_chunks, output_head
 
     matmul_only: dict[int, bool] = {}
     if loss_meets_head_in_chunks(cfg, model):

@@ -1,5 +1,5 @@
-"""The device mesh: axolotl's N-D parallel sizes (`dp_replicate_size`, `dp_shard_size`, `tensor_parallel_size`,
-`context_parallel_size`) resolved against the world size, and the torch DeviceMesh built from them.
+"""The device mesh: axolotl's N-D parallel sizes resolved against the world size, and the torch DeviceMesh built from
+them. The sizes are `dp_replicate_size`, `dp_shard_size`, `tensor_parallel_size` and `context_parallel_size`.
 
 Resolution follows axolotl's `_get_parallel_config_kwargs` (utils/distributed.py): tensor and context parallel
 take their ranks first; of the rest, a data-parallel size that is unset (or 1: axolotl's default, the same as

@@ -1,5 +1,5 @@
 """Tensor parallel (`tensor_parallel_size`): each decoder layer's projections split over the tp ranks of the device
-mesh, with torch's own `parallelize_module` (DTensor), under FSDP2 on the data-parallel part of the mesh.
+mesh. The split is torch's own `parallelize_module` (DTensor), under FSDP2 on the data-parallel part of the mesh.
 
 Which projection is split how is the model's own table: transformers' `base_model_tp_plan` in the config
 (q/k/v and gate/up column-wise: each rank computes its own heads and its own slice of the MLP; o/down row-wise:

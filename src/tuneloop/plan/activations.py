@@ -4,8 +4,8 @@ The usual per-layer count (34 values per token and hidden unit: Korthikanti et a
 Megatron runs it: an MLP four times the width, dropout masks, unfused norms. tuneloop's LLaMA-family layers keep
 less, and what they keep depends on the dtypes: the quickstart's SmolLM2 keeps 47 bytes per token and hidden unit a
 layer under bf16 autocast (34 values would be 68) and 61 in fp32 (34 would be 136), measured with saved-tensor
-hooks. So for a model whose every decoder layer has LLaMA's norms and SiLU-gated MLP (the ones rms_norm.py and
-swiglu.py run), the layer is counted tensor by tensor, per token:
+hooks. So for a model whose every decoder layer has LLaMA's norms and SiLU-gated MLP (the ones kernels/rms_norm.py and
+kernels/swiglu.py run), the layer is counted tensor by tensor, per token:
 
 - each norm keeps its input, in the residual stream's dtype: fp32 unless the weights are loaded in bf16/fp16
   (and one rstd per row, left out);
@@ -13,12 +13,12 @@ swiglu.py run), the layer is counted tensor by tensor, per token:
   autocast each projection keeps its own cast copy (q, k and v: three); without it, projections that read one
   tensor share it (q/k/v, gate/up). An adapter's down-projection (A) keeps its r-wide output for B;
 - the attention kernel keeps q, k, v and its output: in fp32 on a CPU (its flash kernel is called per sequence in
-  fp32 below packed_attention.BF16_FLASH_FROM tokens; sequences_apart.py), in the compute dtype on a GPU;
-- the SiLU product keeps the gate's and the up projection's outputs (swiglu.py); the down projection's input is
+  fp32 below packed_attention.BF16_FLASH_FROM tokens; kernels/sequences_apart.py), in the compute dtype on a GPU;
+- the SiLU product keeps the gate's and the up projection's outputs (kernels/swiglu.py); the down projection's input is
   the projections' rule above.
 
 Every other model keeps the usual count (plan/memory.py). The per-token widths are read from the model built on
-the meta device (model.model_facts), with its adapter and freezing, so only the projections that keep their input
+the meta device (model_facts.py), with its adapter and freezing, so only the projections that keep their input
 are counted. tests/test_activation_count.py compares this count with what autograd keeps in a real step.
 """
 
@@ -62,7 +62,7 @@ class DecoderLayers:
 def llama_decoder_layers(model: torch.nn.Module, layers_expected: int) -> DecoderLayers | None:
     """The widths of `model`'s decoder layers (built on meta, with its adapter and freezing), or None where any
     layer is not of the LLaMA formula (another family keeps the usual count)."""
-    from tuneloop import rms_norm, swiglu
+    from tuneloop.kernels import rms_norm, swiglu
 
     layers = [module for module in model.modules()
               if all(hasattr(module, name) for name in ("self_attn", "mlp", "input_layernorm",

@@ -74,7 +74,7 @@ class TrainingPlan:
     reference: str | None = None  # preference methods: where the reference log-probs come from
     learning_rate: float = 0.0
     optimizer_steps: str | None = None  # how the optimizer steps, where its name does not say it
-    qat: str | None = None  # `qat:`: what is fake-quantized, how, and from which step (qat.py), in words
+    qat: str | None = None  # `qat:`: what is fake-quantized, how, and from which step (quant/qat.py), in words
     lr_scheduler: str = ""
     optimizer: str = ""
     dropped_no_trained_tokens: int = 0
@@ -82,7 +82,7 @@ class TrainingPlan:
     dropped_too_short: int = 0  # under `min_sample_len` tokens
     dropped_duplicates: int = 0  # repeats of an earlier row (`dataset_exact_deduplication`)
     precision: str | None = None  # resolved.precision in words: "fp32 (...)", "bf16 mixed precision (...)"
-    host_allocator: str | None = None  # the host allocator of every tuneloop process, in words (allocator.py)
+    host_allocator: str | None = None  # the host allocator of every tuneloop process, in words (host/allocator.py)
     attention: str | None = None  # the attention implementation the model loads with
     attention_split: str | None = None  # SDPA per sequence: how many micro-batches split, in words
     torch_compile: str | None = None  # what torch.compile compiles, when the run compiles
@@ -182,7 +182,7 @@ def build_plan(cfg, resolved, rows, tokenizer, world_size: int, device_memory_gb
     """Every number of the run: the data's, and the model's and the machine's (memory per rank on
     `device_memory_gb` GB devices when planning for other machines; MFU against the peak of the devices).
     `compile_decision`: `torch_compile: auto` decided already (by rank 0, for every rank: run.py)."""
-    from tuneloop.model import model_facts
+    from tuneloop.plan.model_facts import model_facts
 
     facts = model_facts(cfg, resolved.model_kind, tokenizer)
     return _assembled(cfg, resolved, rows, world_size, facts, device_memory_gb, tokenizer, compile_decision)
@@ -317,7 +317,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     checked against the plan), the memory per rank, the compute per token and the peak MFU is taken against;
     and their warnings (a sequence_len past the model's positions, an attention kernel that cannot run here, a
     run above the device's memory)."""
-    from tuneloop.model import check_sequence_len
+    from tuneloop.plan.model_facts import check_sequence_len
     from tuneloop.plan.flops import count_flops, head_flops_skipped, run_peak
     from tuneloop.plan.memory import estimate_memory, memory_warning
 
@@ -358,9 +358,9 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
                                masters=resolved.precision.masters, frozen_bf16=resolved.precision.frozen_bf16,
                                tensor_parallel=mesh.tp, vision_activations=vision_activations,
                                checkpointing=resolved.gradient_checkpointing)
-    from tuneloop.allocator import tune_host_allocator
-    from tuneloop.kernel_caches import in_words as kernel_caches_in_words
-    from tuneloop.packed_attention import PER_SEQUENCE_SDPA, split_summary
+    from tuneloop.host.allocator import tune_host_allocator
+    from tuneloop.host.kernel_caches import in_words as kernel_caches_in_words
+    from tuneloop.kernels.packed_attention import PER_SEQUENCE_SDPA, split_summary
     from tuneloop.plan.compile_choice import shape_key
 
     part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),
@@ -496,9 +496,9 @@ def model_line(cfg, facts) -> str:
 
 
 def _dequantized_words(cfg, facts) -> str:
-    """How an MXFP4 checkpoint's experts load (mxfp4.py): unpacked into the run's weights dtype, which the memory
+    """How an MXFP4 checkpoint's experts load (quant/mxfp4.py): unpacked into the run's weights dtype, which the memory
     estimate counts them in."""
-    from tuneloop.mxfp4 import dequantizes_mxfp4, loaded_dtype_words
+    from tuneloop.quant.mxfp4 import dequantizes_mxfp4, loaded_dtype_words
 
     if not dequantizes_mxfp4(cfg, facts.config):
         return ""

@@ -1,5 +1,5 @@
-"""Communication per rank per optimizer step: the bytes each rank sends over the network in one optimizer step
-(it receives as many: every collective counted here is symmetric), from the engine, the device mesh and the
+"""Communication per rank per optimizer step: the bytes each rank sends over the network in one optimizer step. It
+receives as many (every collective counted here is symmetric); the bytes follow from the engine, the device mesh and the
 widths the engine really moves. Counted as ring algorithms move them (NCCL's and gloo's for large messages):
 
     all-reduce of S bytes over n ranks      2 (n - 1) / n × S   (a reduce-scatter, then an all-gather)

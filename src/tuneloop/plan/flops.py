@@ -1,7 +1,7 @@
 """Model FLOPs utilisation (MFU): the share of the machine's peak that the run turns into the model's work.
 
-Model FLOPs per real token, counted from the model as it is built (model.py's meta-device copy, adapter included;
-model.count_matmul_weights):
+Model FLOPs per real token, counted from the model as it is built (model_facts.py's meta-device copy, adapter included;
+model_facts.count_matmul_weights):
 
 - each weight matrix a token passes through costs 2 FLOPs per weight in the forward, 2 in the backward for the
   gradient of its input, and 2 more for the gradient of the weight when it is trained: 6 per weight in a full
@@ -333,7 +333,7 @@ class VisionWeights:
     layers: int
     width: int  # the tower's attention width (heads × head size)
     gradient_layers: int  # the tower layers the loss's gradient can reach (LLaVA: up to vision_feature_layer)
-    in_text_count: tuple[int, int]  # what model.count_matmul_weights counted of these (frozen, trained): the text
+    in_text_count: tuple[int, int]  # what model_facts.count_matmul_weights counted of these (frozen, trained): the text
     # model's weights per token are the rest
     # positions the tower runs per image: fixed (per image, `cls` of them without a patch) or per image token (and
     # `cls` a tile of `tile_tokens` image tokens: InternVL's class position)
@@ -357,11 +357,11 @@ class VisionWeights:
 
 def vision_weights(model, config, family, image_processor=None) -> VisionWeights:
     """The image side's matmuls in forward order (the modules' order), from the model as it is built (adapter and
-    freezing included: the meta-device copy of model.model_facts). `image_processor`: the run's, where the positions
-    the tower runs are its setting (Gemma 4's max_soft_tokens)."""
+    freezing included: the meta-device copy of model_facts.model_facts). `image_processor`: the run's, where
+    the positions the tower runs are its setting (Gemma 4's max_soft_tokens)."""
     import torch
 
-    def as_counted(module) -> bool:  # model.count_matmul_weights's rule
+    def as_counted(module) -> bool:  # model_facts.count_matmul_weights's rule
         return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
 
     tower_parts = [part for part in family.vision_modules if part not in PROJECTOR_PARTS]

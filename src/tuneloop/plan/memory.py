@@ -17,10 +17,10 @@ from pathlib import Path
 
 from tuneloop.engines.base import WholeBytes
 from tuneloop.errors import UserError
-from tuneloop.hardware import quantized_loading
-from tuneloop.model import ModelFacts
+from tuneloop.host.hardware import quantized_loading
+from tuneloop.plan.model_facts import ModelFacts
 from tuneloop.optim import OPTIMIZERS
-from tuneloop.output_head import chunk_tokens
+from tuneloop.kernels.output_head import chunk_tokens
 from tuneloop.rl_methods import keeps_reference_copy
 
 ACTIVATION_VALUES_PER_TOKEN_HIDDEN = 34
@@ -56,7 +56,7 @@ class MemoryEstimate:
     # unrounded weights/optimizer/gradients bytes per rank (the first two compared with the engine's own)
     per_rank_bytes: dict | None = None
     process_gb: float = 0.0  # on a CPU: the process's own libraries, which share the host's memory (process_memory.py)
-    kernel_caches_gb: float = 0.0  # on a CPU in 16 bits: its matmul kernel caches, full (kernel_caches.py)
+    kernel_caches_gb: float = 0.0  # on a CPU in 16 bits: its matmul kernel caches, full (host/kernel_caches.py)
 
 
 def device_memory_gb() -> tuple[str, float | None]:
@@ -144,7 +144,7 @@ def whole_bytes(cfg, facts: ModelFacts, precision: str, engine, masters: bool = 
     config = facts.text_config
     params, trainable = facts.parameters, facts.trainable_parameters
     # fp32 weights (autocast computes in bf16) unless loaded in bf16/fp16, as the engine holds them (an MXFP4
-    # checkpoint's experts too: they are dequantized into that dtype as they load, mxfp4.py); 4-bit NF4 or
+    # checkpoint's experts too: they are dequantized into that dtype as they load, quant/mxfp4.py); 4-bit NF4 or
     # 8-bit when quantized; an fp32 master copy where the engine's optimizer steps one (DeepSpeed)
     parameter_bytes, master_bytes = engine.held_widths(2 if cfg.bfloat16 or cfg.float16 else 4, precision)
     trained_bytes = 4 if cfg.adapter else parameter_bytes  # gradients and Adam states follow the trained weights

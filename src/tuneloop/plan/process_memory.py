@@ -7,8 +7,8 @@ host, Python, library versions and allocator, in a fresh interpreter that import
 (as the peak FLOPS are, plan/flops.py), so `tuneloop plan` and the run it plans say the same figure. Ranks starting
 together take turns (a lock): the first measures, the others read its figure.
 
-The second figure is what the CPU's matmul kernel caches hold when full (kernel_caches.py), which a run in bf16 on a
-CPU reaches wherever its shapes vary (~0.08 GB at tuneloop's capacities on this project's machine; 0.63 GB at the
+The second figure is what the CPU's matmul kernel caches hold when full (host/kernel_caches.py), which a run in bf16 on
+a CPU reaches wherever its shapes vary (~0.08 GB at tuneloop's capacities on this project's machine; 0.63 GB at the
 libraries' defaults): measured the same way, once per host and capacities.
 """
 
@@ -54,12 +54,12 @@ def process_memory_bytes() -> int:
 
 
 def kernel_caches_bytes() -> int:
-    """What the CPU's matmul kernel caches hold when full (kernel_caches.py), on this host at its capacities: counted
-    where a run's matmuls are 16-bit on a CPU. Measured as the growth of a fresh interpreter over more new bf16 matmul
-    shapes than the caches keep (tiny ones: an entry costs the same whatever the matmul's size)."""
+    """What the CPU's matmul kernel caches hold when full (host/kernel_caches.py), on this host at its capacities:
+    counted where a run's matmuls are 16-bit on a CPU. Measured as the growth of a fresh interpreter over more new bf16
+    matmul shapes than the caches keep (tiny ones: an entry costs the same whatever the matmul's size)."""
     import torch
 
-    from tuneloop.kernel_caches import capacities
+    from tuneloop.host.kernel_caches import capacities
 
     sizes = capacities()
     shapes = min(2 * max(sizes.values()), MAX_PROBED_SHAPES)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from tuneloop.data.labels import IGNORE_INDEX
-from tuneloop.output_head import chunk_tokens
+from tuneloop.kernels.output_head import chunk_tokens
 
 
 def compute_dtype(tensor: torch.Tensor) -> torch.dtype:

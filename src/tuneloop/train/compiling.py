@@ -28,7 +28,7 @@ from tuneloop.errors import UserError
 
 def compile_for_training(cfg, resolved, model) -> str:
     """Compiles the step's part of `model` in place; returns what was compiled, in words."""
-    from tuneloop.output_head import loss_meets_head_in_chunks, output_head
+    from tuneloop.kernels.output_head import loss_meets_head_in_chunks, output_head
 
     if resolved.compile_auto:  # chosen for speed alone: a part torch cannot compile runs eagerly instead
         import torch._dynamo

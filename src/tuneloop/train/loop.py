@@ -32,11 +32,11 @@ from tuneloop.data.batching import epoch_micro_batches
 from tuneloop.data.collate import collator_for
 from tuneloop.data.images import image_inputs_of
 from tuneloop.engines.base import join_process_group
-from tuneloop.hardware import peak_host_rss_bytes
+from tuneloop.host.hardware import peak_host_rss_bytes
 from tuneloop.optim import build_scheduler
 from tuneloop.plan.build import TrainingPlan
 from tuneloop.plan.flops import mfu
-from tuneloop.qat import fake_quantization_of
+from tuneloop.quant.qat import fake_quantization_of
 from tuneloop.train import checkpoint
 from tuneloop.train.compiling import compile_for_training, eager_for_eval
 from tuneloop.train.evaluate import evaluate
@@ -156,7 +156,7 @@ class TrainingLoop:
         steps = iter(self.steps)
         while state.step < plan.total_steps and not stopped_by:
             planned = next(steps)
-            self.fake_quantization.follow(state.step)  # `qat:` on from step fake_quant_after_n_steps (qat.py)
+            self.fake_quantization.follow(state.step)  # `qat:` on from step fake_quant_after_n_steps (quant/qat.py)
             lr, grad_norm = self.train_step(planned.window, planned.targets, planned.units)
             step = state.step
             if self.accelerator.is_main_process:

@@ -26,7 +26,7 @@ from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.registry import Registry
 from tuneloop.rl_methods import (ONLINE_METHODS, PROCESS_REWARD_OBJECTIVE, REWARD_MODEL_OBJECTIVE, RL_METHODS,
                                    objective_name)
-from tuneloop.output_head import output_head
+from tuneloop.kernels.output_head import output_head
 from tuneloop.train.chunked_loss import chunked_linear_cross_entropy, chunked_loss_and_correct
 
 def summed_token_loss(logits, targets):

@@ -1,5 +1,5 @@
-"""A process reward model's loss (`process_reward_model: true`): token classification at each reasoning step's
-end token (data/stepwise.py labels it 0 or 1), as axolotl trains it (AutoModelForTokenClassification, num_labels 2,
+"""A process reward model's loss (`process_reward_model: true`): token classification at each reasoning step's end
+token. data/stepwise.py labels it 0 or 1, and the loss is axolotl's (AutoModelForTokenClassification, num_labels 2,
 transformers' token-classification cross-entropy over the labelled tokens).
 
 The objective returns the cross-entropy summed over a micro-batch's labelled tokens, and the loop divides by the

@@ -1,8 +1,8 @@
 """A Bradley-Terry reward model's loss (`reward_model: true`).
 
 A sequence classifier scores each sequence once, at its last real token (transformers finds it from the pad id
-that model.py's `score_last_real_token` gives it), and the loss asks the chosen conversation's score to beat the
-rejected one's:
+that model/model_config.py's `score_last_real_token` gives it), and the loss asks the chosen conversation's score to
+beat the rejected one's:
 
     per pair:  -log σ(r_chosen − r_rejected)  +  c · (r_chosen + r_rejected)²
 

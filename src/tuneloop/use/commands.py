@@ -149,7 +149,7 @@ def _trusts_remote_code(cfg) -> bool:
 # ---- infer ---------------------------------------------------------------------------------------
 
 def command_infer(args) -> int:
-    from tuneloop.hardware import quiet_deepspeed_on_cpu
+    from tuneloop.host.hardware import quiet_deepspeed_on_cpu
     from tuneloop.use.generate import GenerationSettings, chat, generate_all, print_rows, read_prompt_rows
 
     quiet_deepspeed_on_cpu()
@@ -267,7 +267,7 @@ def _write(path: Path, text: str, flag: str) -> None:
 # ---- merge-lora ----------------------------------------------------------------------------------
 
 def command_merge(args) -> int:
-    from tuneloop.hardware import quiet_deepspeed_on_cpu
+    from tuneloop.host.hardware import quiet_deepspeed_on_cpu
     from tuneloop.run_files import MERGED
     from tuneloop.use.merge import adapter_folder, merge_lora
     from tuneloop.use.vision import processor_note
@@ -298,7 +298,7 @@ def _run_config_of(cfg, folder):
 def _quantized_base_of_run(cfg, folder):
     """(the bitsandbytes config, the weights' dtype) the adapter's run loaded its base with (CONFIG's, or its
     run_config.yml's); None for a LoRA on full-precision weights."""
-    from tuneloop.model import quantized_base
+    from tuneloop.model.load import quantized_base
 
     cfg = _run_config_of(cfg, folder)
     return quantized_base(cfg) if cfg is not None else None
@@ -307,7 +307,7 @@ def _quantized_base_of_run(cfg, folder):
 # ---- export --------------------------------------------------------------------------------------
 
 def command_export(args) -> int:
-    from tuneloop.hardware import quiet_deepspeed_on_cpu
+    from tuneloop.host.hardware import quiet_deepspeed_on_cpu
     from tuneloop.use.exporters import EXPORTERS
 
     quiet_deepspeed_on_cpu()
@@ -335,7 +335,7 @@ def command_export(args) -> int:
 # ---- quantize ------------------------------------------------------------------------------------
 
 def command_quantize(args) -> int:
-    from tuneloop.hardware import quiet_deepspeed_on_cpu
+    from tuneloop.host.hardware import quiet_deepspeed_on_cpu
     from tuneloop.run_files import QUANTIZED
     from tuneloop.use.quantize import quantize_folder
 

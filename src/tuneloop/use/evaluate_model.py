@@ -47,7 +47,7 @@ def evaluate_model(cfg, model: str | None = None) -> dict:
     from tuneloop.data.collate import collator_for
     from tuneloop.data.images import image_inputs_of
     from tuneloop.engines.base import forget_accelerate_state
-    from tuneloop.model import SEQUENCE_CLASSIFICATION
+    from tuneloop.model.kinds import SEQUENCE_CLASSIFICATION
     from tuneloop.plan.build import data_plan
     from tuneloop.resolved import resolve_run
     from tuneloop.run import prepare_data
@@ -97,7 +97,8 @@ def load_for_eval(cfg, resolved, folder: ModelFolder, vocabulary: int):
     rows need it off). A QLoRA / 8-bit run's adapter sits on its base quantized as the run quantized it, so the
     eval is the run's own."""
     from tuneloop.adapters import prepare_quantized
-    from tuneloop.model import grow_embeddings, model_class, model_config, quantized_base, weights_dtype
+    from tuneloop.model.load import grow_embeddings, quantized_base, weights_dtype
+    from tuneloop.model.model_config import model_class, model_config
 
     # the run's base gets the run's config (overrides_of_model_config applied), as load_model gives it
     runs_base = folder.is_adapter and folder.base == cfg.base_model

@@ -93,7 +93,7 @@ def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | No
     loader = model_class or loader_of(folder, base_config, trust_remote_code)
     options = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation:
-        from tuneloop.packed_attention import loadable
+        from tuneloop.kernels.packed_attention import loadable
 
         options["attn_implementation"] = loadable(attn_implementation)
     if quantization is not None:
@@ -112,7 +112,7 @@ def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | No
         raise UserError(f"model: cannot load {folder.base}, the base model of the adapter in {folder.path} "
                         f"({type(error).__name__}: {error}); give the base model's folder with --base DIR") from None
     if vocabulary and vocabulary > base.get_input_embeddings().weight.shape[0]:
-        from tuneloop.model import grow_embeddings
+        from tuneloop.model.load import grow_embeddings
 
         grow_embeddings(base, vocabulary)  # the rows the run grew (a fixed seed)
     return attach_adapter(base, folder.path)
@@ -123,7 +123,7 @@ def loader_of(folder: ModelFolder, base_config=None, trust_remote_code: bool = F
     AutoModelForCausalLM otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tuneloop.model import loader_for_config
+    from tuneloop.model.kinds import loader_for_config
 
     config = base_config
     if config is None:

@@ -88,7 +88,7 @@ def adapter_on_dequantized_base(folder: ModelFolder, quantization, trust_remote_
     import torch
     from transformers import AutoConfig
 
-    from tuneloop.quantized_experts import dequantize_experts
+    from tuneloop.quant.quantized_experts import dequantize_experts
     from tuneloop.use.folders import attach_adapter, check_base_reachable, loader_of
 
     check_base_reachable(folder)
@@ -110,7 +110,7 @@ def adapter_on_dequantized_base(folder: ModelFolder, quantization, trust_remote_
     if isinstance(target, torch.dtype):
         base = base.to(target)
     if vocabulary > base.get_input_embeddings().weight.shape[0]:
-        from tuneloop.model import grow_embeddings
+        from tuneloop.model.load import grow_embeddings
 
         grow_embeddings(base, vocabulary)
     return attach_adapter(base, folder.path)

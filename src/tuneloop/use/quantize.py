@@ -32,7 +32,7 @@ def check_output_free(output: Path) -> None:
 def quantize_folder(folder, settings, output: Path, trust_remote_code: bool = False) -> Path:
     """`folder` (a use.folders.ModelFolder holding a full model) quantized as `settings` (a
     config.qat_block.QATBlock) say, with its tokenizer, written whole into `output`."""
-    from tuneloop.qat import check_fits, is_embedding, ptq_configs, torchao_quantization
+    from tuneloop.quant.qat import check_fits, is_embedding, ptq_configs, torchao_quantization
     from tuneloop.use.folders import load_model_from, load_tokenizer_of
 
     if folder.is_adapter:

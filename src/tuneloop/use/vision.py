@@ -1,5 +1,6 @@
-"""Images for the `use` commands: image parts of `infer` prompts (`--image`, jsonl rows), checked before any model
-loads, and a vision-language folder's processor, reloaded from what the run saved beside the model.
+"""Images for the `use` commands: image parts of `infer` prompts, and a vision-language folder's processor. The prompts'
+images (`--image`, jsonl rows) are checked before any model loads; the processor is reloaded from what the run saved
+beside the model.
 
 A prompt's images go through the path training takes (data/images.py): each image part becomes the family's
 placeholder in the chat text, the processor's arithmetic expands it to the image's tokens, and the collator's

@@ -1,6 +1,6 @@
-"""Gemma 4 (gemma-4-E2B/E4B/26B-A4B/31B): its template writes <|image|> for an image; the processor writes <|image>,
-a soft token per pooled patch of the image (resized within the image processor's max_soft_tokens), <image|>. Its
-vision tower and embed_vision, the projection into the decoder."""
+"""Gemma 4 (gemma-4-E2B/E4B/26B-A4B/31B): a soft token per pooled patch of the image. Its template writes <|image|> for
+an image; the processor writes <|image>, a soft token per pooled patch of the image (resized within the image
+processor's max_soft_tokens), <image|>. Its vision tower and embed_vision, the projection into the decoder."""
 
 from tuneloop.vision_families._record import VisionFamily
 

@@ -1,6 +1,6 @@
-"""GLM-4.1V and GLM-4.5V/4.6V (glm4v_moe, a mixture of experts; GLM-4.6V-Flash is dense, GLM-4.1V's architecture):
-Qwen2-VL's arithmetic (14-pixel patches merged 2×2 by the tower's downsampling convolution and merger, both in
-`visual`) and M-RoPE over the row, under its own image tokens."""
+"""GLM-4.1V and GLM-4.5V/4.6V: Qwen2-VL's arithmetic under their own image tokens. GLM-4.5V/4.6V are glm4v_moe, a
+mixture of experts (GLM-4.6V-Flash is dense, GLM-4.1V's architecture); 14-pixel patches are merged 2×2 by the tower's
+downsampling convolution and merger, both in `visual`, and M-RoPE runs over the row."""
 
 from dataclasses import replace
 

@@ -1,5 +1,5 @@
-"""Idefics3 and SmolVLM (its successor, the same model type's arithmetic): images split into tiles, each written as a
-row-col tag and its tokens, then the global image; a SigLIP tower per tile, pixel-shuffled scale_factor² to a
+"""Idefics3 and SmolVLM (its successor, the same model type's arithmetic): images split into tiles, then the global
+image. Each tile is written as a row-col tag and its tokens; a SigLIP tower per tile, pixel-shuffled scale_factor² to a
 token by the connector."""
 
 from tuneloop.vision_families._record import VisionFamily

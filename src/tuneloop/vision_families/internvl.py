@@ -1,5 +1,6 @@
-"""InternVL 3/3.5 (transformers' -hf layout): its template writes <IMG_CONTEXT> for an image; the processor writes
-<img>, the context tokens of the image's tiles (its thumbnail too when it has more than one), </img>."""
+"""InternVL 3/3.5 (transformers' -hf layout): an image as the context tokens of its tiles. Its template writes
+<IMG_CONTEXT> for an image; the processor writes <img>, the context tokens of the image's tiles (its thumbnail too when
+it has more than one), </img>."""
 
 from tuneloop.vision_families._record import VisionFamily
 from tuneloop.vision_families._towers import side

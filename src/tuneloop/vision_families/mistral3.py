@@ -1,5 +1,5 @@
-"""Mistral 3 (Mistral-Small-3.1/3.2, Ministral 3, Mistral-Medium-3.5; Pixtral's vision): [IMG] per token of the
-merged patch grid, row by row, each row ended by [IMG_BREAK] and the image by [IMG_END]; its vision tower and
+"""Mistral 3 (Mistral-Small-3.1/3.2, Ministral 3, Mistral-Medium-3.5; Pixtral's vision): the merged patch grid, row by
+row. [IMG] per token of the grid, each row ended by [IMG_BREAK] and the image by [IMG_END]; its vision tower and
 projector (the patch merger is in it)."""
 
 from tuneloop.vision_families._record import VisionFamily

@@ -1,6 +1,6 @@
-"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (its vision half, on a hybrid linear-attention decoder): one image
-text (<|image_pad|> per merged patch between vision start and end) and M-RoPE over the row; the tower, its merger
-inside (`visual`), runs the patch grid before the 2×2 merge."""
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 (its vision half, on a hybrid linear-attention decoder). One image text
+(<|image_pad|> per merged patch between vision start and end) and M-RoPE over the row; the tower, its merger inside
+(`visual`), runs the patch grid before the 2×2 merge."""
 
 from dataclasses import replace
 

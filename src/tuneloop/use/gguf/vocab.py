@@ -1,6 +1,6 @@
-"""The tokenizer in llama.cpp's terms: which tokenizer model (byte-level BPE `gpt2`, or sentencepiece-style BPE
-`llama`), how text is split before the merges (`tokenizer.ggml.pre`), the tokens with their types, the merges,
-the special tokens and whether BOS/EOS are added.
+"""The tokenizer in llama.cpp's terms. Which tokenizer model (byte-level BPE `gpt2`, or sentencepiece-style BPE
+`llama`), how text is split before the merges (`tokenizer.ggml.pre`), the tokens with their types, the merges, the
+special tokens and whether BOS/EOS are added.
 
 llama.cpp's conversion script recognises the pre-tokenizer by hashing how the tokenizer encodes a test string,
 which only knows released vocabularies. We read the pre-tokenizer itself from tokenizer.json instead, so a

@@ -38,12 +38,12 @@ PER_SEQUENCE_SDPA = "sdpa_per_sequence"
 CALL_COST = {"bf16": 2200, "fp32": 2000}
 SPLIT_MARGIN = 0.8
 # Under bf16, sequences shorter than this run in fp32 through SDPA's flash kernel (their q, k and v widened from
-# bf16: sequences_apart.py), longer ones in bf16 through the same kernel. The CPU flash kernel's bf16 backward has a
-# large fixed cost per call, and the math kernel upcasts every call's inputs itself (thousands of small casts a
-# step). One layer's forward and backward, 9 heads of 64 over 3 kv heads, Zen 4, 2 threads, ms per sequence
-# (bf16 math / bf16 flash / fp32 flash): 34 tokens 0.45 / 0.93 / 0.31, 128: 1.69 / 2.55 / 1.60, 256: 6.4 / 6.1 /
-# 4.9, 384: 13.5 / 11.8 / 11.2, 512: 28.6 / 19.8 / 21.5, 1024: 137 / 43 / 55. Casting the quickstart's q, k and
-# v to fp32 and back costs ~0.4 ms a tensor, forward and backward.
+# bf16: kernels/sequences_apart.py), longer ones in bf16 through the same kernel. The CPU flash kernel's bf16 backward
+# has a large fixed cost per call, and the math kernel upcasts every call's inputs itself (thousands of small casts a
+# step). One layer's forward and backward, 9 heads of 64 over 3 kv heads, Zen 4, 2 threads, ms per sequence (bf16 math /
+# bf16 flash / fp32 flash): 34 tokens 0.45 / 0.93 / 0.31, 128: 1.69 / 2.55 / 1.60, 256: 6.4 / 6.1 / 4.9, 384: 13.5 /
+# 11.8 / 11.2, 512: 28.6 / 19.8 / 21.5, 1024: 137 / 43 / 55. Casting the quickstart's q, k and v to fp32 and back costs
+# ~0.4 ms a tensor, forward and backward.
 BF16_FLASH_FROM = 512
 
 _registered = False
@@ -227,8 +227,8 @@ def per_sequence_sdpa(module, query, key, value, attention_mask, dropout: float 
                                       is_causal=is_causal, **kwargs)
     if on_gpu:
         return varlen_attention(query.to(dtype), key.to(dtype), value.to(dtype), lengths, scaling), None
-    # each sequence through SDPA's CPU flash kernel, in the dtypes autocast would give SDPA (sequences_apart.py)
-    from tuneloop.sequences_apart import sequences_apart
+    # each sequence through SDPA's CPU flash kernel, in the dtypes autocast would give SDPA (kernels/sequences_apart.py)
+    from tuneloop.kernels.sequences_apart import sequences_apart
 
     pieces, ends = [], [0] * len(lengths)
     for b, row in enumerate(lengths):

@@ -1,18 +1,18 @@
 """Causal attention of each sequence of a CPU batch on its own, as one autograd function over the whole batch.
 
-packed_attention.py decides where the sequences are (a packed row's, or a padded row's real tokens); this runs them:
-one call of SDPA's CPU flash kernel per sequence, forward and backward, with what autograd would otherwise do around
-those calls done here directly. Cutting the batch into sequences with autograd's views cost, in the backward, a cat
-of each row's gradients, a stack of the rows', and the casts of whole tensors there and back; and joining the outputs
-a cat forward. Here each sequence's output is written into the batch's output, and each sequence's gradients into the
-batch's gradients, where they belong. One layer's attention forward and backward as a bf16 run meets it (q and k
-fp32 from RoPE, v bf16, under autocast), 5 interleaved rounds, Zen 4: at the quickstart's shapes (4 × 256, 19
-sequences of 20–89 tokens, 9 heads over 3, 2 threads) 0.92–0.95× the time (10.5–14.4 → 10.0–13.5 ms: the machine's
-pace moved during the rounds); at the quick bench's tiny LLaMA's (4 × 512, 12 sequences of 20–281 tokens, 4 heads,
-1 thread) 0.87–0.89× (29.6–29.8 → 25.9–26.4 ms). Most of what is left is the kernel's own cost per call: at 50
-tokens its forward and backward take 0.34 ms on 2 threads for ~10 MFLOP, and 0.37 on one. The values are those of
-SDPA called on each sequence under autograd, to the bit (tested): the same kernel on the same inputs, each result
-rounded where autocast rounds it.
+kernels/packed_attention.py decides where the sequences are (a packed row's, or a padded row's real tokens); this runs
+them: one call of SDPA's CPU flash kernel per sequence, forward and backward, with what autograd would otherwise do
+around those calls done here directly. Cutting the batch into sequences with autograd's views cost, in the backward, a
+cat of each row's gradients, a stack of the rows', and the casts of whole tensors there and back; and joining the
+outputs a cat forward. Here each sequence's output is written into the batch's output, and each sequence's gradients
+into the batch's gradients, where they belong. One layer's attention forward and backward as a bf16 run meets it (q and
+k fp32 from RoPE, v bf16, under autocast), 5 interleaved rounds, Zen 4: at the quickstart's shapes (4 × 256, 19
+sequences of 20–89 tokens, 9 heads over 3, 2 threads) 0.92–0.95× the time (10.5–14.4 → 10.0–13.5 ms: the machine's pace
+moved during the rounds); at the quick bench's tiny LLaMA's (4 × 512, 12 sequences of 20–281 tokens, 4 heads, 1 thread)
+0.87–0.89× (29.6–29.8 → 25.9–26.4 ms). Most of what is left is the kernel's own cost per call: at 50 tokens its forward
+and backward take 0.34 ms on 2 threads for ~10 MFLOP, and 0.37 on one. The values are those of SDPA called on each
+sequence under autograd, to the bit (tested): the same kernel on the same inputs, each result rounded where autocast
+rounds it.
 
 Dtypes, as autocast would give SDPA: q, k and v in the run's compute dtype (`dtype`, bf16 under autocast, whatever
 RoPE left them in); a sequence shorter than `fp32_below` then runs in fp32 (the bf16 values, widened: exact), where
@@ -20,8 +20,8 @@ the CPU kernel's bf16 call costs more than its work (packed_attention.BF16_FLASH
 each input's gradient in its own dtype, rounded to `dtype` first (as autocast's cast's backward would).
 
 Sequences marked not attended (a padded row's padding) output zeros and get zero gradients: nothing real attends to
-them, and nothing reads what they give. No dropout: the CPU flash kernel has none (packed_attention.py does not split
-where the model asks for it).
+them, and nothing reads what they give. No dropout: the CPU flash kernel has none (kernels/packed_attention.py does not
+split where the model asks for it).
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from tuneloop.config.qat_block import QATBlock
 from tuneloop.errors import UserError
-from tuneloop.import_noise import quiet_import_noise
+from tuneloop.host.import_noise import quiet_import_noise
 
 def torchao_quantization():
     """torchao's quantization module, or a refusal that says how to install it."""
     try:
-        quiet_import_noise()  # (its CUDA-only kernels failing to load on a CPU: import_noise.py)
+        quiet_import_noise()  # (its CUDA-only kernels failing to load on a CPU: host/import_noise.py)
         import torchao.quantization as quantization
         import torchao.quantization.qat  # noqa: F401
     except ImportError as error:

@@ -14,10 +14,8 @@ the plan counts it as it counts any model (plan/memory.py) and says the dequanti
 
 from __future__ import annotations
 
+from tuneloop.config.schema import MXFP4_CLASS
 from tuneloop.errors import UserError
-
-MXFP4_CLASS = "Mxfp4Config"
-MXFP4_SETTINGS = ("dequantize",)  # what tuneloop passes to Mxfp4Config (config/rules.py refuses the others)
 
 
 def checkpoint_is_mxfp4(config) -> bool:
@@ -29,7 +27,7 @@ def checkpoint_is_mxfp4(config) -> bool:
 
 
 def loaded_dtype_words(cfg) -> str:
-    """The dtype the dequantized experts load in: model.py's weights_dtype, in the plan's words."""
+    """The dtype the dequantized experts load in: model/load.py's weights_dtype, in the plan's words."""
     return "bf16" if cfg.bfloat16 else "fp16" if cfg.float16 else "fp32"
 
 
