@@ -26,7 +26,7 @@ quickstart: install
 
 # two workers: the suite's tests are single-threaded (OMP_NUM_THREADS=1) and this machine has two cores
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -ra -n 2 --dist worksteal
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadscope
 
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/compare.py --quick

@@ -32,6 +32,7 @@ def model_dir() -> Path:
     return embedded.ensure_embedded_model()
 
 
+@pytest.mark.slow  # (a process of its own)
 def test_model_folder_reproduces_gguf_logits(model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -490,6 +490,7 @@ def test_export_refuses_what_it_cannot_write_and_never_replaces_a_file_it_did_no
                       "does not end in .gguf")
 
 
+@pytest.mark.slow  # (a process of its own)
 def test_a_write_that_fails_half_way_leaves_no_file_and_the_old_one_whole(tiny_model_dir, tmp_path):
     """A file-size limit (the kernel's RLIMIT_FSIZE: writes past it fail as on a full disk) stops the write half
     way: exit 2 with one message, no torn file where llama.cpp would look, no temporary left, and the file an

@@ -56,6 +56,7 @@ def test_train_with_the_hub_offline_stops_before_step_1(tmp_path, tiny_model_dir
     assert "step 1" not in result.stdout and not (tmp_path / "out").exists()  # nothing trained, nothing written
 
 
+@pytest.mark.slow  # (a process of its own)
 def test_train_with_an_unreachable_hub_stops_before_step_1(tmp_path, tiny_model_dir):
     """A fresh process, as a user runs it: the hub's endpoint refuses connections (nothing listens on port 9)."""
     config = pushed_config(tmp_path, tiny_model_dir, max_steps=2, save_steps=1, save_strategy="steps")

@@ -30,6 +30,7 @@ def _stderr(mode: str) -> str:
     return result.stderr
 
 
+@pytest.mark.slow  # (a process of its own)
 def test_torchaos_import_noise_is_dropped_and_other_warnings_kept():
     import torch
 

@@ -47,6 +47,7 @@ def growth_over_new_shapes(environ: dict) -> int:
     return json.loads(result.stdout.strip().splitlines()[-1])["grew"]
 
 
+@pytest.mark.slow  # (a process of its own)
 @needs_bf16
 def test_bounded_caches_stop_new_bf16_shapes_from_growing_the_process():
     """768 new shapes: at the libraries' defaults every one stays (~0.6 MB each on Zen 4: 442 MB); at tuneloop's
@@ -65,6 +66,7 @@ def test_a_capacity_the_user_set_is_kept():
     assert environ == {"LRU_CACHE_CAPACITY": "2048", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(CAPACITY)}
 
 
+@pytest.mark.slow  # (a process of its own)
 @needs_bf16
 def test_a_bf16_cpu_plan_counts_the_full_caches_and_an_fp32_one_does_not(tmp_path, tiny_model_dir, monkeypatch):
     """Counted where the run's matmuls are 16-bit on this CPU (fp32 ones go to MKL, which keeps no such cache), measured

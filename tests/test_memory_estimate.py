@@ -116,6 +116,7 @@ def test_the_plan_counts_what_a_llama_layer_keeps_for_the_backward(tmp_path, mod
     assert measured == pytest.approx(counted, rel=0.05), (measured, counted)
 
 
+@pytest.mark.slow  # (a process of its own)
 def test_a_cpu_plan_counts_the_process_libraries_measured_once_and_another_device_does_not(tmp_path, monkeypatch,
                                                                                         models):
     """On a CPU the host's memory is the device, and the process's libraries take their share of it before any

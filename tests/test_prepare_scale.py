@@ -63,6 +63,7 @@ def test_a_bad_row_found_in_a_worker_names_its_line(tmp_path, tiny_model_dir, mo
     assert left == [prepare_module.FILE_DIGESTS]  # no cache, not even half of one (only the data file's hash)
 
 
+@pytest.mark.slow  # (a process of its own)
 def test_a_script_without_a_main_guard_still_prepares_its_data_in_its_own_process(tmp_path, tiny_model_dir):
     """Spawned workers import the program's main module again; one that prepares data at import cannot start
     workers. tuneloop says so and finishes in the parent instead of hanging."""

@@ -169,6 +169,7 @@ def test_a_config_file_yaml_cannot_read_as_written_is_said_with_its_line(tmp_pat
     assert_user_error(run_in_process("check", str(path)), *fragments)
 
 
+@pytest.mark.slow  # (a process of its own)
 def test_check_into_a_closed_pipe_leaves_quietly(tmp_path):
     """`tuneloop check CONFIG | head -1`: the reader goes away before the report is written."""
     process = subprocess.Popen([sys.executable, "-m", "tuneloop", "check", str(REPO / "examples" / "quickstart.yml")],
@@ -537,6 +538,7 @@ def test_a_damaged_checkpoint_marker_is_a_message(tmp_path, tiny_model_dir, data
                       "point resume_from_checkpoint at another checkpoint")
 
 
+@pytest.mark.slow  # (a process of its own)
 def test_training_goes_on_when_the_reader_of_its_output_goes_away(tmp_path, tiny_model_dir, data):
     """`tuneloop train CONFIG | head -1`: the log goes nowhere, the run finishes and saves its model."""
     config = config_file(tmp_path, tiny_model_dir, data, max_steps=2)

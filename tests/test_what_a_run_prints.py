@@ -14,6 +14,8 @@ import pytest
 from conftest import base_config, tiny_rows, write_config, write_jsonl
 
 from tuneloop.host.hardware import native_bf16
+
+pytestmark = pytest.mark.slow  # (a process of its own)
 from tuneloop.host.kernel_caches import CAPACITY, SETTINGS
 
 
