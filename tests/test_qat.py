@@ -17,7 +17,7 @@ import json
 
 import pytest
 import torch
-from conftest import (assert_user_error, base_config, read_metrics, run_in_process, run_two_ranks, tiny_rows,
+from conftest import (assert_user_error, base_config, read_metrics, run_in_process, tiny_rows,
                       write_config, write_jsonl)
 from safetensors.torch import load_file
 from test_sharded import relative_difference
@@ -148,12 +148,17 @@ def test_two_fsdp2_ranks_equal_two_ddp_ranks(tmp_path, tiny_model_dir, data):
     takes the norm over shards, another summation order)."""
     keys = {"qat": {**QAT, "fake_quant_after_n_steps": 1}, "max_steps": 3, "optimizer": "adamw_torch",
             "learning_rate": 1e-2, "max_grad_norm": 0, "micro_batch_size": 2, "gradient_accumulation_steps": 2}
-    saved = {}
+    from conftest import run_in_one_launch
+
+    saved, configs = {}, {}
     for engine, engine_keys in (("ddp", {}), ("fsdp2", FSDP_AS_THE_EXAMPLE)):
         run_dir = tmp_path / engine
         run_dir.mkdir()
-        config = write_config(run_dir / "run.yml", **base_config(run_dir, tiny_model_dir, data, **keys, **engine_keys))
-        result = run_two_ranks("train", str(config))
+        configs[engine] = write_config(run_dir / "run.yml", **base_config(run_dir, tiny_model_dir, data, **keys,
+                                                                          **engine_keys))
+    results = dict(zip(configs, run_in_one_launch(*(["train", config] for config in configs.values()))))
+    for engine, result in results.items():  # (both in one launch: conftest's run_in_one_launch)
+        run_dir = tmp_path / engine
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
         assert "fake-quantized from step 2 on (after 1 plain steps)" in result.stdout
         plan = json.loads((run_dir / "out" / "plan.json").read_text())
