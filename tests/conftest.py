@@ -178,15 +178,16 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
                           text=True, timeout=timeout)
 
 
-def two_rank_launcher(kind: str = "torchrun") -> list[str]:
-    """The command that starts 2 gloo ranks of `-m tuneloop ...`, as a user launches them: torchrun, or accelerate.
+def two_rank_launcher(kind: str = "torchrun", ranks: int = 2) -> list[str]:
+    """The command that starts 2 gloo ranks (torchrun: `ranks`) of `-m tuneloop ...`, as a user launches them: torchrun,
+    or accelerate.
     On a CPU machine accelerate 1.15 wants --multi_gpu without --cpu (it refuses both; --cpu alone starts ONE
     process); tuneloop's Accelerator(cpu=True) then runs gloo DDP."""
     port = str(free_port())
     if kind == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", port]
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    return [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", port]
+    return [accelerate, "launch", "--multi_gpu", "--num_processes", str(ranks), "--main_process_port", port]
 
 
 def run_two_ranks(*args: str, env: dict | None = None, timeout: int = 600,
@@ -253,14 +254,16 @@ def killed_then_resumed(config: Path, output_dir: Path, after_steps: int,
     return newest, resumed
 
 
-def run_in_one_launch(*runs, env: dict | None = None, timeout: int = 1200) -> list[subprocess.CompletedProcess]:
-    """Several `tuneloop` commands one after another in ONE 2-rank torchrun launch (tests/launch_runs.py): each run is
-    a list of arguments, or (arguments, env for that run alone), or {"args": ..., "env": ..., "then_copy": (FROM, TO)}
-    (rank 0 copies FROM to TO after the run: a folder as the run left it, before the next run changes it). A launch costs two interpreters importing torch and
-    transformers (~7 s each here), and a proof of "2 ranks == one process" often needs several runs: they share it.
+def run_in_one_launch(*runs, env: dict | None = None, timeout: int = 1200,
+                      ranks: int = 2) -> list[subprocess.CompletedProcess]:
+    """Several `tuneloop` commands one after another in ONE torchrun launch of `ranks` gloo ranks
+    (tests/launch_runs.py). Each run is a list of arguments, or (arguments, env for that run alone), or
+    {"args": ..., "env": ..., "then_copy": (FROM, TO)} (rank 0 copies FROM to TO after the run: a folder as the run
+    left it, before the next run changes it). A launch costs an interpreter importing torch and transformers per rank
+    (~7 s each here), and a proof of "N ranks == one process" often needs several runs: they share it.
     Each run comes back as a launch of its own would: the first non-zero exit code of its ranks, and what its ranks
-    printed (rank 0's, then rank 1's). A run after one that killed its process (the kill-during-save hook) or raised
-    did not happen: it comes back with the launch's exit code and output, and so does the run that ended it."""
+    printed (rank 0's, then rank 1's, ...). A run after one that killed its process (the kill-during-save hook) or
+    raised did not happen: it comes back with the launch's exit code and output, and so does the run that ended it."""
     import tempfile
 
     workdir = Path(tempfile.mkdtemp(prefix="tuneloop_launch_"))
@@ -270,20 +273,21 @@ def run_in_one_launch(*runs, env: dict | None = None, timeout: int = 1200) -> li
         run["args"] = [str(arg) for arg in run["args"]]
         run["then_copy"] = [str(path) for path in run.get("then_copy", ())]
     (workdir / "runs.json").write_text(json.dumps(spec))
-    launch = subprocess.run([*two_rank_launcher(), str(Path(__file__).with_name("launch_runs.py")),
+    launch = subprocess.run([*two_rank_launcher(ranks=ranks), str(Path(__file__).with_name("launch_runs.py")),
                              str(workdir / "runs.json"), str(workdir)], capture_output=True, text=True,
                             timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
     results = []
     for index, run in enumerate(spec):
-        ranks = [json.loads(path.read_text()) for path in sorted(workdir.glob(f"{index}.*.json"))]
+        said = [json.loads((workdir / f"{index}.{rank}.json").read_text()) for rank in range(ranks)
+                if (workdir / f"{index}.{rank}.json").is_file()]
         command = ["tuneloop", *run["args"]]
-        if len(ranks) < 2:  # this run ended the launch, or came after the run that did
+        if len(said) < ranks:  # this run ended the launch, or came after the run that did
             results.append(subprocess.CompletedProcess(command, launch.returncode or -9, launch.stdout,
                                                        launch.stderr))
             continue
-        code = next((rank["returncode"] for rank in ranks if rank["returncode"]), 0)
-        results.append(subprocess.CompletedProcess(command, code, "".join(rank["stdout"] for rank in ranks),
-                                                   "".join(rank["stderr"] for rank in ranks)))
+        code = next((rank["returncode"] for rank in said if rank["returncode"]), 0)
+        results.append(subprocess.CompletedProcess(command, code, "".join(rank["stdout"] for rank in said),
+                                                   "".join(rank["stderr"] for rank in said)))
     return results
 
 

@@ -1,7 +1,7 @@
 """Context parallel (`context_parallel_size`, engines/context_parallel.py): each row's positions split over the cp
 ranks, DeepSpeed's Ulysses all-to-alls around attention on whole rows. Refusals name the key at `plan --world-size`;
 the plan counts one data rank, halves the activations and adds the all-to-alls; 2 real gloo ranks (cp 2), packed
-rows on DDP and padded rows on FSDP2, end with one process's weights (fp32)."""
+rows on DDP and padded rows on FSDP2, end with one process's weights (fp32); tp 2 × cp 2 on 4 ranks: test_device_mesh.py."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def test_the_plan_counts_one_data_rank_halves_activations_and_adds_the_all_to_al
 LAYOUTS = {"packed rows on DDP": {"sample_packing": True, "attn_implementation": "sdpa"},
            "padded rows on FSDP2": {**FSDP, "val_set_size": 0.1, "eval_steps": 2}}
 # packed rows under `attn_implementation: sdpa`: the kernel behind the exchange needs the rows' block-diagonal mask
-# (SDPA per sequence, the CPU's default, splits them itself: the tp × cp test below runs it)
+# (SDPA per sequence, the CPU's default, splits them itself: test_device_mesh.py's tp × cp test runs it)
 SAVES = {"packed rows on DDP": {}, "padded rows on FSDP2": {"save_strategy": "steps", "save_steps": 2}}
 
 
@@ -183,46 +183,3 @@ def test_two_context_parallel_ranks_end_with_one_process_weights(tmp_path, cp_ru
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
     again = load_file(root / "crashed" / "out" / "model.safetensors")
     assert again.keys() == cp.keys() and all(torch.equal(again[k], cp[k]) for k in cp)
-
-
-@pytest.fixture(scope="module")
-def eight_head_model_dir(tmp_path_factory, tiny_tokenizer_dir):
-    """8 heads of 8 and 4 key/value heads: tp 2 × cp 2 leaves each rank 2 heads and 1 key/value head."""
-    from conftest import save_llama
-
-    return save_llama(tmp_path_factory.mktemp("eight_heads"), tiny_tokenizer_dir, hidden_size=64,
-                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
-
-
-@pytest.mark.slow
-def test_tensor_and_context_parallel_together_over_four_ranks_end_with_one_process_weights(
-        tmp_path, eight_head_model_dir, data):
-    """axolotl's qwen3-8b-fsdp-tp-cp.yaml layout: tp 2 × cp 2 on 4 ranks, one data rank. Each layer's heads are
-    split over the tp ranks, each row's positions over the cp ranks; FSDP2 shards over dp_shard × cp. Packed rows."""
-    from safetensors.torch import load_file
-
-    from test_device_mesh import run_four_ranks
-
-    keys = {**STEPS, "sample_packing": True, **FSDP}
-    runs = {}
-    for name, extra in (("one", {}), ("tp_cp", {**CP, "tensor_parallel_size": 2})):
-        run_dir = tmp_path / name
-        run_dir.mkdir()
-        config = write_config(run_dir / "run.yml", **base_config(run_dir, eight_head_model_dir, data, **keys, **extra))
-        result = run_four_ranks("train", str(config)) if extra else run_in_process("train", str(config))
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        out = run_dir / "out"
-        runs[name] = (json.loads((out / "plan.json").read_text()), json.loads((out / "summary.json").read_text()),
-                      load_file(out / "model.safetensors"), read_metrics(out))
-    (_, one_summary, one, one_lines), (plan, summary, both, lines) = runs["one"], runs["tp_cp"]
-    assert summary["mesh"] == plan["mesh"] == "mesh dp_replicate 1 × dp_shard 1 × tp 2 × cp 2"
-    assert summary["steps"] == plan["total_steps"] == STEPS["max_steps"] and plan["data_ranks"] == 1
-    assert [line["loss"] for line in lines if "loss" in line] == pytest.approx(
-        [line["loss"] for line in one_lines if "loss" in line], rel=1e-5)
-    for key in ("real_tokens", "targets_collated"):
-        assert summary[key] == one_summary[key], key
-    start = load_file(eight_head_model_dir / "model.safetensors")
-    difference = relative_difference(both, one)
-    change = relative_difference({k: both[k] - start[k] for k in start}, {k: one[k] - start[k] for k in start})
-    print(f"\ntp 2 × cp 2 vs one process: weights {difference:.3g}, weight change {change:.3g}")
-    assert difference < 1e-4 and change < 1e-4

@@ -6,13 +6,13 @@ ending with one process's weights (fp32)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
-from conftest import (assert_user_error, base_config, free_port, run_in_process, tiny_rows, write_config,
+from conftest import (assert_user_error, base_config, run_in_process, tiny_rows, write_config,
                       write_jsonl)
+
+from test_tensor_parallel import FSDP as TP_FSDP
+from test_tensor_parallel import STEPS as TP_STEPS
 
 from tuneloop.engines.keys import read_engine, read_mesh_keys
 from tuneloop.engines.mesh import Mesh, MeshKeys, resolve_mesh
@@ -157,15 +157,39 @@ def relative_difference(a: dict, b: dict) -> float:
     return (num / sum(float(a[k].pow(2).sum()) for k in a)) ** 0.5
 
 
-def run_four_ranks(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--master_port",
-               str(free_port()), "-m", "tuneloop", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.fixture(scope="module")
+def eight_head_model_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """8 heads of 8 and 4 key/value heads: tp 2 × cp 2 leaves each rank 2 heads and 1 key/value head."""
+    from conftest import save_llama
+
+    return save_llama(tmp_path_factory.mktemp("eight_heads"), tiny_tokenizer_dir, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+
+
+# tp 2 × cp 2: the tensor-parallel test's steps (accumulation 2, one data rank) and rows, packed, FSDP2 over dp × cp
+TP_CP = {**TP_STEPS, "sample_packing": True, **TP_FSDP, "context_parallel_size": 2}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory, tiny_model_dir, eight_head_model_dir, data) -> tuple:
+    """This module's four-rank runs (HSDP 2 × 2, tp 2 × cp 2) in one torchrun launch (conftest's run_in_one_launch)."""
+    from conftest import run_in_one_launch
+
+    root = tmp_path_factory.mktemp("four_ranks")
+    (root / "hsdp").mkdir()
+    (root / "tp_cp").mkdir()
+    hsdp = write_config(root / "hsdp" / "run.yml", **base_config(
+        root / "hsdp", tiny_model_dir, data, **STEPS, gradient_accumulation_steps=1, **HSDP, save_strategy="steps",
+        save_steps=2))
+    tp_rows = write_jsonl(root / "tp_rows.jsonl", tiny_rows(64, seed=5))  # (test_tensor_parallel.py's)
+    tp_cp = write_config(root / "tp_cp" / "run.yml", **base_config(root / "tp_cp", eight_head_model_dir, tp_rows,
+                                                                   **TP_CP, tensor_parallel_size=2))
+    results = run_in_one_launch(["train", hsdp], ["train", tp_cp], ranks=4)
+    return root, {"hsdp": results[0], "tp_cp": results[1], "tp_rows": tp_rows}
 
 
 @pytest.mark.slow
-def test_hsdp_two_by_two_over_four_ranks_equals_one_process(tmp_path, tiny_model_dir, data):
+def test_hsdp_two_by_two_over_four_ranks_equals_one_process(tmp_path, tiny_model_dir, data, four_ranks):
     """Global batch 8 both ways: one process 2 × 4 accumulated, 4 ranks 2 × 1 each. The plan's mesh is the one
     the run built, and the plan's bytes per rank are what each rank held: half the model (dp_shard 2), not a
     quarter (which sharding over all 4 would hold). Its checkpoint at step 2 (DCP shards of the 2-D mesh) resumes
@@ -174,15 +198,15 @@ def test_hsdp_two_by_two_over_four_ranks_equals_one_process(tmp_path, tiny_model
 
     from safetensors.torch import load_file
 
+    root, results = four_ranks
+    (tmp_path / "one").mkdir()
+    config = write_config(tmp_path / "one" / "run.yml", **base_config(
+        tmp_path / "one", tiny_model_dir, data, **STEPS, gradient_accumulation_steps=4))
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert results["hsdp"].returncode == 0, results["hsdp"].stdout[-3000:] + results["hsdp"].stderr[-5000:]
     runs = {}
-    for name, ranks, keys in (("one", 1, {}), ("hsdp", 4, {**HSDP, "save_strategy": "steps", "save_steps": 2})):
-        run_dir = tmp_path / name
-        run_dir.mkdir()
-        config = write_config(run_dir / "run.yml", **base_config(
-            run_dir, tiny_model_dir, data, **STEPS, gradient_accumulation_steps=4 // ranks, **keys))
-        result = run_four_ranks("train", str(config)) if ranks == 4 else run_in_process("train", str(config))
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        out = run_dir / "out"
+    for name, out in (("one", tmp_path / "one" / "out"), ("hsdp", root / "hsdp" / "out")):
         runs[name] = (json.loads((out / "plan.json").read_text()), json.loads((out / "summary.json").read_text()),
                       load_file(out / "model.safetensors"))
     (one_plan, one_summary, one), (plan, summary, hsdp) = runs["one"], runs["hsdp"]
@@ -203,7 +227,7 @@ def test_hsdp_two_by_two_over_four_ranks_equals_one_process(tmp_path, tiny_model
     assert difference < 1e-5 and change < 1e-4
 
     resumed_dir = tmp_path / "resumed"
-    shutil.copytree(tmp_path / "hsdp" / "out" / "checkpoint-2", resumed_dir / "out" / "checkpoint-2")
+    shutil.copytree(root / "hsdp" / "out" / "checkpoint-2", resumed_dir / "out" / "checkpoint-2")
     config = write_config(resumed_dir / "run.yml", **base_config(
         resumed_dir, tiny_model_dir, data, **STEPS, gradient_accumulation_steps=4, auto_resume_from_checkpoints=True,
         **FSDP))
@@ -212,3 +236,38 @@ def test_hsdp_two_by_two_over_four_ranks_equals_one_process(tmp_path, tiny_model
     resumed_difference = relative_difference(load_file(resumed_dir / "out" / "model.safetensors"), one)
     print(f"HSDP checkpoint-2 resumed on one FSDP2 process vs one process: {resumed_difference:.3g}")
     assert resumed_difference < 1e-5
+
+
+@pytest.mark.slow
+def test_tensor_and_context_parallel_together_over_four_ranks_end_with_one_process_weights(
+        tmp_path, eight_head_model_dir, four_ranks):
+    """axolotl's qwen3-8b-fsdp-tp-cp.yaml layout: tp 2 × cp 2 on 4 ranks, one data rank. Each layer's heads are
+    split over the tp ranks, each row's positions over the cp ranks; FSDP2 shards over dp_shard × cp. Packed rows."""
+    from safetensors.torch import load_file
+
+    from conftest import read_metrics
+
+    root, results = four_ranks
+    (tmp_path / "one").mkdir()
+    keys = {key: value for key, value in TP_CP.items() if key != "context_parallel_size"}
+    config = write_config(tmp_path / "one" / "run.yml", **base_config(tmp_path / "one", eight_head_model_dir,
+                                                                      results["tp_rows"], **keys))
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert results["tp_cp"].returncode == 0, results["tp_cp"].stdout[-3000:] + results["tp_cp"].stderr[-5000:]
+    runs = {}
+    for name, out in (("one", tmp_path / "one" / "out"), ("tp_cp", root / "tp_cp" / "out")):
+        runs[name] = (json.loads((out / "plan.json").read_text()), json.loads((out / "summary.json").read_text()),
+                      load_file(out / "model.safetensors"), read_metrics(out))
+    (_, one_summary, one, one_lines), (plan, summary, both, lines) = runs["one"], runs["tp_cp"]
+    assert summary["mesh"] == plan["mesh"] == "mesh dp_replicate 1 × dp_shard 1 × tp 2 × cp 2"
+    assert summary["steps"] == plan["total_steps"] == TP_STEPS["max_steps"] and plan["data_ranks"] == 1
+    assert [line["loss"] for line in lines if "loss" in line] == pytest.approx(
+        [line["loss"] for line in one_lines if "loss" in line], rel=1e-5)
+    for key in ("real_tokens", "targets_collated"):
+        assert summary[key] == one_summary[key], key
+    start = load_file(eight_head_model_dir / "model.safetensors")
+    difference = relative_difference(both, one)
+    change = relative_difference({k: both[k] - start[k] for k in start}, {k: one[k] - start[k] for k in start})
+    print(f"\ntp 2 × cp 2 vs one process: weights {difference:.3g}, weight change {change:.3g}")
+    assert difference < 1e-4 and change < 1e-4
