@@ -1,7 +1,8 @@
 """Context parallel (`context_parallel_size`, engines/context_parallel.py): each row's positions split over the cp
 ranks, DeepSpeed's Ulysses all-to-alls around attention on whole rows. Refusals name the key at `plan --world-size`;
 the plan counts one data rank, halves the activations and adds the all-to-alls; 2 real gloo ranks (cp 2), packed
-rows on DDP and padded rows on FSDP2, end with one process's weights (fp32); tp 2 × cp 2 on 4 ranks: test_device_mesh.py."""
+rows on DDP and padded rows on FSDP2, end with one process's weights (fp32); tp 2 × cp 2 on 4 ranks is in
+test_device_mesh.py."""
 
 from __future__ import annotations
 
