@@ -7,7 +7,7 @@ bytes of steps 2 and 3 are compared with what the plan promised per step. gloo's
 the norm's scalar reductions ride along: a percent or so on this tiny model.
 
 Run as a script under torchrun, this file is the probe each rank runs (`python -m torch.distributed.run ...
-tests/test_comm_volume.py run.yml out/`)."""
+tests/test_comm_volume.py a.yml a-counts/ b.yml b-counts/ ...`: the runs one after another in one launch)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,9 @@ def between_ranks(mine: list[list[int]], theirs: list[list[int]]) -> tuple[int, 
     return sum(sent for sent, _ in kept), sum(received for _, received in kept)
 
 
-def probe_main(config: str, out: str) -> int:
-    """One rank: the run, with the TCP counters read after every optimizer step."""
+def probe_main(*configs_and_outs: str) -> int:
+    """One rank: each run (CONFIG OUT, one after another in this launch), with the TCP counters read after every
+    optimizer step. (A run's own group opens its own connections; the counts are differences between steps.)"""
     from tuneloop.config import load_run_config
     from tuneloop.run import TrainingSession
     from tuneloop.train.hooks import RunHooks
@@ -76,11 +77,12 @@ def probe_main(config: str, out: str) -> int:
             yield
             self.counts.append(tcp_bytes(store_port))
 
-    hooks = AfterEachStep()
-    with TrainingSession(load_run_config(config), hooks) as session:
-        result = session.run()
-    assert result.error is None, result.error
-    Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(hooks.counts))
+    for config, out in zip(configs_and_outs[::2], configs_and_outs[1::2]):
+        hooks = AfterEachStep()
+        with TrainingSession(load_run_config(config), hooks) as session:
+            result = session.run()
+        assert result.error is None, result.error
+        Path(out, f"rank{os.environ['RANK']}.json").write_text(json.dumps(hooks.counts))
     return 0
 
 
@@ -107,10 +109,12 @@ FSDP = {"fsdp_version": 2, "fsdp_config": {"transformer_layer_cls_to_wrap": "Lla
                                            "reshard_after_forward": True}}
 
 
-def launch(config: Path, out: Path) -> subprocess.Popen:
-    out.mkdir()
+def launch(*configs_and_outs: Path) -> subprocess.Popen:
+    """The probe on 2 ranks over every (config, counts folder) given, in one launch."""
+    for out in configs_and_outs[1::2]:
+        out.mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), __file__, str(config), str(out)]
+               str(free_port()), __file__, *map(str, configs_and_outs)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
 
@@ -120,19 +124,21 @@ def test_the_plans_bytes_per_step_are_what_gloo_sends(tmp_path, tiny_model_dir):
     """DDP, FSDP2 (reshard_after_forward), tensor parallel (tp 2: its layers' activation all-reduces, no data
     ranks to reduce over) and context parallel on DDP (cp 2: Ulysses' all-to-alls, and the gradients averaged
     over the cp ranks), the last two with rows padded to sequence_len, since the plan counts the largest
-    micro-batch; 2 ranks, 2 micro-batches a step, fp32: all launched at once."""
+    micro-batch; 2 ranks, 2 micro-batches a step, fp32: the four runs one after another in one launch."""
     data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(64, seed=3))
-    runs = {}
+    runs, probed = {}, []
     for name, keys in (("ddp", {}), ("fsdp2", FSDP),
                        ("tp", {**FSDP, "tensor_parallel_size": 2, "pad_to_sequence_len": True}),
                        ("cp", {"context_parallel_size": 2, "pad_to_sequence_len": True})):
         run_dir = tmp_path / name
         config = write_config(tmp_path / f"{name}.yml", **base_config(run_dir, tiny_model_dir, data, **STEPS, **keys))
-        runs[name] = (run_dir, launch(config, tmp_path / f"{name}-counts"))
+        runs[name] = run_dir
+        probed += [config, tmp_path / f"{name}-counts"]
+    process = launch(*probed)
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, out[-2000:] + err[-4000:]
     measured = {}
-    for name, (run_dir, process) in runs.items():
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, out[-2000:] + err[-4000:]
+    for name, run_dir in runs.items():
         plan = json.loads((run_dir / "out" / "plan.json").read_text())
         promised = plan["communication"]["bytes_per_rank_per_step"]
         counts = [json.loads((tmp_path / f"{name}-counts" / f"rank{rank}.json").read_text()) for rank in (0, 1)]
