@@ -158,4 +158,8 @@ def test_the_adamw_part_takes_muons_betas_unless_both_are_given_and_a_recorded_c
     assert adamw_betas(unset) == (0.95, 0.95) and unset.adamw_betas == (0.9, 0.999)  # (AdamW's own, elsewhere)
     assert adamw_betas(config_from_dict(unset.model_dump())) == (0.95, 0.95)  # as run_config.yml reruns it
     assert adamw_betas(config_from_dict({**keys, "adam_beta1": 0.9, "adam_beta2": 0.99})) == (0.9, 0.99)
-    assert adamw_betas(config_from_dict({**keys, "adam_beta2": 0.99})) == (0.95, 0.95)  # (both, as axolotl)
+    with pytest.warns(UserWarning, match=r"`adam_beta2` alone with `optimizer: muon` is not used"):
+        alone = config_from_dict({**keys, "adam_beta2": 0.99})
+    assert adamw_betas(alone) == (0.95, 0.95)  # (both, as axolotl), and said
+    with pytest.warns(UserWarning, match=r"`adam_beta1` alone"):
+        config_from_dict({**keys, "adam_beta1": 0.9})

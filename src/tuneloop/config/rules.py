@@ -57,6 +57,17 @@ def schedule(cfg) -> Problems:
                "its own: remove it or switch the scheduler")
 
 
+def muon_betas(cfg) -> Problems:
+    """`optimizer: muon` takes both Adam betas for its AdamW part or its own (0.95, 0.95), as axolotl's Muon does:
+    one beta alone is not used, and said so (axolotl accepts it in silence)."""
+    if cfg.optimizer == "muon" and (cfg.adam_beta1 is None) != (cfg.adam_beta2 is None):
+        alone = "adam_beta1" if cfg.adam_beta1 is not None else "adam_beta2"
+        warnings.warn(f"`{alone}` alone with `optimizer: muon` is not used: Muon's AdamW part takes both "
+                      "`adam_beta1` and `adam_beta2`, or its own (0.95, 0.95) when either is missing; set both, or "
+                      f"remove `{alone}`", UserWarning, stacklevel=2)
+    yield from ()  # (a warning, never a problem: axolotl runs it)
+
+
 ATTENTION_FLAGS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "flex_attention": "flex_attention",
                    "eager_attention": "eager"}
 
@@ -776,7 +787,7 @@ def _mistral_common_entry(index: int, entry, why: str, data_option: str) -> Prob
                    "mistral-common's encoding only assistant turns end with </s>; use turn (the default), last or none")
 
 
-RULES: tuple[Callable[..., Problems], ...] = (schedule, best_eval, vision_family, precision_and_attention, chat_template, adapters,
+RULES: tuple[Callable[..., Problems], ...] = (schedule, muon_betas, best_eval, vision_family, precision_and_attention, chat_template, adapters,
                                               lora_variants, bitsandbytes_settings, model_quantization,
                                               eval_set_and_shards, model_source,
                                               streaming, row_order, preference, reward_model,
