@@ -36,6 +36,9 @@ REWARDS = textwrap.dedent('''
     def endless(prompts, completions, **kwargs):
         return [float("inf")] * len(completions)
 
+    def not_a_number(prompts, completions, **kwargs):
+        return [float("nan")] * len(completions)
+
     def as_prompt(cfg):
         def transform(row, tokenizer=None):
             return {"prompt": [{"role": "user", "content": "say " + row["text"]}], "word": row["text"]}
@@ -214,6 +217,8 @@ def test_bad_input_is_one_line_and_exit_2(grpo_dir, tiny_model_dir, change, frag
     ("rewards.too_few", ["reward `too_few` returned 1 values for 8 completions"]),
     ("rewards.wordy", ["reward `wordy` returned 'good'", "prompts.jsonl:"]),
     ("rewards.endless", ["reward `endless` returned inf", "a finite number"]),
+    # (NaN is no reward either: the steps trained nothing, grad_norm 0, and the run said "done")
+    ("rewards.not_a_number", ["reward `not_a_number` returned nan", "a finite number"]),
 ])
 def test_a_failing_reward_stops_the_run_with_exit_2_and_no_changed_weights(grpo_dir, tiny_model_dir, reward,
                                                                           fragments):
@@ -221,6 +226,23 @@ def test_a_failing_reward_stops_the_run_with_exit_2_and_no_changed_weights(grpo_
     result = run_in_process("train", str(config))
     assert_user_error(result, *fragments, "no weight of this step changed")
     assert not (grpo_dir / "out" / "model.safetensors").exists()
+
+
+def test_two_rewards_of_one_name_are_logged_apart(grpo_dir, tiny_model_dir):
+    """`rewards.short` and `other.short`: each on the train line, in completions.jsonl and to the trackers under the
+    name the config gives it (a name both share would log one and hide the other)."""
+    (grpo_dir / "other.py").write_text("def short(prompts, completions, **kwargs):\n"
+                                       "    return [float(len(c[0]['content'])) for c in completions]\n")
+    config = grpo_config(grpo_dir, tiny_model_dir, max_steps=1,
+                         trl={"reward_funcs": ["rewards.short", "other.short", "rewards.has_word"],
+                              "log_completions": True})
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = read_metrics(grpo_dir / "out")[0]
+    assert {"rewards/rewards.short", "rewards/other.short", "rewards/has_word"} <= set(line), line
+    assert line["rewards/rewards.short"] != line["rewards/other.short"]
+    logged = json.loads((grpo_dir / "out" / "completions.jsonl").read_text().splitlines()[0])
+    assert set(logged["rewards"]) == {"rewards.short", "other.short", "has_word"}
 
 
 def test_use_vllm_is_a_speed_only_warning(grpo_dir, tiny_model_dir):

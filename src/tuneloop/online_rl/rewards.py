@@ -61,9 +61,17 @@ def import_dotted(name: str, key: str, config_dir: Path | None) -> Callable:
 
 
 def reward_name(name: str) -> str:
-    """A reward's name on the train line (`rewards/<name>`): a function's own name, or a reward model's folder."""
+    """A reward's short name: a function's own name, or a reward model's folder."""
     folder = Path(name).expanduser()
     return folder.name if folder.is_dir() else name.rpartition(".")[2]
+
+
+def reward_names(names: list[str]) -> list[str]:
+    """Each reward's name on the train line (`rewards/<name>`), in trackers and in completions.jsonl: its short name,
+    or, where two rewards share it (`format_a.score` and `format_b.score`), the name as the config writes it, so
+    neither hides the other."""
+    short = [reward_name(name) for name in names]
+    return [name if short.count(brief) > 1 else brief for name, brief in zip(names, short)]
 
 
 def _forget_a_module_shadowed_by(top: str, folders: list[str]) -> None:
@@ -86,15 +94,15 @@ class RewardFunction:
 
 def load_reward_functions(names: list[str], config_dir: Path | None, device=None) -> list[RewardFunction]:
     functions = []
-    for index, name in enumerate(names):
+    for index, (name, shown) in enumerate(zip(names, reward_names(names))):
         key = f"trl.reward_funcs[{index}]"
         folder = Path(name).expanduser()
         if folder.is_dir() and (folder / "config.json").is_file():
-            functions.append(RewardFunction(reward_name(name), RewardModel(folder, device)))
+            functions.append(RewardFunction(shown, RewardModel(folder, device)))
             continue
         function = import_dotted(name, key, config_dir)
         _check_signature(function, name, key)
-        functions.append(RewardFunction(reward_name(name), _called_as_trl(function)))
+        functions.append(RewardFunction(shown, _called_as_trl(function)))
     return functions
 
 
@@ -182,7 +190,7 @@ def checked_rewards(function: RewardFunction, returned, count: int, where: list[
             number = float(value)
         except (TypeError, ValueError):
             number = None
-        if number is None or math.isinf(number):
+        if number is None or not math.isfinite(number):  # (NaN too: it would train nothing and say "done")
             raise UserError(f"reward `{function.name}` returned {_short(value)} for the completion of {where[index]}; "
                             "a reward is a finite number (or None: not scored)")
         checked.append(number)
