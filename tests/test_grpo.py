@@ -201,8 +201,18 @@ def test_gdpo_with_a_transform_and_reward_functions_beside_the_config(grpo_dir, 
                                                                  "not a setting of transformers' generate"]),
     ({"trl": {"generation_kwargs": {"max_tokens": 20}}}, ["trl.generation_kwargs.max_tokens",
                                                           "trl.max_completion_length"]),
-    ({"trl": {"use_vllm": True, "vllm_structured_outputs_regex": "[0-9]+"}}, ["trl.vllm_structured_outputs_regex",
-                                                                              "regular expression"]),
+    ({"trl": {"vllm_structured_outputs_regex": "[0-9]+"}}, ["trl.vllm_structured_outputs_regex", "use_vllm"]),
+    ({"trl": {"use_vllm": True, "vllm_mode": "colocate"}}, ["vllm_mode: colocate", "transformers < 5.21",
+                                                            "vllm_mode: server"]),
+    ({"trl": {"use_vllm": True, "vllm_gpu_memory_utilization": 0.3}}, ["trl.vllm_gpu_memory_utilization",
+                                                                       "colocated", "`vllm:` block"]),
+    ({"trl": {"use_vllm": True, "async_prefetch": True, "prefetch_depth": 2}}, ["trl.prefetch_depth",
+                                                                                "one step"]),
+    ({"trl": {"use_vllm": True, "vllm_importance_sampling_mode": "sequence"}}, ["vllm_importance_sampling_mode",
+                                                                                "sequence_mask"]),
+    ({"trl": {"use_vllm": True, "generation_kwargs": {"no_repeat_ngram_size": 2}}},
+     ["trl.generation_kwargs.no_repeat_ngram_size", "not a vLLM sampling parameter"]),
+    ({"trl": {"use_vllm": True}, "vllm": {"data_parallel_size": 2}}, ["vllm.data_parallel_size", "one"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(grpo_dir, tiny_model_dir, change, fragments):
     trl = change.pop("trl", {})
@@ -245,11 +255,16 @@ def test_two_rewards_of_one_name_are_logged_apart(grpo_dir, tiny_model_dir):
     assert set(logged["rewards"]) == {"rewards.short", "other.short", "has_word"}
 
 
-def test_use_vllm_is_a_speed_only_warning(grpo_dir, tiny_model_dir):
-    config = grpo_config(grpo_dir, tiny_model_dir, trl={"use_vllm": True, "vllm_server_port": 8000})
-    result = run_in_process("check", str(config))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "vLLM is not used here" in result.stdout + result.stderr
+def test_a_vllm_server_that_does_not_answer_is_exit_2_before_the_data_is_read(grpo_dir, tiny_model_dir):
+    """trl.use_vllm with nothing listening at the port: one line naming the URL and `tuneloop vllm-serve`, and the
+    prompts never read (their file is missing: reading it would be another error)."""
+    from conftest import free_port
+
+    port = free_port()
+    config = grpo_config(grpo_dir, tiny_model_dir, datasets=[{"path": str(grpo_dir / "missing.jsonl")}],
+                         trl={"use_vllm": True, "vllm_server_port": port, "vllm_server_timeout": 0})
+    assert_user_error(run_in_process("train", str(config)), f"http://127.0.0.1:{port}",
+                      "tuneloop vllm-serve CONFIG")
 
 
 def test_a_step_whose_completions_are_all_masked_trains_nothing(grpo_dir, tiny_model_dir):
@@ -333,3 +348,23 @@ def test_log_completions_reaches_every_tracker(grpo_dir, tiny_model_dir):
     (run,) = client.search_runs([client.get_experiment_by_name("grpo").experiment_id])
     artifacts = sorted(item.path for item in client.list_artifacts(run.info.run_id, "completions"))
     assert artifacts == ["completions/step_000001.json", "completions/step_000002.json"]
+
+
+def test_vllm_serve_starts_the_server_the_run_checks_for(grpo_dir, tiny_model_dir):
+    """`tuneloop vllm-serve CONFIG --print`: vLLM's own OpenAI server (never the `vllm` console script) on the
+    config's model under the name the run checks, at the training's precision (fp32 here), holding sequence_len,
+    with the sampled distribution's log-probs, LoRA at run time for vllm_lora_sync, and a bounded CPU KV cache."""
+    config = grpo_config(grpo_dir, tiny_model_dir, adapter="lora", lora_r=12, lora_alpha=16, lora_target_linear=True,
+                         trl={"use_vllm": True, "vllm_lora_sync": True, "vllm_server_port": 8123},
+                         vllm={"python": sys.executable})
+    result = run_in_process("vllm-serve", str(config), "--print")
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = result.stdout
+    for fragment in [f"{sys.executable} -m vllm.entrypoints.openai.api_server", f"--model {tiny_model_dir}",
+                     f"--served-model-name {tiny_model_dir}", "--port 8123", "--dtype float32", "--max-model-len 64",
+                     "--logprobs-mode processed_logprobs", "--enable-lora --max-lora-rank 16",
+                     "VLLM_SERVER_DEV_MODE=1", "VLLM_CPU_KVCACHE_SPACE="]:
+        assert fragment in said, (fragment, said)
+    plan = run_in_process("plan", str(config))
+    assert f"vLLM server at http://127.0.0.1:8123 serving {tiny_model_dir}" in plan.stdout, plan.stdout
+    assert "max |Δ| ≤ 0.001 or the run stops" in plan.stdout and "sequence_mask, ratios in [None, 3.0]" in plan.stdout

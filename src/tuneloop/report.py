@@ -72,6 +72,14 @@ def write_markdown(output_dir: Path, plan: dict, metrics: list[dict], summary: d
                          f"{last['eval_reward_chosen']:.4f}, rejected {last['eval_reward_rejected']:.4f}) |")
     if plan.get("warnings"):
         lines += ["", "Plan warnings:", *[f"- {w}" for w in plan["warnings"]]]
+    signal_warnings = [f"- step {line['step']}: {line['warning']}" for line in train if line.get("warning")]
+    if signal_warnings:  # (online RL: steps with nothing to learn from, online_rl/rows.py)
+        lines += ["", "Run warnings:", *signal_warnings]
+    if any("generation_seconds" in line for line in train):
+        generation = sum(line["generation_seconds"] for line in train if "generation_seconds" in line)
+        training = sum(line.get("training_seconds", 0.0) for line in train)
+        lines.insert(lines.index("|---|---|") + 1,
+                     f"| generation vs training (logged steps, summed) | {generation:.1f} s vs {training:.1f} s |")
     lines += ["", f"![loss curves]({run_files.REPORT_PNG})", ""]
     path = output_dir / run_files.REPORT_MD
     run_files.record(output_dir, path.name)

@@ -195,6 +195,10 @@ class TrainingSession:
             return RunResult(output_dir, already_finished=True)
         if cfg.hub_model_id:  # the token, the hub and the repo, before the data is read: a failure stops every rank
             self._decided_on_main(self._open_hub)
+        if cfg.rl and cfg.trl_settings.use_vllm:  # the generation server answers, with this model, before the data
+            from tuneloop.generation.vllm_server import check_server
+
+            self._decided_on_main(lambda: check_server(cfg))
         # rank 0 fills the data cache, the others read it
         clock = time.perf_counter()
         tokenizer, rows = self._on_main_first(lambda: prepare_data(cfg, resolved, hooks=self.hooks))

@@ -25,6 +25,7 @@ METRICS = "metrics.jsonl"
 SUMMARY = "summary.json"
 RESUMES = "resumes.jsonl"  # one line per resume: the checkpoint, and the settings --force-resume overrode
 COMPLETIONS = "completions.jsonl"  # online RL with trl.log_completions: every generated completion and its rewards
+VLLM_WEIGHTS = "vllm_weights"  # online RL on a vLLM server: the latest step's weights, as the server loads them
 REPORT_MD = "report.md"
 REPORT_PNG = "report.png"
 
@@ -96,6 +97,7 @@ OUTPUT_FILES = (
     OutputEntry(METRICS, "train and eval metrics"),
     OutputEntry(SUMMARY, "the finished run's summary"), OutputEntry(REPORT_MD, "the report"),
     OutputEntry(RESUMES, "the resumes of the run"), OutputEntry(COMPLETIONS, "online RL's completions"),
+    OutputEntry(VLLM_WEIGHTS, "the weights sent to the vLLM server"),
     OutputEntry(REPORT_PNG, "the report's plot"),
     *MODEL_FILES,
     OutputEntry(f"{CHECKPOINT_PREFIX}*", "checkpoints"), OutputEntry(f"{TEMP_PREFIX}*", "saves in progress"),

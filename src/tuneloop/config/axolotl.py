@@ -146,7 +146,6 @@ SPEED_OR_LOGGING = _keys("""
     swanlab_lark_secret swanlab_log_completions swanlab_completion_log_interval swanlab_completion_max_buffer
     unsloth_cross_entropy_loss unsloth_lora_mlp unsloth_lora_qkv unsloth_lora_o unsloth_rms_norm unsloth_rope
     sample_packing_sequentially_mp pretrain_multipack_buffer_size debug log_level
-    vllm
 """)
 
 LAUNCHER = _keys("local_rank world_size ddp device axolotl_config_path is_preprocess capabilities env_capabilities")

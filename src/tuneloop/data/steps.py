@@ -33,6 +33,11 @@ class TrainingSteps:
         """This rank's place in the data, for its checkpoint; None where the step number says it all."""
         return None
 
+    def line_numbers(self) -> dict:
+        """Numbers of the data's own for the next train line, over the steps since the last one (online RL: where
+        the time went, generation or training, and the vLLM log-prob gap); {} for prepared data."""
+        return {}
+
     def read_counts(self, gather) -> dict | None:
         """What this session read of the data, over every rank (`gather(counts)`: a collective); None: the plan
         said it all before training."""

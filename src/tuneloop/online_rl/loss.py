@@ -28,9 +28,11 @@ STATS = ("kl_sum", "clipped_low", "clipped_high", "clipped", "tokens", "completi
 
 
 def per_token_losses(log_probs: torch.Tensor, old: torch.Tensor, reference: torch.Tensor | None, owner: torch.Tensor,
-                     advantages: torch.Tensor, n_completions: int, settings) -> tuple[torch.Tensor, dict]:
+                     advantages: torch.Tensor, n_completions: int, settings,
+                     sampling_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """(each completion token's loss, the clip and KL numbers to log). All arguments are flat over the tokens but
-    `advantages` ([n_completions])."""
+    `advantages` ([n_completions]). `sampling_weights`: the vLLM importance-sampling correction of each token
+    (rollout.importance_weights), which weighs the policy term and not the KL term, as in TRL."""
     counts = torch.bincount(owner, minlength=n_completions).to(log_probs.dtype)
 
     def per_completion_sum(values):
@@ -45,6 +47,8 @@ def per_token_losses(log_probs: torch.Tensor, old: torch.Tensor, reference: torc
     advantage = advantages[owner].to(log_probs.dtype)
     tokens = PolicyTokens(log_probs, log_ratio, ratio, advantage, owner, advantages, n_completions)
     losses, logged = LOSS_TYPES[settings.loss_type].surrogate(tokens, settings)
+    if sampling_weights is not None:
+        losses = losses * sampling_weights.to(losses.dtype)
     if settings.beta != 0.0:
         difference = reference - log_probs
         kl = torch.exp(difference) - difference - 1
@@ -73,7 +77,8 @@ class GRPOLoss:
         n = extra["n_sequences"]
         old = extra["old_log_probs"].float() if "old_log_probs" in extra else log_probs.detach()
         reference = extra["reference_log_probs"].float() if "reference_log_probs" in extra else None
-        losses, logged = per_token_losses(log_probs, old, reference, owner, extra["advantages"], n, self.settings)
+        losses, logged = per_token_losses(log_probs, old, reference, owner, extra["advantages"], n, self.settings,
+                                          extra.get("is_ratio"))
         loss = reduced(losses, owner, n, self.settings)
         if not log_probs.requires_grad:  # no completion token here (all masked): a zero that still has a backward
             loss = loss + sum(parameter.sum() * 0.0 for parameter in model.parameters() if parameter.requires_grad)

@@ -3,12 +3,17 @@ and the micro-batches the loop trains on.
 
 The step's completions are laid out as TRL lays them out: prompt p's `num_generations` completions side by side,
 the whole list cut into one slice per rank (rank r: completions r·L … r·L + L − 1, L = micro_batch_size ×
-gradient_accumulation_steps), so a prompt's group may span ranks. Each rank generates its own slice: batched,
-left-padded, KV-cached `generate` on the training weights (a LoRA adapter as it is, no merged copy), in eval mode,
-under a random stream of its own seeded by (seed, generation, rank), so a resumed run generates exactly what the
-uninterrupted one did and the training's own random state is left as it was. The rewards of every rank are
-gathered (one collective per step, which also carries the token counts and any reward error), the advantages taken
-over whole groups, and each rank keeps its own.
+gradient_accumulation_steps), so a prompt's group may span ranks. Each rank generates its own slice on the run's
+engine (generation/: transformers' generate on the training weights, or a vLLM server synced to them), seeded by
+(seed, generation, rank), so a resumed run generates exactly what the uninterrupted one did and the training's own
+random state is left as it was. The rewards of every rank are gathered (one collective per step, which also carries
+the token counts and any reward or engine error), the advantages taken over whole groups, and each rank keeps its
+own.
+
+An engine that reports its sampling log-probs (vLLM) has them compared with the trainer's own, computed by one more
+forward without gradient as TRL does: their gap (mean and max |Δ| over the step's tokens) proves the server sampled
+from the trained weights, and TRL 1.16's importance-sampling correction (`vllm_importance_sampling_*`) weighs each
+token's loss by exp(trainer − sampler) per token or summed per completion, truncated or masked outside its bounds.
 
 A trained completion runs up to and including its first stop token (eos or the template's turn end); one that
 reaches max_completion_length without one is truncated (`mask_truncated_completions: true` leaves it out of the
@@ -17,7 +22,6 @@ loss, as TRL does). Its micro-batch rows are prompt + completion, right-padded, 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -82,9 +86,14 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, s
 
 def check_generation_kwargs(settings) -> None:
     """`trl.generation_kwargs` names settings of transformers' GenerationConfig (and vLLM's `stop_token_ids`, more
-    stop tokens): anything else would be stored and ignored by generate, so it is refused by name."""
+    stop tokens), or vLLM's sampling parameters when generation runs there: anything else would be stored and
+    ignored, so it is refused by name."""
     from transformers import GenerationConfig
 
+    if settings.use_vllm:
+        from tuneloop.generation.vllm_server import check_vllm_generation_kwargs
+
+        return check_vllm_generation_kwargs(settings)
     known = set(GenerationConfig().to_dict()) | {"stop_token_ids"}
     for key in settings.generation_kwargs or {}:
         if key in ("max_new_tokens", "max_tokens", "max_length"):
@@ -104,52 +113,21 @@ class Completions:
     tokens: list  # each completion's tokens up to and including its stop token (or max_completion_length)
     trained: list  # how many of them are trained (0 for a masked truncated completion)
     truncated: list
+    sampling_log_probs: list | None = None  # the engine's log-prob of each of `tokens` (vLLM), else None
 
     @property
     def trained_tokens(self) -> int:
         return int(sum(self.trained))
 
     def reordered(self, order) -> "Completions":
-        return Completions(*([values[i] for i in order] for values in (self.prompt_ids, self.tokens, self.trained,
-                                                                      self.truncated)))
+        fields = (self.prompt_ids, self.tokens, self.trained, self.truncated)
+        sampled = None if self.sampling_log_probs is None else [self.sampling_log_probs[i] for i in order]
+        return Completions(*([values[i] for i in order] for values in fields), sampled)
 
 
-@torch.no_grad()
-def generate(policy, prompt_ids: list, settings, tokenizer, stop_ids: set[int], seed: int, device,
-             autocast=contextlib.nullcontext) -> Completions:
-    """Sampled completions of these prompts (one per entry), in one left-padded batch with a KV cache, under a
-    random stream seeded by `seed` (the training's random state is restored after). `autocast`: the training
-    forward's mixed precision, so the policy samples as it computes when it trains (on a CPU, decoding reads every
-    weight once a token: bf16 autocast generated the embedded model's completions 1.45× faster than fp32)."""
-    from transformers import GenerationConfig
-
-    pad = tokenizer.pad_token_id
-    width = max(len(ids) for ids in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
-        attention[row, width - len(ids):] = 1
-    sampling = settings.generation_settings()
-    extra_stops = sampling.pop("stop_token_ids", None) or []  # vLLM's name for more stop tokens
-    stops = sorted(stop_ids | set(extra_stops))
-    config = GenerationConfig(max_new_tokens=settings.max_completion_length, eos_token_id=stops, pad_token_id=pad,
-                              use_cache=True, **sampling)
-    was_training = policy.training
-    policy.eval()
-    devices = [device] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices), autocast():
-            torch.manual_seed(seed)
-            output = policy.generate(input_ids=input_ids.to(device), attention_mask=attention.to(device),
-                                     generation_config=config)
-    finally:
-        policy.train(was_training)
-    return cut_completions(prompt_ids, output[:, width:].cpu().tolist(), stops, settings)
-
-
-def cut_completions(prompt_ids: list, generated: list, stops, settings) -> Completions:
-    """Each completion up to and including its first stop token; one with none is truncated at the limit."""
+def cut_completions(prompt_ids: list, generated: list, stops, settings, log_probs: list | None = None) -> Completions:
+    """Each completion up to and including its first stop token; one with none is truncated at the limit (its
+    sampling log-probs, when given, cut alike)."""
     tokens, trained, truncated = [], [], []
     stop_set = set(stops)
     for row in generated:
@@ -159,7 +137,9 @@ def cut_completions(prompt_ids: list, generated: list, stops, settings) -> Compl
         tokens.append(row)
         truncated.append(cut)
         trained.append(0 if cut and settings.mask_truncated_completions else len(row))
-    return Completions([list(ids) for ids in prompt_ids], tokens, trained, truncated)
+    if log_probs is not None:
+        log_probs = [list(values[:len(row)]) for values, row in zip(log_probs, tokens)]
+    return Completions([list(ids) for ids in prompt_ids], tokens, trained, truncated, log_probs)
 
 
 def completion_rows(completions: Completions, start: int, stop: int, pad: int) -> tuple[dict, torch.Tensor, dict]:
@@ -194,16 +174,33 @@ class StepRollout:
     targets: int  # trained completion tokens of the step, every rank
     units: int  # what the step's loss is a mean over, every rank
     records: list  # every rank's completions with their rewards (main process, when they are logged)
+    generated_tokens: int = 0  # every rank's
+    generation_seconds: float = 0.0  # the slowest rank's
+    gap: dict | None = None  # the sampler-vs-trainer log-prob gap over every rank: sum, count, max (vLLM)
+    truncated_ratio: float = 0.0  # every rank's completions cut at max_completion_length
+    zero_spread_ratio: float = 0.0  # completions whose group's rewards do not differ (advantage 0)
+
+
+@dataclass
+class Sampled:
+    """One rank's completions of a generation, or the error its engine raised (carried to the step's gather, so
+    every rank stops together)."""
+
+    owned: list  # the prompt index of each completion
+    completions: Completions | None
+    error: str | None
+    seconds: float = 0.0
 
 
 class Rollouts:
     """Makes each step's rollout on this rank (see the module's text)."""
 
     def __init__(self, cfg, prompts, tokenizer, functions, accelerator, stop_ids: set[int], micro_batch_size: int,
-                 accumulation: int):
+                 accumulation: int, engine):
         self.cfg, self.settings, self.prompts, self.tokenizer = cfg, cfg.trl_settings, prompts, tokenizer
         self.functions, self.accelerator, self.stop_ids = functions, accelerator, stop_ids
         self.micro_batch_size, self.accumulation = micro_batch_size, accumulation
+        self.engine = engine
         weights = self.settings.reward_weights or [1.0] * len(functions)
         self.weights = torch.tensor(weights, dtype=torch.float64)
         self.aggregation = self.settings.aggregation(cfg.rl)
@@ -211,35 +208,56 @@ class Rollouts:
     def seed_of(self, generation: int, rank: int) -> int:
         return (self.cfg.seed * 1_000_003 + generation * 7_919 + rank) % (2 ** 63)
 
-    def make(self, policy, reference, generation: int, step_prompts: list[int], rank: int, world_size: int,
-             keep_records: bool, progress=None) -> StepRollout:
-        """This rank's share of one generation over `step_prompts` (the step's prompt indices, every rank's)."""
+    def sample(self, policy, generation: int, step_prompts: list[int], rank: int) -> Sampled:
+        """This rank's completions of one generation over `step_prompts` (the step's prompt indices, every rank's).
+        Touches no collective and no training state: it may run in a thread beside the training (async mode)."""
         settings, group = self.settings, self.settings.num_generations
         local = self.micro_batch_size * self.accumulation
         owned = [step_prompts[c // group] for c in range(rank * local, (rank + 1) * local)]
-        device = self.accelerator.device
+        prompt_ids = [self.prompts.ids[p] for p in owned]
+        stops = sorted(self.stop_ids | set((settings.generation_kwargs or {}).get("stop_token_ids") or []))
         if os.environ.get(FIXED_COMPLETIONS_ENV):
             fixed = json.loads(Path(os.environ[FIXED_COMPLETIONS_ENV]).read_text())
             chosen = [fixed[str(p)][c % group] for p, c in zip(owned, range(rank * local, (rank + 1) * local))]
-            completions = cut_completions([self.prompts.ids[p] for p in owned], chosen, self.stop_ids, settings)
-        else:
-            completions = generate(policy, [self.prompts.ids[p] for p in owned], settings, self.tokenizer,
-                                   self.stop_ids, self.seed_of(generation, rank), device, self.accelerator.autocast)
-        texts = self.tokenizer.batch_decode(completions.tokens, skip_special_tokens=True)
-        prompts = [self.prompts.prompts[p] for p in owned]
-        shown = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
-                 for prompt, text in zip(prompts, texts)]
-        where = [self.prompts.where[p] for p in owned]
-        names = [key for key in dict.fromkeys(key for p in owned for key in self.prompts.columns[p])
-                 if key not in ("completion", "completion_ids")]  # (TRL passes its own under those names)
-        columns = {key: [self.prompts.columns[p].get(key) for p in owned] for key in names}
+            return Sampled(owned, cut_completions(prompt_ids, chosen, stops, settings), None)
         try:
-            table, error = score(self.functions, prompts, shown, completions.tokens, columns, where, progress), None
+            generated = self.engine.generate(policy, prompt_ids, self.seed_of(generation, rank), stops,
+                                             self.accelerator.autocast)
         except UserError as raised:
-            table, error = None, str(raised)
-        records = ([{"prompt": prompt, "completion": text, "where": place}
-                    for prompt, text, place in zip(prompts, texts, where)] if keep_records else None)
-        shared = self._gathered((table, error, completions.trained_tokens, records), world_size)
+            return Sampled(owned, None, str(raised))
+        return Sampled(owned, cut_completions(prompt_ids, generated.tokens, stops, settings, generated.log_probs),
+                       None, generated.seconds)
+
+    def make(self, policy, reference, generation: int, step_prompts: list[int], rank: int, world_size: int,
+             keep_records: bool, progress=None, sampled: Sampled | None = None) -> StepRollout:
+        """This rank's share of one generation: sampled now, or given (sampled ahead, async mode); scored, and cut
+        into micro-batches."""
+        settings, group = self.settings, self.settings.num_generations
+        local = self.micro_batch_size * self.accumulation
+        if sampled is None:
+            sampled = self.sample(policy, generation, step_prompts, rank)
+        owned, completions, error = sampled.owned, sampled.completions, sampled.error
+        table = texts = None
+        prompts = [self.prompts.prompts[p] for p in owned]
+        where = [self.prompts.where[p] for p in owned]
+        if error is None:
+            texts = self.tokenizer.batch_decode(completions.tokens, skip_special_tokens=True)
+            shown = [[{"role": "assistant", "content": text}] if isinstance(prompt, list) else text
+                     for prompt, text in zip(prompts, texts)]
+            names = [key for key in dict.fromkeys(key for p in owned for key in self.prompts.columns[p])
+                     if key not in ("completion", "completion_ids")]  # (TRL passes its own under those names)
+            columns = {key: [self.prompts.columns[p].get(key) for p in owned] for key in names}
+            try:
+                table = score(self.functions, prompts, shown, completions.tokens, columns, where, progress)
+            except UserError as raised:
+                error = str(raised)
+        records = ([{"prompt": prompt, "completion": text, "completion_ids": ids, "where": place}
+                    for prompt, text, ids, place in zip(prompts, texts, completions.tokens, where)]
+                   if keep_records and texts else None)
+        generated = sum(len(tokens) for tokens in completions.tokens) if completions else 0
+        cut = sum(completions.truncated) if completions else 0
+        shared = self._gathered((table, error, completions.trained_tokens if completions else 0, records, generated,
+                                 sampled.seconds, cut), world_size)
         failed = next((item[1] for item in shared if item[1]), None)
         if failed:
             raise UserError(f"train: {failed}; no weight of this step changed, and the last checkpoint is as it was")
@@ -250,8 +268,10 @@ class Rollouts:
         # this rank's completions in a seeded shuffle before they are cut into micro-batches (as TRL shuffles them):
         # a micro-batch then mixes prompts, which bnpo's per-micro-batch mean depends on
         order = np.random.default_rng([self.cfg.seed, generation, rank]).permutation(local)
-        window = self._micro_batches(policy, reference, completions.reordered(order), advantages[mine][order],
-                                     rewards[mine][order], total[mine][order], zero_spread[mine][order])
+        window, gap = self._micro_batches(policy, reference, completions.reordered(order), advantages[mine][order],
+                                          rewards[mine][order], total[mine][order], zero_spread[mine][order])
+        if gap is not None and world_size > 1:
+            gap = _merged_gaps(self._gathered(gap, world_size))
         step_tokens = sum(item[2] for item in shared)
         units = {"completion_tokens": max(step_tokens, 1), "completions": local * world_size,
                  "micro_batches": self.accumulation * world_size}[settings.unit]
@@ -260,7 +280,9 @@ class Rollouts:
             for index, record in enumerate(record for item in shared for record in item[3]):
                 logged.append({**record, "reward": _number(total[index]), "advantage": _number(advantages[index]),
                                "rewards": {f.name: _number(rewards[index, k]) for k, f in enumerate(self.functions)}})
-        return StepRollout(window, step_tokens, units, logged)
+        return StepRollout(window, step_tokens, units, logged, sum(item[4] for item in shared),
+                           max(item[5] for item in shared), gap, sum(item[6] for item in shared) / len(rewards),
+                           float(zero_spread.float().mean()))
 
     def _gathered(self, item, world_size: int) -> list:
         if world_size == 1:
@@ -270,11 +292,12 @@ class Rollouts:
         return gather_object([item])
 
     def _micro_batches(self, policy, reference, completions: Completions, advantages, rewards, total,
-                       zero_spread) -> list:
+                       zero_spread) -> tuple[list, dict | None]:
         from tuneloop.log_probs import reference_mode, token_log_probs
 
         settings, device = self.settings, self.accelerator.device
-        pad, window = self.tokenizer.pad_token_id, []
+        sampled = completions.sampling_log_probs is not None
+        pad, window, gaps = self.tokenizer.pad_token_id, [], []
         for start in range(0, len(completions.tokens), self.micro_batch_size):
             stop = start + self.micro_batch_size
             inputs, targets, extra = completion_rows(completions, start, stop, pad)
@@ -284,12 +307,14 @@ class Rollouts:
             batch = MicroBatch(inputs, targets, int((targets != IGNORE_INDEX).sum()),
                                int(inputs["attention_mask"].sum()), extra)
             on_device = None
-            if settings.num_iterations > 1 or settings.beta != 0.0:
+            if settings.num_iterations > 1 or settings.beta != 0.0 or sampled:
                 on_device = batch.to(device)
             with torch.no_grad(), self.accelerator.autocast():  # as the training forward computes
-                if settings.num_iterations > 1:  # the generating policy's log-probs: the ratio's denominator
+                # the trained policy's log-probs: the ratio's denominator (num_iterations > 1), and what the engine's
+                # sampling log-probs are compared with
+                if settings.num_iterations > 1 or sampled:
                     extra["old_log_probs"] = token_log_probs(policy, on_device.inputs, on_device.targets,
-                                                             settings.temperature)[0].cpu()
+                                                             settings.temperature)[0].float().cpu()
                 if settings.beta != 0.0:
                     if reference is not None:
                         values = token_log_probs(reference, on_device.inputs, on_device.targets, settings.temperature)
@@ -298,8 +323,42 @@ class Rollouts:
                             values = token_log_probs(policy, on_device.inputs, on_device.targets,
                                                      settings.temperature)
                     extra["reference_log_probs"] = values[0].cpu()
+            if sampled:
+                sampler = torch.tensor([value for index in range(start, stop)
+                                        for value in completions.sampling_log_probs[index][:completions.trained[index]]],
+                                       dtype=torch.float32)
+                owner = extra["sequence_index"].reshape(-1)[(targets != IGNORE_INDEX).reshape(-1)]
+                difference = extra["old_log_probs"] - sampler
+                gaps.append(difference.abs())
+                if settings.vllm_importance_sampling_correction:
+                    extra["is_ratio"] = importance_weights(difference, owner, extra["n_sequences"], settings)
             window.append(batch)
-        return window
+        if not sampled:
+            return window, None
+        gap = torch.cat(gaps) if gaps else torch.zeros(0)
+        return window, {"sum": float(gap.sum()), "count": int(gap.numel()),
+                        "max": float(gap.max()) if gap.numel() else 0.0}
+
+
+def importance_weights(difference: torch.Tensor, owner: torch.Tensor, n_completions: int, settings) -> torch.Tensor:
+    """TRL 1.16's correction of the sampler/trainer mismatch, one weight per completion token: exp(trainer −
+    sampler) per token (token_*) or of the completion's summed difference (sequence_*), clamped to [clip_min,
+    clip_max] (*_truncate) or set to 0 outside it (*_mask)."""
+    mode = settings.vllm_importance_sampling_mode
+    if mode.startswith("sequence"):
+        summed = torch.zeros(n_completions, dtype=difference.dtype).index_add(0, owner, difference)
+        difference = summed[owner]
+    ratio = torch.exp(difference)
+    low, high = settings.clip_min, settings.clip_max
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    outside = (ratio < (low if low is not None else -math.inf)) | (ratio > (high if high is not None else math.inf))
+    return ratio.masked_fill(outside, 0.0)
+
+
+def _merged_gaps(gaps: list) -> dict:
+    return {"sum": sum(g["sum"] for g in gaps), "count": sum(g["count"] for g in gaps),
+            "max": max(g["max"] for g in gaps)}
 
 
 def _number(value) -> float | None:

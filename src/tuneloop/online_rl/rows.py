@@ -8,11 +8,21 @@ the weights the previous step left (rollout.py).
 
 With num_iterations > 1 a checkpoint may fall inside a generation: each rank then keeps its rollout beside its RNG
 state, and a resume trains on exactly those completions (the weights that generated them are gone).
+
+On a vLLM server (trl.use_vllm) each generation starts by sending the server the weights the previous step left
+(generation/weight_sync.py), and its log-prob gap is checked against the plan's tolerance: a gap beyond it means
+the server did not sample from the trained weights, and the run stops before training on those completions. With
+`trl.async_prefetch` the next generation's requests run in a thread while the loop trains the current step: its
+completions come from weights one step old (the importance correction weighs them back), the gap then holds that
+step's change and is logged, not checked (but on a session's first generation, which is never stale).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -25,6 +35,15 @@ from tuneloop.data.steps import Step, TrainingSteps
 from tuneloop.errors import UserError
 from tuneloop.online_rl.rewards import TrainerProgress
 from tuneloop.online_rl.rollout import Rollouts, prompt_order
+
+# steps in a row with nothing to learn from before the run says so: most completions cut at max_completion_length
+# (TRL's quickstart trains on zero reward that way), or no group whose rewards differ (every advantage 0)
+SILENT_STEPS = 3
+MOSTLY_TRUNCATED = 0.5
+
+# Test hook: in async mode, wait for each prefetched generation at once (staleness 0): the thread's path, the
+# synchronous result
+ASYNC_STALENESS_ENV = "TUNELOOP_TEST_ASYNC_STALENESS"
 
 @dataclass
 class _Stats:
@@ -111,7 +130,27 @@ class PromptRows:
                 "generated_tokens_at_most": generations * completions * settings.max_completion_length,
                 "loss_type": settings.loss_type, "unit": settings.unit, "beta": settings.beta,
                 "reward_funcs": list(settings.reward_funcs or []),
-                "aggregation": settings.aggregation(self.cfg.rl), "scale_rewards": settings.reward_scaling}
+                "aggregation": settings.aggregation(self.cfg.rl), "scale_rewards": settings.reward_scaling,
+                **self.engine_numbers(spec)}
+
+    def engine_numbers(self, spec) -> dict:
+        """Where the completions are generated, and what proves the server sampled from the trained weights."""
+        settings = self.cfg.trl_settings
+        if not settings.use_vllm:
+            return {"engine": "transformers"}
+        from tuneloop.generation.vllm_server import server_url
+        from tuneloop.generation.weight_sync import sync_mode
+
+        half = bool(self.cfg.bf16 and self.cfg.bf16 != "false") or bool(self.cfg.fp16)
+        correction = None
+        if settings.vllm_importance_sampling_correction:
+            correction = {"mode": settings.vllm_importance_sampling_mode, "clip_min": settings.clip_min,
+                          "clip_max": settings.clip_max}
+        return {"engine": "vllm", "server": server_url(self.cfg), "served_model": str(self.cfg.base_model),
+                "weight_sync": sync_mode(self.cfg), "logprob_tolerance": settings.logprob_tolerance(half),
+                "gap_checked": settings.regex is None and (settings.top_k or 0) in (0, -1) and settings.top_p >= 1.0
+                and settings.min_p in (None, 0.0),
+                "importance_sampling": correction, "staleness": 1 if settings.asynchronous else 0}
 
     def steps(self, plan, tokenizer, accelerator, hooks, *, start_step: int, resume_from=None,
               reference: dict | None = None, decoder_start_token_id: int | None = None, unit: str = "tokens",
@@ -141,8 +180,17 @@ class RolloutSteps(TrainingSteps):
         model_stops = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
         stops |= set(model_stops if isinstance(model_stops, list) else [model_stops] if model_stops is not None
                      else [])  # the model's own (Llama 3's <|eom_id|>, say), as TRL adds them
+        self.engine = generation_engine(cfg, tokenizer, accelerator)
         self.rollouts = Rollouts(cfg, rows.prompts, tokenizer, functions, accelerator, stops, plan.micro_batch_size,
-                                 plan.gradient_accumulation_steps)
+                                 plan.gradient_accumulation_steps, self.engine)
+        rollout = plan.rollout or {}
+        self.tolerance = rollout.get("logprob_tolerance")
+        self.gap_checked = rollout.get("gap_checked", False)
+        self.prefetch = None  # (generation, Future of its Sampled): async mode's generation ahead
+        self.pool = ThreadPoolExecutor(max_workers=1) if self.settings.asynchronous else None
+        self.staleness = int(os.environ.get(ASYNC_STALENESS_ENV, "1"))
+        self.since_line = _LineNumbers()
+        self.silent_streak = 0
         self.completions_log = (output_dir / run_files.COMPLETIONS if output_dir is not None and
                                 self.settings.log_completions and accelerator.is_main_process else None)
         # every rank sends its completions' text along with their rewards when the main process logs or prints them
@@ -162,15 +210,75 @@ class RolloutSteps(TrainingSteps):
             generation = step // iterations
             if self.current is None or self.current[0] != generation:
                 with self.hooks.phase("generation"):
-                    rollout = self.rollouts.make(self.policy, self.reference_model, generation,
-                                                 self.step_prompts(generation), self.rank, self.world_size,
-                                                 keep_records=self.keeps_records,
-                                                 progress=TrainerProgress(step, self.plan.total_steps,
-                                                                          self.epoch_at(step)))
+                    rollout, stale = self._rollout(step, generation)
                 self.current = (generation, rollout)
+                self._check_gap(step + 1, rollout, stale)
+                self.since_line.add(rollout, self._signal_warning(step + 1, rollout))
                 self._show(step + 1, rollout.records)
             rollout = self.current[1]
+            started = time.perf_counter()
             yield Step(rollout.window, rollout.targets, rollout.units)
+            self.since_line.training_seconds += time.perf_counter() - started
+
+    def _rollout(self, step: int, generation: int):
+        """This generation's rollout, and whether its completions came from weights older than the current ones.
+        Sync: the weights sent, then sampled. Async: the prefetched sample taken (or one made now, on a session's
+        first generation), the weights sent, and the next generation's sample started in the thread."""
+        progress = TrainerProgress(step, self.plan.total_steps, self.epoch_at(step))
+        prompts = self.step_prompts(generation)
+        sampled, stale = None, False
+        if self.prefetch is not None and self.prefetch[0] == generation:
+            sampled, stale = self.prefetch[1].result(), True
+            self.prefetch = None
+        self.engine.sync(self.policy, step)  # (after the prefetched requests are answered: none sees new weights)
+        if self.pool is not None and self.staleness == 0:  # test hook: the thread's path, nothing overlapping
+            sampled = self.pool.submit(self.rollouts.sample, self.policy, generation, prompts, self.rank).result()
+        elif self.pool is not None:
+            if sampled is None:  # (a session's first generation: from the weights as they are)
+                sampled = self.rollouts.sample(self.policy, generation, prompts, self.rank)
+            if step + 1 < self.plan.total_steps:
+                upcoming = generation + 1
+                self.prefetch = (upcoming, self.pool.submit(self.rollouts.sample, self.policy, upcoming,
+                                                            self.step_prompts(upcoming), self.rank))
+        rollout = self.rollouts.make(self.policy, self.reference_model, generation, prompts, self.rank,
+                                     self.world_size, keep_records=self.keeps_records, progress=progress,
+                                     sampled=sampled)
+        return rollout, stale
+
+    def _check_gap(self, step: int, rollout, stale: bool) -> None:
+        """A synced step's completions were sampled from the trained weights: their log-probs agree with the
+        trainer's to the plan's tolerance, or the run stops before training on them."""
+        gap = rollout.gap
+        if gap is None or stale or not self.gap_checked or gap["max"] <= self.tolerance:
+            return
+        raise UserError(f"train: step {step}: the vLLM server's log-probs of its completions differ from the "
+                        f"trainer's by up to {gap['max']:.3g} (mean {gap['sum'] / max(gap['count'], 1):.3g}), above "
+                        f"the plan's tolerance {self.tolerance:g}: the server did not sample from the trained "
+                        "weights (a weight sync that did not take, another model or dtype behind the URL); nothing "
+                        "trained on them, and the last checkpoint is as it was. Restart the server with `tuneloop "
+                        "vllm-serve CONFIG` (or raise trl.vllm_logprob_tolerance if this is its arithmetic)")
+
+    def line_numbers(self) -> dict:
+        return self.since_line.close()
+
+    def _signal_warning(self, step: int, rollout) -> str | None:
+        """After SILENT_STEPS steps in a row with (almost) nothing to learn from, a warning on each such step's line
+        (and in report.md), said on the console the first time of a streak."""
+        truncated = rollout.truncated_ratio >= MOSTLY_TRUNCATED
+        flat = rollout.zero_spread_ratio >= 1.0
+        self.silent_streak = self.silent_streak + 1 if truncated or flat else 0
+        if self.silent_streak < SILENT_STEPS:
+            return None
+        if truncated:
+            text = (f"{rollout.truncated_ratio:.0%} of the completions reached trl.max_completion_length "
+                    f"{self.settings.max_completion_length} without a stop token, {self.silent_streak} steps in a "
+                    "row: rewards of cut answers train little (raise max_completion_length)")
+        else:
+            text = (f"every group's rewards are equal, {self.silent_streak} steps in a row: every advantage is 0 and "
+                    "nothing trains (check the reward functions, or make the task easier)")
+        if self.silent_streak == SILENT_STEPS and self.accelerator.is_main_process:
+            self.hooks.notice(f"step {step}: {text}")
+        return text
 
     def collate(self, micro):
         return micro  # made whole by the rollout
@@ -202,6 +310,50 @@ class RolloutSteps(TrainingSteps):
             self.hooks.completions(step, records)  # (the trackers' tables)
         for record in records[:self.settings.num_completions_to_print or 0]:
             self.hooks.told(f"step {step} completion (reward {record['reward']}): {record['completion'][:200]!r}")
+
+
+def generation_engine(cfg, tokenizer, accelerator):
+    """The run's engine: a vLLM server (checked before any data was read, run.py) or transformers' generate."""
+    if cfg.trl_settings.use_vllm:
+        from tuneloop.generation.vllm_server import VLLMEngine, check_server
+        from tuneloop.generation.weight_sync import WeightSync
+
+        return VLLMEngine(cfg, check_server(cfg, wait_seconds=0), WeightSync(cfg, accelerator))
+    from tuneloop.generation.transformers_engine import TransformersEngine
+
+    return TransformersEngine(cfg.trl_settings, tokenizer, accelerator.device)
+
+
+class _LineNumbers:
+    """Generation's numbers since the last train line: where the steps' time went, and the log-prob gap."""
+
+    def __init__(self):
+        self.steps, self.generation_seconds, self.training_seconds, self.generated_tokens = 0, 0.0, 0.0, 0
+        self.gap_sum, self.gap_count, self.gap_max, self.warning = 0.0, 0, None, None
+
+    def add(self, rollout, warning: str | None) -> None:
+        self.steps += 1
+        self.warning = warning or self.warning
+        self.generation_seconds += rollout.generation_seconds
+        self.generated_tokens += rollout.generated_tokens
+        if rollout.gap is not None:
+            self.gap_sum += rollout.gap["sum"]
+            self.gap_count += rollout.gap["count"]
+            self.gap_max = max(self.gap_max or 0.0, rollout.gap["max"])
+
+    def close(self) -> dict:
+        if not self.steps:
+            return {}
+        line = {"generation_seconds": round(self.generation_seconds / self.steps, 3),
+                "training_seconds": round(self.training_seconds / self.steps, 3),
+                "generated_tokens_per_second": round(self.generated_tokens / max(self.generation_seconds, 1e-9), 1)}
+        if self.gap_max is not None:
+            line["vllm_logprob_gap"] = round(self.gap_sum / max(self.gap_count, 1), 8)
+            line["vllm_logprob_gap_max"] = round(self.gap_max, 8)
+        if self.warning:
+            line["warning"] = self.warning
+        self.__init__()
+        return line
 
 
 ROLLOUT_KEY = "stream_position"  # (the slot train/checkpoint.py writes a rank's data position in)

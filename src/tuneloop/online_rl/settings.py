@@ -27,16 +27,23 @@ NOT_OFFERED_KEYS = {  # key -> (what it does, the value that means "off", which 
     "reward_processing_classes": ("a reward model with its own tokenizer", None),
     "steps_per_generation": ("generations that span several optimizer steps", None),
     "generation_batch_size": ("generations that span several optimizer steps", None),
-    "vllm_structured_outputs_regex": ("generation constrained to a regular expression (vLLM's structured outputs)",
-                                      None),
     "rollout_func": ("a custom rollout function", None),
     "use_liger_loss": ("Liger's fused GRPO loss", False),
 }
 
 
+# TRL's keys of a vLLM engine inside the training process (vllm_mode: colocate), which tuneloop refuses: vLLM pins a
+# transformers older than tuneloop's, so the two cannot be imported in one process (the server's keys are `vllm:`)
+COLOCATE_KEYS = ("vllm_gpu_memory_utilization", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
+                 "vllm_model_impl", "vllm_max_model_length", "vllm_kv_cache_dtype")
+
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
 class TRLBlock(BaseModel):
-    """axolotl's `trl:` mapping. `vllm_*` keys are accepted (with `use_vllm: true`) and warned about: vLLM is a
-    faster generator of the same distribution, which tuneloop does not use (generation runs through transformers)."""
+    """axolotl's `trl:` mapping. With `use_vllm: true` completions are generated on a vLLM server
+    (generation/vllm_server.py), the weights of every optimizer step synced to it; TRL 1.16's vLLM keys and
+    defaults (importance-sampling correction on, sequence_mask, clip_max 3)."""
 
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
@@ -71,12 +78,50 @@ class TRLBlock(BaseModel):
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     use_vllm: bool = False
+    vllm_mode: Literal["server", "colocate"] = "server"
+    vllm_server_base_url: Optional[str] = None  # wins over host and port (TRL)
+    vllm_server_host: Optional[str] = None  # unset: the `vllm:` block's host (0.0.0.0 is reached at 127.0.0.1)
+    vllm_server_port: Optional[int] = None  # unset: the `vllm:` block's port (8000)
+    vllm_server_timeout: float = 240.0  # seconds a run waits for the server to answer before it starts (TRL's)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    vllm_importance_sampling_clip_max: Optional[float] = 3.0
+    vllm_importance_sampling_cap: Optional[float] = None  # TRL's deprecated name of clip_max (axolotl writes it)
+    vllm_lora_sync: bool = False  # axolotl's: a LoRA run sends its adapter files (else the merged weights)
+    vllm_structured_outputs_regex: Optional[str] = None  # completions constrained to a regular expression
+    vllm_guided_decoding_regex: Optional[str] = None  # (its older name, axolotl's)
+    # tuneloop's: the largest |Δ| between a completion token's log-prob on the server and in the trainer (after the
+    # first sync) that the run accepts; unset: 1e-3 in float32, 0.1 in bf16/fp16 (the plan states it)
+    vllm_logprob_tolerance: Optional[float] = None
+    # axolotl's async GRPO: step n+1's completions generated while step n trains (weights one step old)
+    async_prefetch: bool = False
+    use_data_producer: bool = False  # axolotl's protocol that async_prefetch rides on (no effect of its own)
+    prefetch_depth: Optional[int] = None  # generations ahead: 1 (axolotl's default)
+    vllm_sync_interval: Optional[int] = None  # steps between syncs: 1 (every step)
 
     @field_validator("loss_type")
     @classmethod
     def _loss_type(cls, value):
         if value not in LOSS_TYPES:
             raise ValueError(f"got {value!r}; TRL's GRPO losses are {', '.join(LOSS_TYPES.names())}")
+        return value
+
+    @field_validator("vllm_importance_sampling_mode")
+    @classmethod
+    def _is_mode(cls, value):
+        if value not in IMPORTANCE_SAMPLING_MODES:
+            raise ValueError(f"got {value!r}; TRL's modes are {', '.join(IMPORTANCE_SAMPLING_MODES)}")
+        return value
+
+    @field_validator("prefetch_depth", "vllm_sync_interval")
+    @classmethod
+    def _one_step(cls, value, info):
+        if value not in (None, 1):
+            what = ("generations further ahead" if info.field_name == "prefetch_depth"
+                    else "weights synced less often than every step")
+            raise ValueError(f"got {value}: {what} make completions more than one step stale, and tuneloop's async "
+                             "mode is one step (its importance correction is sized for that); remove it or set 1")
         return value
 
     @field_validator("num_generations")
@@ -108,19 +153,39 @@ class TRLBlock(BaseModel):
         for key in extra:
             if key in NOT_OFFERED_KEYS:
                 continue
-            if not key.startswith("vllm_"):
-                raise ValueError(f"`trl.{key}` is not a GRPO key tuneloop knows; the keys it reads are "
-                                 f"{', '.join(sorted(TRLBlock.model_fields))}")
-        vllm_keys = [key for key in extra if key.startswith("vllm_") and key not in NOT_OFFERED_KEYS]
-        if vllm_keys and not self.use_vllm:
-            raise ValueError(f"`trl.{vllm_keys[0]}` configures vLLM, and `trl.use_vllm` is not true: the two "
-                             "disagree; remove it (or set use_vllm: true, which tuneloop warns about: generation "
-                             "runs through transformers)")
+            if key in COLOCATE_KEYS:
+                if extra[key] is not None:
+                    raise ValueError(f"`trl.{key}` configures a vLLM engine colocated in the training process, "
+                                     "which tuneloop does not run (vLLM pins transformers < 5.21, below tuneloop's): "
+                                     "generation runs on a vLLM server, configured by the `vllm:` block; remove it")
+                continue
+            raise ValueError(f"`trl.{key}` is not a GRPO key tuneloop knows; the keys it reads are "
+                             f"{', '.join(sorted(TRLBlock.model_fields))}")
+        if self.vllm_mode == "colocate" and self.use_vllm:
+            raise ValueError("`trl.vllm_mode: colocate` runs vLLM inside the training process, and vLLM pins "
+                             "transformers < 5.21, below tuneloop's 5.24, so the two cannot be imported together: "
+                             "use `vllm_mode: server` (start it with `tuneloop vllm-serve CONFIG`)")
+        changed = [key for key in sorted(self.model_fields_set) if (key.startswith("vllm_") or key in (
+            "async_prefetch", "prefetch_depth")) and not self._is_default(key)]
+        if changed and not self.use_vllm:
+            raise ValueError(f"`trl.{changed[0]}` configures generation on vLLM, and `trl.use_vllm` is not true: the "
+                             "two disagree; remove it, or set use_vllm: true (and start the server with "
+                             "`tuneloop vllm-serve CONFIG`)")
+        if self.vllm_structured_outputs_regex and self.vllm_guided_decoding_regex \
+                and self.vllm_structured_outputs_regex != self.vllm_guided_decoding_regex:
+            raise ValueError("`trl.vllm_structured_outputs_regex` and `trl.vllm_guided_decoding_regex` (its older "
+                             "name) disagree; keep one")
+        if self.clip_min is not None and self.clip_max is not None and self.clip_min >= self.clip_max:
+            raise ValueError(f"`trl.vllm_importance_sampling_clip_min` ({self.clip_min}) must be below clip_max "
+                             f"({self.clip_max})")
         if self.reward_weights is not None and self.reward_funcs is not None \
                 and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(f"`trl.reward_weights` has {len(self.reward_weights)} weights for "
                              f"{len(self.reward_funcs)} reward_funcs; give one weight per function")
         return self
+
+    def _is_default(self, key: str) -> bool:
+        return getattr(self, key) == TRLBlock.model_fields[key].default
 
     # ---- what the keys resolve to -------------------------------------------------------------------------
     @property
@@ -130,8 +195,28 @@ class TRLBlock(BaseModel):
                 if key in NOT_OFFERED_KEYS and value != NOT_OFFERED_KEYS[key][1] and value is not None]
 
     @property
-    def vllm_keys(self) -> list[str]:
-        return [key for key in (self.model_extra or {}) if key.startswith("vllm_") and key not in NOT_OFFERED_KEYS]
+    def clip_max(self) -> float | None:
+        """The importance-sampling bound above (TRL's deprecated `cap` is read as it, as TRL does)."""
+        return self.vllm_importance_sampling_cap if self.vllm_importance_sampling_cap is not None \
+            else self.vllm_importance_sampling_clip_max
+
+    @property
+    def clip_min(self) -> float | None:
+        return self.vllm_importance_sampling_clip_min
+
+    @property
+    def regex(self) -> str | None:
+        return self.vllm_structured_outputs_regex or self.vllm_guided_decoding_regex
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.use_vllm and self.async_prefetch
+
+    def logprob_tolerance(self, half_precision: bool) -> float:
+        """The largest server-vs-trainer log-prob gap a synced step may show (plan and run)."""
+        if self.vllm_logprob_tolerance is not None:
+            return self.vllm_logprob_tolerance
+        return 0.1 if half_precision else 1e-3
 
     @property
     def clip_high(self) -> float:

@@ -85,9 +85,10 @@ def _describe_online(plan) -> str:
         f"{plan.rows_cut_per_epoch} per epoch fill no whole step and wait for the next",
         f"  steps                {plan.steps_per_epoch} per epoch ({r['num_iterations']} per generation), "
         f"{plan.total_steps} in total = {plural(plan.epochs_covered, 'epoch')}; {r['generations']} generations",
-        f"  generation           transformers generate (KV cache, left-padded), {r['completions_per_rank']} "
+        f"  generation           {_engine_words(r)}, {r['completions_per_rank']} "
         f"completions per rank per generation, at most {r['max_completion_length']} tokens each: at most "
         f"{r['generated_tokens_at_most']} generated tokens over the run",
+        *_vllm_lines(r),
         f"  rewards              {', '.join(r['reward_funcs'])}; {r['aggregation'].replace('_', ' ')}, scaled "
         f"by {r['scale_rewards']} std",
         f"  objective            {plan.objective}, loss_type {r['loss_type']}: averaged over "
@@ -96,6 +97,32 @@ def _describe_online(plan) -> str:
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
     return "\n".join(lines + _machine_lines(plan))
+
+
+def _engine_words(r: dict) -> str:
+    if r.get("engine") != "vllm":
+        return "transformers generate (KV cache, left-padded)"
+    return f"vLLM server at {r['server']} serving {r['served_model']}"
+
+
+def _vllm_lines(r: dict) -> list[str]:
+    """What proves the server sampled from the trained weights, and what corrects the rest of the mismatch."""
+    if r.get("engine") != "vllm":
+        return []
+    sync = {"full": "every weight", "merged": "the LoRA adapter merged into the base weights",
+            "adapter": "the LoRA adapter (the server's LoRA path)"}[r["weight_sync"]]
+    check = (f"the server's log-probs of its tokens vs the trainer's, max |Δ| ≤ {r['logprob_tolerance']:g} or the "
+             "run stops" if r["gap_checked"] else "logged, not checked (top-k/top-p/min-p or a regex change the "
+             "sampled distribution, so the log-probs differ by design)")
+    correction = r["importance_sampling"]
+    lines = [f"  weight sync          {sync}, sent before each generation (files under output_dir/vllm_weights)",
+             f"  log-prob gap         {check}",
+             "  importance sampling  " + (f"{correction['mode']}, ratios in [{correction['clip_min']}, "
+                                          f"{correction['clip_max']}]" if correction else "off")]
+    if r["staleness"]:
+        lines.append("  async                the next step's completions are generated while this one trains, from "
+                     "weights one step old (the gap then holds that step's change: logged, checked on the first)")
+    return lines
 
 
 def _machine_lines(plan) -> list[str]:

@@ -286,7 +286,7 @@ class TrainingLoop:
             line = {"step": step, "epoch": self.epoch_at(step), "loss": closed["loss"], **closed["stats"], "lr": lr,
                     "grad_norm": float(grad_norm), "tokens": self.state.tokens_seen,
                     "tokens_per_second": closed["tokens_per_second"],
-                    "real_tokens_per_second": closed["real_tokens_per_second"]}
+                    "real_tokens_per_second": closed["real_tokens_per_second"], **self.steps.line_numbers()}
             utilisation = mfu(closed["real_tokens_per_second"], self.plan.flops_per_token, self.plan.peak_flops)
             if utilisation is not None:
                 line["mfu"] = round(utilisation, 4)

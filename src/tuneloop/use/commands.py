@@ -15,6 +15,7 @@ from tuneloop.errors import UserError
 def add_use_commands(commands) -> None:
     """Registers the six commands on the CLI's subparsers object."""
     from tuneloop.use.hub import add_push_command
+    from tuneloop.use.vllm_serve import add_vllm_serve_command
 
     _add_infer(commands)
     _add_eval(commands)
@@ -22,6 +23,7 @@ def add_use_commands(commands) -> None:
     _add_export(commands)
     _add_quantize(commands)
     add_push_command(commands)
+    add_vllm_serve_command(commands)
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser, optional: bool) -> None:
