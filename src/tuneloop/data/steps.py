@@ -33,6 +33,9 @@ class TrainingSteps:
         """This rank's place in the data, for its checkpoint; None where the step number says it all."""
         return None
 
+    def after_step(self, step: int) -> None:
+        """Every rank, after the loop's optimizer step `step` (online RL checks what that step's forward found)."""
+
     def line_numbers(self) -> dict:
         """Numbers of the data's own for the next train line, over the steps since the last one (online RL: where
         the time went, generation or training, and the vLLM log-prob gap); {} for prepared data."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -45,6 +46,12 @@ def server_url(cfg) -> str:
     host = settings.vllm_server_host or (block.host if block else "0.0.0.0")
     port = settings.vllm_server_port or (block.port if block else 8000)
     return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
+
+
+def server_is_local(cfg) -> bool:
+    """Whether the server runs on this machine (a loopback address): it then reads the weights from memory."""
+    host = urllib.parse.urlparse(server_url(cfg)).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def sampling_request(settings, stops: list) -> dict:

@@ -59,6 +59,30 @@ def per_token_losses(log_probs: torch.Tensor, old: torch.Tensor, reference: torc
     return losses, logged
 
 
+def importance_weights(difference: torch.Tensor, owner: torch.Tensor, n_completions: int, settings) -> torch.Tensor:
+    """TRL 1.16's correction of the sampler/trainer mismatch (`vllm_importance_sampling_*`), one weight per
+    completion token: exp(trainer − sampler) per token (token_*) or of the completion's summed difference
+    (sequence_*), clamped to [clip_min, clip_max] (*_truncate) or set to 0 outside it (*_mask)."""
+    mode = settings.vllm_importance_sampling_mode
+    if mode.startswith("sequence"):
+        summed = torch.zeros(n_completions, dtype=difference.dtype, device=difference.device).index_add(
+            0, owner, difference)
+        difference = summed[owner]
+    ratio = torch.exp(difference)
+    low, high = settings.clip_min, settings.clip_max
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    outside = (ratio < (low if low is not None else -math.inf)) | (ratio > (high if high is not None else math.inf))
+    return ratio.masked_fill(outside, 0.0)
+
+
+def sampler_gap(difference: torch.Tensor) -> torch.Tensor:
+    """[max |Δ|, sum |Δ|, tokens] of trainer − sampler log-probs: what the step's gap check reads."""
+    gap = difference.abs()
+    top = gap.max() if gap.numel() else torch.zeros((), dtype=gap.dtype, device=gap.device)
+    return torch.stack([top, gap.sum(), torch.tensor(float(gap.numel()), dtype=gap.dtype, device=gap.device)])
+
+
 def reduced(losses: torch.Tensor, owner: torch.Tensor, n_completions: int, settings) -> torch.Tensor:
     """The micro-batch's losses summed over its units (the loss type's reduction)."""
     return LOSS_TYPES[settings.loss_type].reduction(losses, owner, n_completions, settings)
@@ -77,8 +101,14 @@ class GRPOLoss:
         n = extra["n_sequences"]
         old = extra["old_log_probs"].float() if "old_log_probs" in extra else log_probs.detach()
         reference = extra["reference_log_probs"].float() if "reference_log_probs" in extra else None
+        weights = extra.get("is_ratio")
+        if "sampling_log_probs" in extra:  # vLLM's log-probs of its tokens, against this very forward's (no other)
+            difference = log_probs.detach().float() - extra["sampling_log_probs"].float()
+            extra["gap_parts"].append(sampler_gap(difference).detach())
+            if self.settings.vllm_importance_sampling_correction:
+                weights = importance_weights(difference, owner, n, self.settings)
         losses, logged = per_token_losses(log_probs, old, reference, owner, extra["advantages"], n, self.settings,
-                                          extra.get("is_ratio"))
+                                          weights)
         loss = reduced(losses, owner, n, self.settings)
         if not log_probs.requires_grad:  # no completion token here (all masked): a zero that still has a backward
             loss = loss + sum(parameter.sum() * 0.0 for parameter in model.parameters() if parameter.requires_grad)

@@ -10,10 +10,13 @@ random state is left as it was. The rewards of every rank are gathered (one coll
 the token counts and any reward or engine error), the advantages taken over whole groups, and each rank keeps its
 own.
 
-An engine that reports its sampling log-probs (vLLM) has them compared with the trainer's own, computed by one more
-forward without gradient as TRL does: their gap (mean and max |Δ| over the step's tokens) proves the server sampled
-from the trained weights, and TRL 1.16's importance-sampling correction (`vllm_importance_sampling_*`) weighs each
-token's loss by exp(trainer − sampler) per token or summed per completion, truncated or masked outside its bounds.
+An engine that reports its sampling log-probs (vLLM) has them compared with the trainer's own: their gap (mean and
+max |Δ| over the step's tokens) proves the server sampled from the trained weights, and TRL 1.16's
+importance-sampling correction (`vllm_importance_sampling_*`, loss.py) weighs each token's loss by exp(trainer −
+sampler) per token or summed per completion, truncated or masked outside its bounds. TRL computes the trainer's
+side with one more forward without gradient; with num_iterations 1 that forward equals the training forward's own
+(the same weights and inputs, detached), so the loss compares there and no forward is added; with num_iterations
+> 1 the rollout's forward of the generating weights serves, before any training.
 
 A trained completion runs up to and including its first stop token (eos or the template's turn end); one that
 reaches max_completion_length without one is truncated (`mask_truncated_completions: true` leaves it out of the
@@ -34,6 +37,7 @@ import torch
 from tuneloop.data.collate import MicroBatch
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.errors import UserError
+from tuneloop.online_rl.loss import importance_weights
 from tuneloop.online_rl.rewards import score
 
 # Test hook: a JSON file {prompt index: [the tokens of its completion j, ...]} trained instead of generated ones, so
@@ -179,6 +183,7 @@ class StepRollout:
     gap: dict | None = None  # the sampler-vs-trainer log-prob gap over every rank: sum, count, max (vLLM)
     truncated_ratio: float = 0.0  # every rank's completions cut at max_completion_length
     zero_spread_ratio: float = 0.0  # completions whose group's rewards do not differ (advantage 0)
+    gap_parts: list | None = None  # (vLLM, when the loss compares) this rank's [max, sum, count] per micro-batch
 
 
 @dataclass
@@ -268,10 +273,11 @@ class Rollouts:
         # this rank's completions in a seeded shuffle before they are cut into micro-batches (as TRL shuffles them):
         # a micro-batch then mixes prompts, which bnpo's per-micro-batch mean depends on
         order = np.random.default_rng([self.cfg.seed, generation, rank]).permutation(local)
-        window, gap = self._micro_batches(policy, reference, completions.reordered(order), advantages[mine][order],
-                                          rewards[mine][order], total[mine][order], zero_spread[mine][order])
+        window, gap, gap_parts = self._micro_batches(policy, reference, completions.reordered(order),
+                                                     advantages[mine][order], rewards[mine][order],
+                                                     total[mine][order], zero_spread[mine][order])
         if gap is not None and world_size > 1:
-            gap = _merged_gaps(self._gathered(gap, world_size))
+            gap = merged_gaps(self._gathered(gap, world_size))
         step_tokens = sum(item[2] for item in shared)
         units = {"completion_tokens": max(step_tokens, 1), "completions": local * world_size,
                  "micro_batches": self.accumulation * world_size}[settings.unit]
@@ -282,7 +288,7 @@ class Rollouts:
                                "rewards": {f.name: _number(rewards[index, k]) for k, f in enumerate(self.functions)}})
         return StepRollout(window, step_tokens, units, logged, sum(item[4] for item in shared),
                            max(item[5] for item in shared), gap, sum(item[6] for item in shared) / len(rewards),
-                           float(zero_spread.float().mean()))
+                           float(zero_spread.float().mean()), gap_parts)
 
     def _gathered(self, item, world_size: int) -> list:
         if world_size == 1:
@@ -292,12 +298,13 @@ class Rollouts:
         return gather_object([item])
 
     def _micro_batches(self, policy, reference, completions: Completions, advantages, rewards, total,
-                       zero_spread) -> tuple[list, dict | None]:
+                       zero_spread) -> tuple[list, dict | None, list | None]:
         from tuneloop.log_probs import reference_mode, token_log_probs
 
         settings, device = self.settings, self.accelerator.device
         sampled = completions.sampling_log_probs is not None
-        pad, window, gaps = self.tokenizer.pad_token_id, [], []
+        checked_here = sampled and settings.num_iterations > 1  # (else the loss compares, in the training forward)
+        pad, window, gaps, gap_parts = self.tokenizer.pad_token_id, [], [], []
         for start in range(0, len(completions.tokens), self.micro_batch_size):
             stop = start + self.micro_batch_size
             inputs, targets, extra = completion_rows(completions, start, stop, pad)
@@ -307,12 +314,12 @@ class Rollouts:
             batch = MicroBatch(inputs, targets, int((targets != IGNORE_INDEX).sum()),
                                int(inputs["attention_mask"].sum()), extra)
             on_device = None
-            if settings.num_iterations > 1 or settings.beta != 0.0 or sampled:
+            if settings.num_iterations > 1 or settings.beta != 0.0:
                 on_device = batch.to(device)
             with torch.no_grad(), self.accelerator.autocast():  # as the training forward computes
-                # the trained policy's log-probs: the ratio's denominator (num_iterations > 1), and what the engine's
-                # sampling log-probs are compared with
-                if settings.num_iterations > 1 or sampled:
+                # the generating policy's log-probs: the ratio's denominator (and, on vLLM, what its sampling log-probs
+                # are compared with)
+                if settings.num_iterations > 1:
                     extra["old_log_probs"] = token_log_probs(policy, on_device.inputs, on_device.targets,
                                                              settings.temperature)[0].float().cpu()
                 if settings.beta != 0.0:
@@ -327,36 +334,24 @@ class Rollouts:
                 sampler = torch.tensor([value for index in range(start, stop)
                                         for value in completions.sampling_log_probs[index][:completions.trained[index]]],
                                        dtype=torch.float32)
-                owner = extra["sequence_index"].reshape(-1)[(targets != IGNORE_INDEX).reshape(-1)]
-                difference = extra["old_log_probs"] - sampler
-                gaps.append(difference.abs())
-                if settings.vllm_importance_sampling_correction:
-                    extra["is_ratio"] = importance_weights(difference, owner, extra["n_sequences"], settings)
+                if checked_here:
+                    owner = extra["sequence_index"].reshape(-1)[(targets != IGNORE_INDEX).reshape(-1)]
+                    difference = extra["old_log_probs"] - sampler
+                    gaps.append(difference.abs())
+                    if settings.vllm_importance_sampling_correction:
+                        extra["is_ratio"] = importance_weights(difference, owner, extra["n_sequences"], settings)
+                else:
+                    extra["sampling_log_probs"] = sampler
+                    extra["gap_parts"] = gap_parts  # (filled by the loss: loss.py)
             window.append(batch)
-        if not sampled:
-            return window, None
+        if not checked_here:
+            return window, None, gap_parts if sampled else None
         gap = torch.cat(gaps) if gaps else torch.zeros(0)
         return window, {"sum": float(gap.sum()), "count": int(gap.numel()),
-                        "max": float(gap.max()) if gap.numel() else 0.0}
+                        "max": float(gap.max()) if gap.numel() else 0.0}, None
 
 
-def importance_weights(difference: torch.Tensor, owner: torch.Tensor, n_completions: int, settings) -> torch.Tensor:
-    """TRL 1.16's correction of the sampler/trainer mismatch, one weight per completion token: exp(trainer −
-    sampler) per token (token_*) or of the completion's summed difference (sequence_*), clamped to [clip_min,
-    clip_max] (*_truncate) or set to 0 outside it (*_mask)."""
-    mode = settings.vllm_importance_sampling_mode
-    if mode.startswith("sequence"):
-        summed = torch.zeros(n_completions, dtype=difference.dtype).index_add(0, owner, difference)
-        difference = summed[owner]
-    ratio = torch.exp(difference)
-    low, high = settings.clip_min, settings.clip_max
-    if mode.endswith("truncate"):
-        return torch.clamp(ratio, min=low, max=high)
-    outside = (ratio < (low if low is not None else -math.inf)) | (ratio > (high if high is not None else math.inf))
-    return ratio.masked_fill(outside, 0.0)
-
-
-def _merged_gaps(gaps: list) -> dict:
+def merged_gaps(gaps: list) -> dict:
     return {"sum": sum(g["sum"] for g in gaps), "count": sum(g["count"] for g in gaps),
             "max": max(g["max"] for g in gaps)}
 

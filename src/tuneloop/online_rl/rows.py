@@ -34,7 +34,7 @@ from tuneloop.data.source import StepCounts, steps_for_epochs
 from tuneloop.data.steps import Step, TrainingSteps
 from tuneloop.errors import UserError
 from tuneloop.online_rl.rewards import TrainerProgress
-from tuneloop.online_rl.rollout import Rollouts, prompt_order
+from tuneloop.online_rl.rollout import Rollouts, merged_gaps, prompt_order
 
 # steps in a row with nothing to learn from before the run says so: most completions cut at max_completion_length
 # (TRL's quickstart trains on zero reward that way), or no group whose rewards differ (every advantage 0)
@@ -147,7 +147,8 @@ class PromptRows:
             correction = {"mode": settings.vllm_importance_sampling_mode, "clip_min": settings.clip_min,
                           "clip_max": settings.clip_max}
         return {"engine": "vllm", "server": server_url(self.cfg), "served_model": str(self.cfg.base_model),
-                "weight_sync": sync_mode(self.cfg), "logprob_tolerance": settings.logprob_tolerance(half),
+                "weight_sync": sync_mode(self.cfg), "logprob_gap_checked_by": settings.logprob_tolerance(half)[0],
+                "logprob_tolerance": settings.logprob_tolerance(half)[1],
                 "gap_checked": settings.regex is None and (settings.top_k or 0) in (0, -1) and settings.top_p >= 1.0
                 and settings.min_p in (None, 0.0),
                 "importance_sampling": correction, "staleness": 1 if settings.asynchronous else 0}
@@ -185,12 +186,15 @@ class RolloutSteps(TrainingSteps):
                                  plan.gradient_accumulation_steps, self.engine)
         rollout = plan.rollout or {}
         self.tolerance = rollout.get("logprob_tolerance")
+        self.checked_by = rollout.get("logprob_gap_checked_by", "max")
         self.gap_checked = rollout.get("gap_checked", False)
         self.prefetch = None  # (generation, Future of its Sampled): async mode's generation ahead
         self.pool = ThreadPoolExecutor(max_workers=1) if self.settings.asynchronous else None
         self.staleness = int(os.environ.get(ASYNC_STALENESS_ENV, "1"))
         self.since_line = _LineNumbers()
         self.silent_streak = 0
+        self.stale = False  # whether the current rollout's completions came from weights a step old (async)
+        self.yielded_at = time.perf_counter()
         self.completions_log = (output_dir / run_files.COMPLETIONS if output_dir is not None and
                                 self.settings.log_completions and accelerator.is_main_process else None)
         # every rank sends its completions' text along with their rewards when the main process logs or prints them
@@ -212,13 +216,29 @@ class RolloutSteps(TrainingSteps):
                 with self.hooks.phase("generation"):
                     rollout, stale = self._rollout(step, generation)
                 self.current = (generation, rollout)
-                self._check_gap(step + 1, rollout, stale)
+                self.stale = stale
+                self._check_gap(step + 1, rollout.gap)  # (num_iterations > 1: measured before any training)
                 self.since_line.add(rollout, self._signal_warning(step + 1, rollout))
                 self._show(step + 1, rollout.records)
             rollout = self.current[1]
-            started = time.perf_counter()
+            self.yielded_at = time.perf_counter()
             yield Step(rollout.window, rollout.targets, rollout.units)
-            self.since_line.training_seconds += time.perf_counter() - started
+
+    def after_step(self, step: int) -> None:
+        """Every rank, after the loop's optimizer step `step`: its time, and the gap its training forward found
+        between the server's log-probs and its own (checked here: that forward was the only one)."""
+        now = time.perf_counter()
+        self.since_line.training_seconds += now - self.yielded_at
+        self.yielded_at = now
+        rollout = self.current[1]
+        if not rollout.gap_parts:
+            return
+        local = torch.stack(rollout.gap_parts).double().cpu()
+        mine = {"max": float(local[:, 0].max()), "sum": float(local[:, 1].sum()), "count": int(local[:, 2].sum())}
+        rollout.gap_parts.clear()
+        gap = mine if self.world_size == 1 else merged_gaps(self.rollouts._gathered(mine, self.world_size))
+        self.since_line.add_gap(gap)
+        self._check_gap(step, gap, trained=True)
 
     def _rollout(self, step: int, generation: int):
         """This generation's rollout, and whether its completions came from weights older than the current ones.
@@ -230,7 +250,10 @@ class RolloutSteps(TrainingSteps):
         if self.prefetch is not None and self.prefetch[0] == generation:
             sampled, stale = self.prefetch[1].result(), True
             self.prefetch = None
+        started = time.perf_counter()
         self.engine.sync(self.policy, step)  # (after the prefetched requests are answered: none sees new weights)
+        self.since_line.sync_seconds += time.perf_counter() - started
+        self.since_line.synced = self.engine.name == "vllm"
         if self.pool is not None and self.staleness == 0:  # test hook: the thread's path, nothing overlapping
             sampled = self.pool.submit(self.rollouts.sample, self.policy, generation, prompts, self.rank).result()
         elif self.pool is not None:
@@ -245,17 +268,21 @@ class RolloutSteps(TrainingSteps):
                                      sampled=sampled)
         return rollout, stale
 
-    def _check_gap(self, step: int, rollout, stale: bool) -> None:
+    def _check_gap(self, step: int, gap: dict | None, trained: bool = False) -> None:
         """A synced step's completions were sampled from the trained weights: their log-probs agree with the
-        trainer's to the plan's tolerance, or the run stops before training on them."""
-        gap = rollout.gap
-        if gap is None or stale or not self.gap_checked or gap["max"] <= self.tolerance:
+        trainer's to the plan's tolerance, or the run stops (before the next step; the last checkpoint stays)."""
+        if gap is None or self.stale or not self.gap_checked:
             return
+        measured = gap["max"] if self.checked_by == "max" else gap["sum"] / max(gap["count"], 1)
+        if measured <= self.tolerance:
+            return
+        what = ("step {step} trained on them and is not saved" if trained else "nothing trained on them").format(
+            step=step)
         raise UserError(f"train: step {step}: the vLLM server's log-probs of its completions differ from the "
                         f"trainer's by up to {gap['max']:.3g} (mean {gap['sum'] / max(gap['count'], 1):.3g}), above "
-                        f"the plan's tolerance {self.tolerance:g}: the server did not sample from the trained "
-                        "weights (a weight sync that did not take, another model or dtype behind the URL); nothing "
-                        "trained on them, and the last checkpoint is as it was. Restart the server with `tuneloop "
+                        f"the plan's tolerance {self.tolerance:g} (of the {self.checked_by}): the server did not sample from the trained "
+                        "weights (a weight sync that did not take, another model or dtype behind the URL); "
+                        f"{what}, and the last checkpoint is as it was. Restart the server with `tuneloop "
                         "vllm-serve CONFIG` (or raise trl.vllm_logprob_tolerance if this is its arithmetic)")
 
     def line_numbers(self) -> dict:
@@ -315,10 +342,11 @@ class RolloutSteps(TrainingSteps):
 def generation_engine(cfg, tokenizer, accelerator):
     """The run's engine: a vLLM server (checked before any data was read, run.py) or transformers' generate."""
     if cfg.trl_settings.use_vllm:
-        from tuneloop.generation.vllm_server import VLLMEngine, check_server
+        from tuneloop.generation.vllm_server import VLLMEngine, check_server, server_is_local
         from tuneloop.generation.weight_sync import WeightSync
 
-        return VLLMEngine(cfg, check_server(cfg, wait_seconds=0), WeightSync(cfg, accelerator))
+        return VLLMEngine(cfg, check_server(cfg, wait_seconds=0),
+                          WeightSync(cfg, accelerator, server_is_local(cfg)))
     from tuneloop.generation.transformers_engine import TransformersEngine
 
     return TransformersEngine(cfg.trl_settings, tokenizer, accelerator.device)
@@ -329,6 +357,7 @@ class _LineNumbers:
 
     def __init__(self):
         self.steps, self.generation_seconds, self.training_seconds, self.generated_tokens = 0, 0.0, 0.0, 0
+        self.sync_seconds, self.synced = 0.0, False
         self.gap_sum, self.gap_count, self.gap_max, self.warning = 0.0, 0, None, None
 
     def add(self, rollout, warning: str | None) -> None:
@@ -337,9 +366,12 @@ class _LineNumbers:
         self.generation_seconds += rollout.generation_seconds
         self.generated_tokens += rollout.generated_tokens
         if rollout.gap is not None:
-            self.gap_sum += rollout.gap["sum"]
-            self.gap_count += rollout.gap["count"]
-            self.gap_max = max(self.gap_max or 0.0, rollout.gap["max"])
+            self.add_gap(rollout.gap)
+
+    def add_gap(self, gap: dict) -> None:
+        self.gap_sum += gap["sum"]
+        self.gap_count += gap["count"]
+        self.gap_max = max(self.gap_max or 0.0, gap["max"])
 
     def close(self) -> dict:
         if not self.steps:
@@ -347,6 +379,8 @@ class _LineNumbers:
         line = {"generation_seconds": round(self.generation_seconds / self.steps, 3),
                 "training_seconds": round(self.training_seconds / self.steps, 3),
                 "generated_tokens_per_second": round(self.generated_tokens / max(self.generation_seconds, 1e-9), 1)}
+        if self.synced:
+            line["weight_sync_seconds"] = round(self.sync_seconds / self.steps, 3)
         if self.gap_max is not None:
             line["vllm_logprob_gap"] = round(self.gap_sum / max(self.gap_count, 1), 8)
             line["vllm_logprob_gap_max"] = round(self.gap_max, 8)

@@ -111,8 +111,8 @@ def _vllm_lines(r: dict) -> list[str]:
         return []
     sync = {"full": "every weight", "merged": "the LoRA adapter merged into the base weights",
             "adapter": "the LoRA adapter (the server's LoRA path)"}[r["weight_sync"]]
-    check = (f"the server's log-probs of its tokens vs the trainer's, max |Δ| ≤ {r['logprob_tolerance']:g} or the "
-             "run stops" if r["gap_checked"] else "logged, not checked (top-k/top-p/min-p or a regex change the "
+    check = (f"the server's log-probs of its tokens vs the trainer's, {r['logprob_gap_checked_by']} |Δ| ≤ "
+             f"{r['logprob_tolerance']:g} or the run stops" if r["gap_checked"] else "logged, not checked (top-k/top-p/min-p or a regex change the "
              "sampled distribution, so the log-probs differ by design)")
     correction = r["importance_sampling"]
     lines = [f"  weight sync          {sync}, sent before each generation (files under output_dir/vllm_weights)",

@@ -159,6 +159,7 @@ class TrainingLoop:
             self.fake_quantization.follow(state.step)  # `qat:` on from step fake_quant_after_n_steps (quant/qat.py)
             lr, grad_norm = self.train_step(planned.window, planned.targets, planned.units)
             step = state.step
+            self.steps.after_step(step)  # (online RL: the step's sampler-vs-trainer log-prob gap, checked)
             if self.accelerator.is_main_process:
                 self.hooks.stepped(step)
             if first_step is None:
