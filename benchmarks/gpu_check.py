@@ -24,6 +24,8 @@ Checks, each reported as ok / failed / skipped with its numbers, into DIR/gpu_ch
      one rank: logits on packed rows equal SDPA's;
   7. QLoRA: two steps where bitsandbytes and CUDA are there;
   8. a packed bf16 DPO run (rl: dpo, full fine-tuning with its frozen reference): plan == run, first loss ln 2;
+     GRPO's trainer half (the GPU machine has no vLLM): fed completions trained on the device and on the CPU give
+     the same losses and grad norms in fp32, and a bf16 run generating with transformers on the device: plan == run;
   9. one-device FSDP2 and DeepSpeed ZeRO-2 runs (bf16, packed) of the embedded model when `tuneloop setup` has
      built it, else the tiny one: plan == run, finite losses, the plan's bytes per rank against the engine's,
      peak memory against the estimate;
@@ -368,6 +370,61 @@ def check_dpo_train(workdir: Path, model_dir: Path) -> dict:
             "reference": plan.get("reference"), "peak_memory_gb": summary.get("peak_memory_gb")}
 
 
+def check_grpo_train(workdir: Path, model_dir: Path, device: str) -> dict:
+    """GRPO's trainer half on this device (the lent GPU has no vLLM): the same fed completions (by token id) trained
+    two fp32 steps here and on the CPU give the same losses and grad norms (log-probs, advantages, loss, step);
+    then a bf16 run that generates with transformers on this device: plan == run, finite losses, rewards."""
+    import math
+
+    import conftest
+
+    from tuneloop.online_rl.rollout import FIXED_COMPLETIONS_ENV
+    from transformers import AutoTokenizer
+
+    words = ["cat", "dog", "sun", "tree", "red", "blue", "one", "two"]
+    (workdir / "grpo_rewards.py").write_text("def short(prompts, completions, **kwargs):\n"
+                                             "    return [-len(c[0]['content']) / 10 for c in completions]\n")
+    prompts = conftest.write_jsonl(workdir / "grpo_prompts.jsonl",
+                                   [{"prompt": [{"role": "user", "content": f"say {w}"}]} for w in words])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    fed = {str(p): [tokenizer(" ".join(words[(p + j) % 8: (p + j) % 8 + 1 + j % 3]))["input_ids"]
+                    + [tokenizer.eos_token_id] for j in range(4)] for p in range(len(words))}
+    (workdir / "grpo_fed.json").write_text(json.dumps(fed))
+
+    def config(name: str, **keys) -> Path:
+        values = {"base_model": str(model_dir), "rl": "grpo", "datasets": [{"path": str(prompts)}],
+                  "trl": {"num_generations": 4, "max_completion_length": 8, "reward_funcs": ["grpo_rewards.short"]},
+                  "output_dir": str(workdir / name), "sequence_len": 64, "micro_batch_size": 4,
+                  "gradient_accumulation_steps": 2, "max_steps": 2, "learning_rate": 1e-2, "optimizer": "sgd",
+                  "lr_scheduler": "constant", "logging_steps": 1, "save_strategy": "no", "seed": 7, **keys}
+        return conftest.write_config(workdir / f"{name}.yml", **values)
+
+    lines = {}
+    for where, env in (("device", {}), ("cpu", {"CUDA_VISIBLE_DEVICES": ""})):
+        if where == "cpu" and device != "cuda":
+            break
+        result = conftest.run_cli("train", str(config(f"grpo-fed-{where}", bf16=False)), cwd=workdir,
+                                  env={FIXED_COMPLETIONS_ENV: str(workdir / "grpo_fed.json"), **env})
+        if result.returncode != 0:
+            return {"ok": False, "stage": f"fed completions on {where}", "stderr": result.stderr[-2000:]}
+        lines[where] = [m for m in conftest.read_metrics(workdir / f"grpo-fed-{where}") if "loss" in m]
+    generated = conftest.run_cli("train", str(config("grpo-bf16", bf16="auto")), cwd=workdir)
+    if generated.returncode != 0:
+        return {"ok": False, "stage": "bf16 generation", "stderr": generated.stderr[-2000:]}
+    steps = [m for m in conftest.read_metrics(workdir / "grpo-bf16") if "loss" in m]
+    plan = json.loads((workdir / "grpo-bf16" / "plan.json").read_text())
+    agree = True
+    if "cpu" in lines:
+        agree = all(math.isclose(a["loss"], b["loss"], rel_tol=1e-4, abs_tol=1e-6)
+                    and math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4)
+                    for a, b in zip(lines["device"], lines["cpu"]))
+    ok = agree and len(steps) == plan["total_steps"] and all(math.isfinite(m["loss"]) for m in steps)
+    return {"ok": ok, "device_equals_cpu": agree if "cpu" in lines else None,
+            "fed": {where: [(m["loss"], m["grad_norm"]) for m in found] for where, found in lines.items()},
+            "bf16_generated": [{k: m.get(k) for k in ("loss", "reward", "completion_length", "generation_seconds",
+                                                      "training_seconds")} for m in steps]}
+
+
 def check_sharded_train(workdir: Path, model_dir: Path, engine: str) -> dict:
     """One device, a sharding engine: what a user runs before renting more (FSDP2 with bf16 mixed precision, or
     DeepSpeed ZeRO-2 with its own bf16)."""
@@ -657,7 +714,7 @@ def run(name: str, function, *args) -> dict:
 
 
 CHECKS = ("packed_equals_alone", "varlen_kernel", "bf16_train", "compile", "chunked_loss", "context_parallel_kernel",
-          "qlora", "dpo", "fsdp2_train", "zero2_train", "mfu")
+          "qlora", "dpo", "grpo", "fsdp2_train", "zero2_train", "mfu")
 
 
 def main() -> int:
@@ -703,6 +760,7 @@ def main() -> int:
             "context_parallel_kernel": ("context parallel kernel", check_context_parallel_kernel, model_dir, device),
             "qlora": ("qlora train", check_qlora_train, workdir, model_dir),
             "dpo": ("dpo train", check_dpo_train, workdir, model_dir),
+            "grpo": ("grpo trainer half", check_grpo_train, workdir, model_dir, device),
             **{f"{engine}_train": (f"{engine} train (one device)", check_sharded_train, workdir, model_dir, engine)
                for engine in ("fsdp2", "zero2")},
             "mfu": ("mfu (~1B LLaMA, full and LoRA)", check_mfu, workdir, tokenizer_dir, device, args.mfu_smoke,

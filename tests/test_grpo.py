@@ -360,7 +360,7 @@ def test_vllm_serve_starts_the_server_the_run_checks_for(grpo_dir, tiny_model_di
     result = run_in_process("vllm-serve", str(config), "--print")
     assert result.returncode == 0, result.stderr[-2000:]
     said = result.stdout
-    for fragment in [f"{sys.executable} -m vllm.entrypoints.openai.api_server", f"--model {tiny_model_dir}",
+    for fragment in [f"{sys.executable} ", "vllm_launcher.py", f"--model {tiny_model_dir}",
                      f"--served-model-name {tiny_model_dir}", "--port 8123", "--dtype float32", "--max-model-len 64",
                      "--logprobs-mode processed_logprobs", "--enable-lora --max-lora-rank 16",
                      "VLLM_SERVER_DEV_MODE=1", "VLLM_CPU_KVCACHE_SPACE="]:
@@ -368,3 +368,31 @@ def test_vllm_serve_starts_the_server_the_run_checks_for(grpo_dir, tiny_model_di
     plan = run_in_process("plan", str(config))
     assert f"vLLM server at http://127.0.0.1:8123 serving {tiny_model_dir}" in plan.stdout, plan.stdout
     assert "max |Δ| ≤ 0.001 or the run stops" in plan.stdout and "sequence_mask, ratios in [None, 3.0]" in plan.stdout
+
+
+def test_trls_own_vllm_server_is_refused_naming_why(grpo_dir, tiny_model_dir):
+    """A server that answers as TRL's `trl vllm-serve` does (its /get_world_size/ route, no OpenAI routes): refused
+    before the data is read, naming NCCL. (TRL's server needs TRL and vLLM in one environment, and `make vllm`'s has
+    no TRL: a stand-in answers its route.)"""
+    import http.server
+    import threading
+
+    class TRLRoutes(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            found = self.path == "/get_world_size/"
+            self.send_response(200 if found else 404)
+            self.end_headers()
+            self.wfile.write(b'{"world_size": 1}' if found else b'{"detail": "Not Found"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), TRLRoutes)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        config = grpo_config(grpo_dir, tiny_model_dir, datasets=[{"path": str(grpo_dir / "missing.jsonl")}],
+                             trl={"use_vllm": True, "vllm_server_port": server.server_port, "vllm_server_timeout": 0})
+        assert_user_error(run_in_process("train", str(config)), "TRL's `trl vllm-serve`", "NCCL",
+                          "tuneloop vllm-serve CONFIG")
+    finally:
+        server.shutdown()

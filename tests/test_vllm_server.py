@@ -56,11 +56,13 @@ def served(tmp_path_factory, tiny_tokenizer_dir):
                               start_new_session=True)
     try:
         wait_until_served(port, server, root / "server.log")
-        yield root, model, port
+        yield root, model, port, server
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
         try:
+            os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
+        except ProcessLookupError:  # (the last test kills it mid-run)
+            pass
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
@@ -103,7 +105,7 @@ def trained(config: Path) -> list[dict]:
 @pytest.mark.parametrize("adapter,lora_sync", [(None, False), ("lora", False), ("lora", True)],
                          ids=["full", "lora-merged", "lora-adapter"])
 def test_every_step_samples_from_the_weights_the_step_before_left(served, adapter, lora_sync):
-    root, model, port = served
+    root, model, port, _ = served
     config = run_config(root, model, port, f"synced-{adapter}-{lora_sync}.yml", adapter=adapter,
                         vllm_lora_sync=lora_sync)
     plan = json.loads(run_in_process("plan", str(config), "--json").stdout)
@@ -121,7 +123,7 @@ def test_every_step_samples_from_the_weights_the_step_before_left(served, adapte
 
 
 def test_a_sync_that_did_not_take_stops_the_run_at_the_gap_check(served, monkeypatch):
-    root, model, port = served
+    root, model, port, _ = served
     monkeypatch.setenv("TUNELOOP_TEST_SKIP_VLLM_SYNC", "1")
     config = run_config(root, model, port, "unsynced.yml", learning_rate=0.5)
     assert_user_error(run_in_process("train", str(config)), "step 2", "tolerance 0.001",
@@ -131,7 +133,7 @@ def test_a_sync_that_did_not_take_stops_the_run_at_the_gap_check(served, monkeyp
 def test_vllm_completions_fed_to_the_transformers_path_give_the_same_loss_and_weights(served, monkeypatch):
     """One step on the server, then the same completions (by token id) through transformers' path: the engine
     changes where completions come from, never the loss (the importance weights are exp of a ~1e-6 gap here)."""
-    root, model, port = served
+    root, model, port, _ = served
     on_vllm = run_config(root, model, port, "engine-vllm.yml", steps=1)
     vllm_line = trained(on_vllm)[0]
     fed = {}
@@ -156,7 +158,7 @@ def test_vllm_completions_fed_to_the_transformers_path_give_the_same_loss_and_we
 
 
 def test_async_at_staleness_0_equals_sync_and_at_1_trains_on_one_step_old_completions(served, monkeypatch):
-    root, model, port = served
+    root, model, port, _ = served
     synchronous = trained(run_config(root, model, port, "sync.yml"))
     monkeypatch.setenv("TUNELOOP_TEST_ASYNC_STALENESS", "0")
     no_overlap = trained(run_config(root, model, port, "async0.yml", trl={"async_prefetch": True}))
@@ -171,3 +173,56 @@ def test_async_at_staleness_0_equals_sync_and_at_1_trains_on_one_step_old_comple
     assert ahead[0]["vllm_logprob_gap_max"] <= 1e-3  # (a session's first generation is never stale)
     # step 2's completions came from step 0's weights, and the trainer holds step 1's: the gap is the step's change
     assert ahead[1]["vllm_logprob_gap_max"] > 1e-3, ahead[1]
+
+
+def test_a_regex_constrains_the_completions_and_its_gap_is_logged_not_checked(served):
+    """trl.vllm_structured_outputs_regex: every completion matches it (vLLM's structured outputs), and as the server's
+    log-probs are then of the constrained distribution, the plan says the gap is logged, not checked."""
+    root, model, port, _ = served
+    config = run_config(root, model, port, "regex.yml", steps=1, trl={"vllm_structured_outputs_regex": "(cat|dog)"})
+    plan = json.loads(run_in_process("plan", str(config), "--json").stdout)
+    assert plan["rollout"]["gap_checked"] is False
+    trained(config)
+    texts = {json.loads(line)["completion"] for line in (root / "regex" / "completions.jsonl").read_text().splitlines()}
+    assert texts and texts <= {"cat", "dog"}, texts
+
+
+def test_a_stopped_run_resumes_with_the_completions_the_uninterrupted_one_generated(served):
+    """Stopped after step 1 (SIGTERM at the step: a checkpoint), resumed: the server is sent the checkpoint's
+    weights and asked with the same seeds, so the completions and the final weights are the uninterrupted run's."""
+    from conftest import killed_then_resumed
+
+    root, model, port, _ = served
+    whole = run_config(root, model, port, "whole.yml")
+    trained(whole)
+    stopped = run_config(root, model, port, "stopped.yml", auto_resume_from_checkpoints=True)
+    killed_then_resumed(stopped, root / "stopped", after_steps=1)
+    assert (root / "stopped" / "completions.jsonl").read_text() == (root / "whole" / "completions.jsonl").read_text()
+    finished = load_file(root / "whole" / "model.safetensors")
+    for name, tensor in load_file(root / "stopped" / "model.safetensors").items():
+        assert tensor.equal(finished[name]), name
+
+
+def test_a_server_that_dies_mid_run_stops_it_with_exit_2_and_the_checkpoint_intact(served):
+    """(Last in the module: it kills the server.) SIGKILL to the server once step 1's checkpoint is written: the
+    next step's sync or generation fails, the run stops with one line naming the server, and checkpoint-1 is whole."""
+    import threading
+
+    from tuneloop.run_files import complete_checkpoints
+
+    root, model, port, server = served
+    config = run_config(root, model, port, "dies.yml", steps=6, save_strategy="steps", save_steps=1)
+
+    def kill_after_the_first_checkpoint():
+        deadline = time.monotonic() + 300
+        while not (root / "dies" / "checkpoint-1").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(server.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_after_the_first_checkpoint)
+    killer.start()
+    result = run_in_process("train", str(config))
+    killer.join()
+    assert_user_error(result, f"the vLLM server at http://127.0.0.1:{port}", "the last checkpoint is as it was")
+    saved = complete_checkpoints(root / "dies")
+    assert saved and saved[-1].name.startswith("checkpoint-") and not (root / "dies" / "model.safetensors").exists()

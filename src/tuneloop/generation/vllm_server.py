@@ -113,12 +113,29 @@ class VLLMServer:
         while True:
             try:
                 return self.call("/v1/models", timeout=10)["data"][0]
-            except (OSError, RuntimeError, KeyError, IndexError, ValueError) as error:
+            except RuntimeError as error:
+                if "HTTP 404" in str(error) and self._is_trl_server():
+                    raise UserError(f"trl.use_vllm: the server at {self.url} is TRL's `trl vllm-serve`, whose weights "
+                                    "reach it only over NCCL from TRL's own trainer (a GPU collective tuneloop does "
+                                    "not open); start `tuneloop vllm-serve CONFIG` instead (vLLM's OpenAI server, "
+                                    "synced through files)") from None
+                if time.monotonic() >= deadline:
+                    raise UserError(f"trl.use_vllm: the server at {self.url} is not vLLM's OpenAI server "
+                                    f"({_reason(error)}): start it with `tuneloop vllm-serve CONFIG`") from None
+                time.sleep(POLL_SECONDS)
+            except (OSError, KeyError, IndexError, ValueError) as error:
                 if time.monotonic() >= deadline:
                     raise UserError(f"trl.use_vllm: no vLLM server answers at {self.url} ({_reason(error)}) after "
                                     f"{wait_seconds:g} s: start it with `tuneloop vllm-serve CONFIG` (same config), "
                                     "or point trl.vllm_server_host/vllm_server_port at it") from None
                 time.sleep(POLL_SECONDS)
+
+    def _is_trl_server(self) -> bool:
+        """TRL's server answers /get_world_size/ (and has no OpenAI routes)."""
+        try:
+            return "world_size" in (self.call("/get_world_size/", timeout=10) or {})
+        except (OSError, RuntimeError, ValueError, TypeError):
+            return False
 
 
 def check_server(cfg, wait_seconds: float | None = None) -> dict:

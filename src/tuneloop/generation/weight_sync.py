@@ -102,10 +102,15 @@ class WeightSync:
                 self.model_name = name
             else:
                 self._reload(server, policy, merged=self.mode == "merged")
-        except (OSError, RuntimeError) as error:
-            raise UserError(f"the vLLM server at {server.url} did not take step {step}'s weights ({error}); was it "
-                            "started by `tuneloop vllm-serve CONFIG` (its development endpoints and, for "
-                            "vllm_lora_sync, --enable-lora)?") from None
+        except OSError as error:  # (refused, reset, timed out: the server is gone)
+            raise UserError(f"train: the vLLM server at {server.url} stopped answering while taking step {step}'s "
+                            f"weights ({error}); no weight changed since, and the last checkpoint is as it was: "
+                            "start it again with `tuneloop vllm-serve CONFIG` and rerun the same command to resume"
+                            ) from None
+        except RuntimeError as error:  # (it answered: an endpoint is missing or refused the call)
+            raise UserError(f"train: the vLLM server at {server.url} did not take step {step}'s weights ({error}); "
+                            "the last checkpoint is as it was. Was it started by `tuneloop vllm-serve CONFIG` (its "
+                            "development endpoints and, for vllm_lora_sync, --enable-lora)?") from None
         self.sent_step = step
 
     def _reload(self, server, policy, merged: bool) -> None:

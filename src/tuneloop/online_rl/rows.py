@@ -280,8 +280,9 @@ class RolloutSteps(TrainingSteps):
             step=step)
         raise UserError(f"train: step {step}: the vLLM server's log-probs of its completions differ from the "
                         f"trainer's by up to {gap['max']:.3g} (mean {gap['sum'] / max(gap['count'], 1):.3g}), above "
-                        f"the plan's tolerance {self.tolerance:g} (of the {self.checked_by}): the server did not sample from the trained "
-                        "weights (a weight sync that did not take, another model or dtype behind the URL); "
+                        f"the plan's tolerance {self.tolerance:g} (of the {self.checked_by}): the server did not "
+                        "sample from the trained weights (a weight sync that did not take, another model or dtype "
+                        "behind the URL); "
                         f"{what}, and the last checkpoint is as it was. Restart the server with `tuneloop "
                         "vllm-serve CONFIG` (or raise trl.vllm_logprob_tolerance if this is its arithmetic)")
 

