@@ -215,7 +215,7 @@ class TRLBlock(BaseModel):
     def logprob_tolerance(self, half_precision: bool) -> tuple[str, float]:
         """What a synced step's server-vs-trainer log-prob gap is held to, and how far (plan and run): in fp32 its
         largest |Δ| (the two engines' own disagreement, measured here on the embedded model: ≤ 7e-5); in bf16/fp16
-        its mean |Δ| (each token's rounding alone reached 0.43 on the embedded model, the mean stayed 0.023–0.036)."""
+        its mean |Δ| (each token's rounding alone reached 0.43 on the embedded model, the mean stayed 0.023–0.037)."""
         statistic = "mean" if half_precision else "max"
         if self.vllm_logprob_tolerance is not None:
             return statistic, self.vllm_logprob_tolerance
