@@ -372,7 +372,7 @@ def test_check_reports_every_problem_at_once_in_well_under_a_second(tmp_path):
     import sys
     import time
 
-    config = write_config(tmp_path / "bad.yml", base_model="m", datasets=[{"path": "x", "shards": 4}], rl="ebft",
+    config = write_config(tmp_path / "bad.yml", base_model="m", datasets=[{"path": "x", "shards": 4}], rl="kto_pair",
                           deepcompile=True, micro_batch_size="two", learning_rat=1e-4)
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", "import sys; from tuneloop.cli import main; "
@@ -403,9 +403,9 @@ def test_check_reports_problems_of_different_features_at_once_field_errors_and_r
 
 
 def test_a_rule_that_reads_a_refused_value_waits_for_it_instead_of_guessing(tmp_path):
-    """`rl: ebft` is refused; the preference rule, which would judge the datasets against `rl`, says nothing
+    """`rl: kto_pair` is refused; the preference rule, which would judge the datasets against `rl`, says nothing
     (it would otherwise call the preference data a mistake for a run without `rl`)."""
-    config = write_config(tmp_path / "bad.yml", base_model="m", rl="ebft",
+    config = write_config(tmp_path / "bad.yml", base_model="m", rl="kto_pair",
                           datasets=[{"path": "x", "type": "chat_template.argilla"}])
     result = run_in_process("check", str(config))
     assert_user_error(result, "`rl` asks for this preference/RL training")

@@ -10,6 +10,7 @@ from tuneloop.config import TuneloopConfig
 from tuneloop.config.hub import push_words
 from tuneloop.host.hardware import hardware_needs
 from tuneloop.resolved import Resolved, resolve_config
+from tuneloop.online_rl.rewards import online_reward_names
 from tuneloop.rl_methods import RL_METHODS, is_online, reference_source
 
 
@@ -44,7 +45,7 @@ def describe_config(cfg: TuneloopConfig, resolved: Resolved) -> list[str]:
         units = "completions"
         objective = [f"  objective            rl: {cfg.rl}, {settings.num_generations} generations per prompt of "
                      f"at most {settings.max_completion_length} tokens, loss_type {settings.loss_type}; rewards "
-                     f"{', '.join(settings.reward_funcs or [])}"
+                     f"{', '.join(online_reward_names(cfg))}"
                      + (f"; reference: {reference_source(cfg)}" if settings.beta else "")]
     elif cfg.reward_model:
         units = "pairs"

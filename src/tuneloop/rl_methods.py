@@ -69,16 +69,16 @@ RL_METHODS.add("simpo", RLMethod(uses_reference=False,  # length-normalised marg
                                  defaults={"simpo_gamma": 0.5, "cpo_alpha": 1.0}))
 
 # online RL (online_rl/): the policy generates its own completions each step, scored by reward functions; the `trl:`
-# block holds every setting (online_rl/settings.py). GDPO is GRPO with each reward normalised in its group first.
-ONLINE_METHODS = ("grpo", "gdpo")
+# block holds every setting (online_rl/settings.py). GDPO is GRPO with each reward normalised in its group first;
+# EBFT (structured mode) is GRPO with a reward of its own first: features of a frozen copy of the starting model
+# matched against the reference answer's (online_rl/feature_matching.py, the `ebft:` block)
+ONLINE_METHODS = ("grpo", "gdpo", "ebft")
+FEATURE_MATCHING_METHOD = "ebft"
 
 # names axolotl knows that tuneloop does not train, and what to say
 NOT_OFFERED = {
     "kto_pair": "`rl: kto_pair` is gone from axolotl (and TRL); its successor is `rl: kto` (unpaired rows with a "
                 "label), or `rl: dpo` for paired data",
-    "ebft": "`rl: ebft` (both its structured and strided modes) rewards completions by how well a frozen copy's "
-            "hidden features of them match the reference answer's; tuneloop has GRPO's machinery (`rl: grpo`) but "
-            "not these feature-matching rewards yet",
 }
 
 
@@ -131,6 +131,11 @@ def is_online(cfg) -> bool:
     return cfg is not None and cfg.rl in ONLINE_METHODS
 
 
+def matches_features(cfg) -> bool:
+    """`rl: ebft`: the run's first reward is feature matching against each row's reference answer."""
+    return cfg is not None and cfg.rl == FEATURE_MATCHING_METHOD
+
+
 def preference_method(cfg) -> RLMethod | None:
     """The run's offline preference method (DPO family), or None (supervised, or online RL)."""
     return RL_METHODS[cfg.rl] if cfg is not None and cfg.rl in RL_METHODS else None
@@ -146,8 +151,8 @@ def keeps_reference_copy(cfg) -> bool:
     """A preference run holds a second, frozen copy of the weights: full fine-tuning against a reference whose
     log-probs are computed as it trains (a LoRA run's reference is its base, the adapter switched off); online RL
     only where its KL term is on (`trl.beta` ≠ 0)."""
-    if is_online(cfg):
-        return cfg.trl_settings.beta != 0.0 and not cfg.adapter
+    if is_online(cfg):  # (EBFT's features come from the starting model: that copy, or the adapter switched off)
+        return (cfg.trl_settings.beta != 0.0 or matches_features(cfg)) and not cfg.adapter
     return bool(cfg.rl) and RL_METHODS[cfg.rl].uses_reference and not cfg.adapter and not cfg.precompute_ref_log_probs
 
 

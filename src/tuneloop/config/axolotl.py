@@ -32,8 +32,8 @@ def _multimodal_not_yet() -> str:
 # feature -> (a short name for messages, what it covers for the README's list of what tuneloop does not do yet)
 FEATURES = {
     "preference": ("this preference/RL training", "preference and RL training beyond DPO, IPO, ORPO, KTO, SimPO, "
-                   "GRPO, GDPO, Bradley-Terry reward models and process reward models (rl: ebft; options such as "
-                   "rpo_alpha)"),
+                   "GRPO, GDPO, structured EBFT, Bradley-Terry reward models and process reward models (EBFT's "
+                   "strided and multi-turn modes; options such as rpo_alpha)"),
     "fsdp_deepspeed": ("DeepSpeed's deepcompile", "DeepSpeed's deepcompile"),
     "fsdp2_8bit": ("8-bit weights under FSDP2", "8-bit weights (`load_in_8bit`) sharded by FSDP2 (bitsandbytes keeps "
                    "an 8-bit weight's scales on the parameter FSDP2 replaces; QLoRA under FSDP2 or ZeRO-3, and 8-bit "
@@ -97,7 +97,10 @@ def optimizer_elsewhere(name: str) -> str | None:
 
 
 # dataset `type:` prefixes and names that are preference data (chosen/rejected pairs, rewards)
-PREFERENCE_DATASET_TYPES = ("chat_template.argilla", "bradley_terry", "llama3.ultra", "ebft", "dpo", "kto", "orpo",
+# (EBFT's strided and multi-turn transforms too: structured EBFT's, ebft_opencode and ebft_reasoning, are built in:
+# online_rl/builtin_transforms.py)
+PREFERENCE_DATASET_TYPES = ("chat_template.argilla", "bradley_terry", "llama3.ultra", "ebft_strided", "ebft_pretrain",
+                            "ebft_chat_multiturn", "ebft_reasoning.transform_strided", "dpo", "kto", "orpo",
                             "chatml.", "llama3.", "user_defined.")
 
 
@@ -152,7 +155,7 @@ LAUNCHER = _keys("local_rank world_size ddp device axolotl_config_path is_prepro
 
 _REFUSED_BY_FEATURE = {
     "preference": """
-        ebft dpo_use_weighting
+        dpo_use_weighting
         dpo_use_liger_kernel dpo_padding_free dpo_generate_during_eval dpo_norm_loss dpo_use_logits_to_keep rpo_alpha
         max_prompt_len
         nemo_gym_enabled nemo_gym_dir nemo_gym_auto_clone nemo_gym_config_paths nemo_gym_head_port

@@ -21,7 +21,7 @@ from tuneloop.data.formats import FORMATS
 from tuneloop.data.mistral_chat import CHAT_TYPES as MISTRAL_CHAT_TYPES
 from tuneloop.data.preference import PREFERENCE_FORMATS, REWARD_FORMATS, UNPAIRED_FORMATS
 from tuneloop.data.stepwise import STEPWISE_TYPES
-from tuneloop.rl_methods import PREFERENCE_KEYS, RL_METHODS, is_online
+from tuneloop.rl_methods import PREFERENCE_KEYS, RL_METHODS, is_online, matches_features
 
 Problems = Iterator[str]
 
@@ -327,6 +327,9 @@ def streaming(cfg) -> Problems:
 def preference(cfg) -> Problems:
     """`rl:` and its keys agree (each key is read by the run's method: rl_methods.py), and every dataset is
     preference data of the method's kind (pairs, or KTO's labelled rows) exactly when `rl` is set."""
+    if cfg.ebft is not None and not matches_features(cfg):
+        yield (f"`ebft:` configures `rl: ebft`'s feature-matching reward, and this run is "
+               f"{f'`rl: {cfg.rl}`' if cfg.rl else 'supervised'}: set `rl: ebft`, or remove it")
     if is_online(cfg):
         yield from online_rl(cfg)
         return
@@ -377,10 +380,17 @@ def online_rl(cfg) -> Problems:
     from tuneloop.online_rl.prompts import is_transform_type
     from tuneloop.online_rl.settings import NOT_OFFERED_KEYS
 
+    from tuneloop.online_rl.rewards import online_reward_names
+
     settings = cfg.trl_settings
-    if not settings.reward_funcs:
+    if not settings.reward_funcs and not matches_features(cfg):
         yield (f"`rl: {cfg.rl}` scores its completions with `trl.reward_funcs`, and none is given: list your reward "
                "functions (e.g. `rewards.correct` for correct() in rewards.py beside the config)")
+    rewards = online_reward_names(cfg)
+    if settings.reward_weights is not None and len(settings.reward_weights) != len(rewards):
+        first = ", EBFT's own first" if matches_features(cfg) else ""
+        yield (f"`trl.reward_weights` has {len(settings.reward_weights)} weights for {len(rewards)} rewards "
+               f"({', '.join(rewards)}{first}): give one weight each")
     for key in settings.refused_keys:
         if key == "steps_per_generation" and settings.model_extra[key] == cfg.gradient_accumulation_steps:
             continue  # TRL's default: one generation per optimizer step, which is what runs here

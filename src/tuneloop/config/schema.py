@@ -22,6 +22,7 @@ from tuneloop.config.datasets import (DATASET_FORM, PRETRAINING_FORM, DatasetCon
 from tuneloop.config.hub import repo_id_problem
 from tuneloop.config.names import name_pattern
 from tuneloop.config.qat_block import QATBlock
+from tuneloop.config.ebft_block import EBFTBlock
 from tuneloop.config.vllm_block import VLLMBlock
 from tuneloop.data.chat_templates import check_template_name
 from tuneloop.errors import UserError
@@ -276,8 +277,9 @@ class TuneloopConfig(Strict):
     kto_desirable_weight: float = 1.0  # KTO's weights of desirable and undesirable rows' losses
     kto_undesirable_weight: float = 1.0
     precompute_ref_log_probs: bool = False  # reference log-probs computed once, before training, and cached
-    trl: Optional[TRLBlock] = None  # online RL (rl: grpo, gdpo): generation, rewards and GRPO's loss
+    trl: Optional[TRLBlock] = None  # online RL (rl: grpo, gdpo, ebft): generation, rewards and GRPO's loss
     vllm: Optional[VLLMBlock] = None  # the vLLM server `tuneloop vllm-serve` starts (trl.use_vllm generates on it)
+    ebft: Optional[EBFTBlock] = None  # rl: ebft's feature-matching reward (online_rl/feature_matching.py)
     # a Bradley-Terry reward model (axolotl's keys): a sequence classifier's score trained to rank chosen above
     # rejected (train/reward_model.py); num_labels: its scores per sequence (1: one reward)
     reward_model: bool = False

@@ -25,5 +25,6 @@ class Engine(Protocol):
         """Make the engine sample from `policy`'s weights as they are after optimizer step `step` (called on every
         rank before each generation; the engine decides who sends what)."""
 
-    def generate(self, policy, prompt_ids: list, seed: int, stops: list, autocast) -> Generated:
-        """One completion of each prompt, sampled with the run's settings; `seed` fixes the random draws."""
+    def generate(self, policy, prompt_ids: list, seed: int, stops: list, autocast, max_tokens: int) -> Generated:
+        """One completion of each prompt, sampled with the run's settings, of at most `max_tokens` tokens (the run's
+        max_completion_length, or EBFT's adaptive cap below it); `seed` fixes the random draws."""

@@ -25,7 +25,7 @@ class TransformersEngine:
         return None  # generate reads the training weights
 
     @torch.no_grad()
-    def generate(self, policy, prompt_ids: list, seed: int, stops: list, autocast) -> Generated:
+    def generate(self, policy, prompt_ids: list, seed: int, stops: list, autocast, max_tokens: int) -> Generated:
         from transformers import GenerationConfig
 
         start = time.perf_counter()
@@ -38,7 +38,7 @@ class TransformersEngine:
             attention[row, width - len(ids):] = 1
         sampling = self.settings.generation_settings()
         sampling.pop("stop_token_ids", None)  # (in `stops` already)
-        config = GenerationConfig(max_new_tokens=self.settings.max_completion_length, eos_token_id=stops,
+        config = GenerationConfig(max_new_tokens=max_tokens, eos_token_id=stops,
                                   pad_token_id=pad, use_cache=True, **sampling)
         was_training = policy.training
         policy.eval()

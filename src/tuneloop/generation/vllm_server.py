@@ -176,9 +176,11 @@ class VLLMEngine:
     def sync(self, policy, step: int) -> None:
         self.weight_sync.send(self.server, policy, step)
 
-    def generate(self, policy, prompt_ids: list, seed: int, stops: list, autocast=None) -> Generated:
+    def generate(self, policy, prompt_ids: list, seed: int, stops: list, autocast=None,
+                 max_tokens: int | None = None) -> Generated:
         start = time.perf_counter()
-        base = {"model": self.weight_sync.model_name or self.served_name, **sampling_request(self.settings, stops)}
+        base = {"model": self.weight_sync.model_name or self.served_name, **sampling_request(self.settings, stops),
+                **({"max_tokens": max_tokens} if max_tokens is not None else {})}
         requests = [{**base, "prompt": [int(token) for token in ids], "seed": (seed * 1_000_003 + index) % (2 ** 31)}
                     for index, ids in enumerate(prompt_ids)]
         with ThreadPoolExecutor(max_workers=min(64, len(requests))) as pool:

@@ -8,6 +8,10 @@ functions are (rewards.py). Every other column goes to the reward functions by n
 
 A prompt longer than `sequence_len - max_completion_length` is left out (counted in the plan, as rows too long for
 SFT are), so a prompt and its longest completion always fit.
+
+A row that carries a reference reply (REPLY_COLUMNS: EBFT's `ground_truth`, or a math set's `solution`/`answer`) has
+its length in tokens measured once: the plan compares the typical reply with `max_completion_length`, and EBFT's
+adaptive cap reads it. `rl: ebft` needs every row's `ground_truth` (online_rl/feature_matching.py).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class PromptSet:
     prompts: list = field(default_factory=list)  # as the reward functions see them: a text, or the messages
     columns: list[dict] = field(default_factory=list)  # each row's other columns
     where: list[str] = field(default_factory=list)  # file:row of each
+    reply_lengths: list = field(default_factory=list)  # tokens of each row's reference reply (None: it has none)
     dropped_too_long: int = 0
 
     @property
@@ -43,6 +48,34 @@ class PromptSet:
         return np.asarray([len(ids) for ids in self.ids], dtype=np.int64)
 
 
+# columns that hold a row's reference reply, the first found counted (EBFT's, TRL's prompt-completion rows', MATH's,
+# GSM8K's)
+REPLY_COLUMNS = ("ground_truth", "completion", "solution", "answer")
+# columns of axolotl's multi-turn EBFT rows (ebft_chat_multiturn), whose later turns it generates one by one
+MULTI_TURN_COLUMNS = ("remaining_turns",)
+
+
+def reply_length(values: dict, tokenizer) -> int | None:
+    reply = next((values[key] for key in REPLY_COLUMNS if isinstance(values.get(key), str)), None)
+    return None if reply is None else len(tokenizer(reply, add_special_tokens=False)["input_ids"])
+
+
+def check_ebft_row(values: dict, where: str) -> None:
+    """`rl: ebft` compares completions with the row's `ground_truth`; multi-turn rows are refused by name."""
+    from tuneloop.online_rl.feature_matching import ANSWER_COLUMN
+
+    if not isinstance(values.get(ANSWER_COLUMN), str):
+        found = type(values[ANSWER_COLUMN]).__name__ if ANSWER_COLUMN in values else "none"
+        raise UserError(f"data: {where}: `rl: ebft` compares each completion with the row's reference answer, its "
+                        f"`{ANSWER_COLUMN}` text, and this row has {found}: give every row one (or a `type:` "
+                        "transform that makes it, e.g. ebft_opencode.transform or ebft_reasoning.transform)")
+    multi = [key for key in MULTI_TURN_COLUMNS if values.get(key)]
+    if multi:
+        raise UserError(f"data: {where}: the row has `{multi[0]}`, later turns of a conversation that axolotl's "
+                        "multi-turn EBFT generates one after another, which tuneloop does not do yet (it generates "
+                        "one reply per prompt): use rows of one prompt and its reply")
+
+
 def is_transform_type(name) -> bool:
     """`type: module.function` (a Python name with a dot), as opposed to one of the dataset formats."""
     from tuneloop.data.formats import FORMATS
@@ -57,12 +90,14 @@ def is_transform_type(name) -> bool:
 
 def dataset_transform(cfg, entry, index: int):
     """(row -> new columns, columns to remove) of a `type: module.function` entry, or None for a plain entry."""
+    from tuneloop.online_rl.builtin_transforms import BUILTIN_TRANSFORMS
     from tuneloop.online_rl.rewards import import_dotted
 
     if not is_transform_type(entry.type):
         return None
     key = f"datasets[{index}].type"
-    factory = import_dotted(entry.type, key, cfg._config_dir)
+    factory = (BUILTIN_TRANSFORMS[entry.type] if entry.type in BUILTIN_TRANSFORMS
+               else import_dotted(entry.type, key, cfg._config_dir))
     try:
         made = factory(cfg)
     except Exception as error:  # the user's code: what it raised, in one line
@@ -113,8 +148,10 @@ def prompt_text(prompt, where: str, tokenizer, template: str | None, template_kw
 def read_prompts(cfg, tokenizer) -> PromptSet:
     from tuneloop.data.chat_templates import resolve_template
     from tuneloop.data.load import read_rows
+    from tuneloop.rl_methods import matches_features
 
     settings = cfg.trl_settings
+    ebft = matches_features(cfg)
     template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
     longest = cfg.sequence_len - settings.max_completion_length
     found = PromptSet()
@@ -128,6 +165,8 @@ def read_prompts(cfg, tokenizer) -> PromptSet:
                 raise UserError(f"data: {row.where}: an online RL row needs a `prompt` (a text or a list of "
                                 f"messages); this one has {', '.join(sorted(values)) or 'no columns'}: give it one, "
                                 "or a `type: module.function` transform that makes one")
+            if ebft:
+                check_ebft_row(values, row.where)
             prompt = values["prompt"]
             text = prompt_text(prompt, row.where, tokenizer, template, settings.chat_template_kwargs or {})
             # a chat template writes its own BOS; a text prompt gets the tokenizer's special tokens, as TRL's
@@ -141,6 +180,7 @@ def read_prompts(cfg, tokenizer) -> PromptSet:
             found.prompts.append(prompt)
             found.columns.append({key: value for key, value in values.items() if key != "prompt"})
             found.where.append(row.where)
+            found.reply_lengths.append(reply_length(values, tokenizer))
     if not found.ids:
         raise UserError(f"data: no prompt fits sequence_len {cfg.sequence_len} with room for "
                         f"max_completion_length {settings.max_completion_length} ({found.dropped_too_long} are longer "

@@ -74,6 +74,16 @@ def reward_names(names: list[str]) -> list[str]:
     return [name if short.count(brief) > 1 else brief for name, brief in zip(names, short)]
 
 
+def online_reward_names(cfg) -> list[str]:
+    """The run's rewards by name, in the order of its rewards table (and `trl.reward_weights`): EBFT's feature
+    matching first (`rl: ebft`), then `trl.reward_funcs`."""
+    from tuneloop.online_rl.feature_matching import REWARD_NAME
+    from tuneloop.rl_methods import matches_features
+
+    own = [REWARD_NAME] if matches_features(cfg) else []
+    return reward_names(own + list(cfg.trl_settings.reward_funcs or []))
+
+
 def _forget_a_module_shadowed_by(top: str, folders: list[str]) -> None:
     """A module of that name imported earlier in this process (a notebook's previous run, from another folder)
     gives way to the one the search finds first."""

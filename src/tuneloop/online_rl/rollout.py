@@ -37,8 +37,9 @@ import torch
 from tuneloop.data.collate import MicroBatch
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.errors import UserError
+from tuneloop.online_rl.feature_matching import completion_cap
 from tuneloop.online_rl.loss import importance_weights
-from tuneloop.online_rl.rewards import score
+from tuneloop.online_rl.rewards import online_reward_names, score
 
 # Test hook: a JSON file {prompt index: [the tokens of its completion j, ...]} trained instead of generated ones, so
 # that runs of different layouts (2 ranks, 1 process) can be given the very same completions
@@ -129,15 +130,18 @@ class Completions:
         return Completions(*([values[i] for i in order] for values in fields), sampled)
 
 
-def cut_completions(prompt_ids: list, generated: list, stops, settings, log_probs: list | None = None) -> Completions:
-    """Each completion up to and including its first stop token; one with none is truncated at the limit (its
-    sampling log-probs, when given, cut alike)."""
+def cut_completions(prompt_ids: list, generated: list, stops, settings, log_probs: list | None = None,
+                    limit: int | None = None) -> Completions:
+    """Each completion up to and including its first stop token; one with none is truncated at the limit
+    (max_completion_length, or the step's cap: EBFT's adaptive one) (its sampling log-probs, when given, cut
+    alike)."""
+    limit = settings.max_completion_length if limit is None else limit
     tokens, trained, truncated = [], [], []
     stop_set = set(stops)
     for row in generated:
         end = next((index + 1 for index, token in enumerate(row) if token in stop_set), None)
         cut = end is None
-        row = row[:end] if end is not None else row[:settings.max_completion_length]
+        row = row[:end] if end is not None else row[:limit]
         tokens.append(row)
         truncated.append(cut)
         trained.append(0 if cut and settings.mask_truncated_completions else len(row))
@@ -184,6 +188,7 @@ class StepRollout:
     truncated_ratio: float = 0.0  # every rank's completions cut at max_completion_length
     zero_spread_ratio: float = 0.0  # completions whose group's rewards do not differ (advantage 0)
     gap_parts: list | None = None  # (vLLM, when the loss compares) this rank's [max, sum, count] per micro-batch
+    line: dict | None = None  # numbers of the step's rewards for the train line (EBFT's terms)
 
 
 @dataclass
@@ -201,12 +206,14 @@ class Rollouts:
     """Makes each step's rollout on this rank (see the module's text)."""
 
     def __init__(self, cfg, prompts, tokenizer, functions, accelerator, stop_ids: set[int], micro_batch_size: int,
-                 accumulation: int, engine):
+                 accumulation: int, engine, matching=None):
         self.cfg, self.settings, self.prompts, self.tokenizer = cfg, cfg.trl_settings, prompts, tokenizer
         self.functions, self.accelerator, self.stop_ids = functions, accelerator, stop_ids
         self.micro_batch_size, self.accumulation = micro_batch_size, accumulation
         self.engine = engine
-        weights = self.settings.reward_weights or [1.0] * len(functions)
+        self.matching = matching  # EBFT's feature-matching reward (feature_matching.py): the step's first reward
+        self.reward_names = online_reward_names(cfg)
+        weights = self.settings.reward_weights or [1.0] * len(self.reward_names)
         self.weights = torch.tensor(weights, dtype=torch.float64)
         self.aggregation = self.settings.aggregation(cfg.rl)
 
@@ -220,18 +227,22 @@ class Rollouts:
         local = self.micro_batch_size * self.accumulation
         owned = [step_prompts[c // group] for c in range(rank * local, (rank + 1) * local)]
         prompt_ids = [self.prompts.ids[p] for p in owned]
-        stops = sorted(self.stop_ids | set((settings.generation_kwargs or {}).get("stop_token_ids") or []))
+        stops = self.stops()
+        cap = completion_cap(self.cfg, self.prompts, step_prompts)
         if os.environ.get(FIXED_COMPLETIONS_ENV):
             fixed = json.loads(Path(os.environ[FIXED_COMPLETIONS_ENV]).read_text())
             chosen = [fixed[str(p)][c % group] for p, c in zip(owned, range(rank * local, (rank + 1) * local))]
-            return Sampled(owned, cut_completions(prompt_ids, chosen, stops, settings), None)
+            return Sampled(owned, cut_completions(prompt_ids, chosen, stops, settings, limit=cap), None)
         try:
             generated = self.engine.generate(policy, prompt_ids, self.seed_of(generation, rank), stops,
-                                             self.accelerator.autocast)
+                                             self.accelerator.autocast, cap)
         except UserError as raised:
             return Sampled(owned, None, str(raised))
-        return Sampled(owned, cut_completions(prompt_ids, generated.tokens, stops, settings, generated.log_probs),
-                       None, generated.seconds)
+        return Sampled(owned, cut_completions(prompt_ids, generated.tokens, stops, settings, generated.log_probs,
+                                              cap), None, generated.seconds)
+
+    def stops(self) -> list[int]:
+        return sorted(self.stop_ids | set((self.settings.generation_kwargs or {}).get("stop_token_ids") or []))
 
     def make(self, policy, reference, generation: int, step_prompts: list[int], rank: int, world_size: int,
              keep_records: bool, progress=None, sampled: Sampled | None = None) -> StepRollout:
@@ -242,7 +253,7 @@ class Rollouts:
         if sampled is None:
             sampled = self.sample(policy, generation, step_prompts, rank)
         owned, completions, error = sampled.owned, sampled.completions, sampled.error
-        table = texts = None
+        table = texts = features = None
         prompts = [self.prompts.prompts[p] for p in owned]
         where = [self.prompts.where[p] for p in owned]
         if error is None:
@@ -254,6 +265,10 @@ class Rollouts:
             columns = {key: [self.prompts.columns[p].get(key) for p in owned] for key in names}
             try:
                 table = score(self.functions, prompts, shown, completions.tokens, columns, where, progress)
+                if self.matching is not None:  # (pooled here, compared over whole groups once gathered)
+                    features = self.matching.local_features(policy, reference, completions, owned,
+                                                            set(self.stops()), self.accelerator.device,
+                                                            self.accelerator.autocast)
             except UserError as raised:
                 error = str(raised)
         records = ([{"prompt": prompt, "completion": text, "completion_ids": ids, "where": place}
@@ -262,11 +277,18 @@ class Rollouts:
         generated = sum(len(tokens) for tokens in completions.tokens) if completions else 0
         cut = sum(completions.truncated) if completions else 0
         shared = self._gathered((table, error, completions.trained_tokens if completions else 0, records, generated,
-                                 sampled.seconds, cut), world_size)
+                                 sampled.seconds, cut, owned, features), world_size)
         failed = next((item[1] for item in shared if item[1]), None)
         if failed:
             raise UserError(f"train: {failed}; no weight of this step changed, and the last checkpoint is as it was")
-        rewards = torch.tensor([row for item in shared for row in item[0]], dtype=torch.float64)
+        rewards = torch.tensor([row for item in shared for row in item[0]], dtype=torch.float64).reshape(
+            local * world_size, len(self.functions))
+        line = None
+        if self.matching is not None:
+            matched = self.matching.step_rewards(torch.cat([item[8][0] for item in shared]),
+                                                 {p: f for item in shared for p, f in item[8][1].items()},
+                                                 [p for item in shared for p in item[7]])
+            rewards, line = torch.cat([matched.rewards.unsqueeze(1), rewards], dim=1), matched.line
         advantages, zero_spread, total = group_advantages(rewards, self.weights, group, settings.reward_scaling,
                                                           self.aggregation)
         mine = slice(rank * local, (rank + 1) * local)
@@ -285,10 +307,11 @@ class Rollouts:
         if keep_records:
             for index, record in enumerate(record for item in shared for record in item[3]):
                 logged.append({**record, "reward": _number(total[index]), "advantage": _number(advantages[index]),
-                               "rewards": {f.name: _number(rewards[index, k]) for k, f in enumerate(self.functions)}})
+                               "rewards": {name: _number(rewards[index, k])
+                                           for k, name in enumerate(self.reward_names)}})
         return StepRollout(window, step_tokens, units, logged, sum(item[4] for item in shared),
                            max(item[5] for item in shared), gap, sum(item[6] for item in shared) / len(rewards),
-                           float(zero_spread.float().mean()), gap_parts)
+                           float(zero_spread.float().mean()), gap_parts, line)
 
     def _gathered(self, item, world_size: int) -> list:
         if world_size == 1:
@@ -364,3 +387,11 @@ def _number(value) -> float | None:
 def prompt_order(prompts: int, epoch: int, seed: int) -> np.ndarray:
     """The prompts of an epoch in a seeded shuffle (TRL shuffles its dataset too)."""
     return np.random.default_rng([seed, epoch]).permutation(prompts)
+
+
+def generation_prompts(prompts: int, per_step: int, generations_per_epoch: int, generation: int,
+                       seed: int) -> list[int]:
+    """The prompt indices of a generation, every rank's (the plan and the run read them alike)."""
+    epoch, within = divmod(generation, generations_per_epoch)
+    order = prompt_order(prompts, epoch, seed)
+    return [int(p) for p in order[within * per_step:(within + 1) * per_step]]

@@ -34,7 +34,8 @@ from tuneloop.data.source import StepCounts, steps_for_epochs
 from tuneloop.data.steps import Step, TrainingSteps
 from tuneloop.errors import UserError
 from tuneloop.online_rl.rewards import TrainerProgress
-from tuneloop.online_rl.rollout import Rollouts, merged_gaps, prompt_order
+from tuneloop.online_rl.rollout import Rollouts, generation_prompts, merged_gaps
+from tuneloop.rl_methods import matches_features
 
 # steps in a row with nothing to learn from before the run says so: most completions cut at max_completion_length
 # (TRL's quickstart trains on zero reward that way), or no group whose rewards differ (every advantage 0)
@@ -116,22 +117,52 @@ class PromptRows:
             max_micro_batch_tokens=spec.micro_batch_size * longest,
             # the attention each token does, at its longest: every prompt with a full-length completion
             sequence_lengths=lengths + settings.max_completion_length,
-            rollout=self.rollout_numbers(spec, per_step, total_steps))
+            rollout=self.rollout_numbers(spec, per_step, total_steps, generations_per_epoch))
 
-    def rollout_numbers(self, spec, per_step: int, total_steps: int) -> dict:
-        """What the plan says of the generations: their count and size, and the generated tokens at most."""
-        settings = self.cfg.trl_settings
+    def rollout_numbers(self, spec, per_step: int, total_steps: int, generations_per_epoch: int) -> dict:
+        """What the plan says of the generations: their count and size, and the generated tokens at most (each
+        generation's cap: max_completion_length, or EBFT's adaptive one, computed as the run will)."""
+        from tuneloop.online_rl.feature_matching import completion_cap
+        from tuneloop.online_rl.rewards import online_reward_names
+
+        cfg, settings = self.cfg, self.cfg.trl_settings
         completions = per_step * settings.num_generations
         generations = math.ceil(total_steps / settings.num_iterations)
+        caps = [completion_cap(cfg, self.prompts, generation_prompts(len(self.prompts.ids), per_step,
+                                                                     generations_per_epoch, generation, cfg.seed))
+                for generation in range(generations)]
         return {"prompts_per_step": per_step, "num_generations": settings.num_generations,
                 "completions_per_step": completions, "completions_per_rank": completions // spec.world_size,
                 "generations": generations, "num_iterations": settings.num_iterations,
                 "max_completion_length": settings.max_completion_length,
-                "generated_tokens_at_most": generations * completions * settings.max_completion_length,
+                "completion_caps": [min(caps), max(caps)] if caps and min(caps) < settings.max_completion_length
+                else None,
+                "generated_tokens_at_most": completions * sum(caps),
+                "reference_replies": self.reply_numbers(),
                 "loss_type": settings.loss_type, "unit": settings.unit, "beta": settings.beta,
-                "reward_funcs": list(settings.reward_funcs or []),
+                "reward_funcs": online_reward_names(cfg), **self.feature_numbers(),
                 "aggregation": settings.aggregation(self.cfg.rl), "scale_rewards": settings.reward_scaling,
                 **self.engine_numbers(spec)}
+
+    def reply_numbers(self) -> dict | None:
+        """The rows' reference replies (prompts.py's REPLY_COLUMNS), in tokens: how long a typical answer runs."""
+        lengths = [length for length in self.prompts.reply_lengths if length is not None]
+        if not lengths:
+            return None
+        ordered = sorted(lengths)
+        return {"rows": len(lengths), "median_tokens": ordered[len(ordered) // 2],
+                "p90_tokens": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+                "longer_than_max_completion_length": sum(length > self.cfg.trl_settings.max_completion_length
+                                                         for length in lengths)}
+
+    def feature_numbers(self) -> dict:
+        """`rl: ebft`: where its reward's features come from, which layers and how they are compared."""
+        if not matches_features(self.cfg):
+            return {}
+        from tuneloop.model.model_config import model_config
+        from tuneloop.online_rl.feature_matching import plan_numbers
+
+        return {"feature_matching": plan_numbers(self.cfg, model_config(self.cfg))}
 
     def engine_numbers(self, spec) -> dict:
         """Where the completions are generated, and what proves the server sampled from the trained weights."""
@@ -176,14 +207,19 @@ class RolloutSteps(TrainingSteps):
         self.per_step = prompts_per_step(cfg, plan.world_size)
         self.generations_per_epoch = plan.steps_per_epoch // self.settings.num_iterations
         template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
-        functions = load_reward_functions(self.settings.reward_funcs, cfg._config_dir, accelerator.device)
+        functions = load_reward_functions(self.settings.reward_funcs or [], cfg._config_dir, accelerator.device)
         stops = end_of_turn_ids(tokenizer, template, cfg.eot_tokens)
         model_stops = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
         stops |= set(model_stops if isinstance(model_stops, list) else [model_stops] if model_stops is not None
                      else [])  # the model's own (Llama 3's <|eom_id|>, say), as TRL adds them
         self.engine = generation_engine(cfg, tokenizer, accelerator)
+        matching = None
+        if matches_features(cfg):
+            from tuneloop.online_rl.feature_matching import FeatureMatching
+
+            matching = FeatureMatching(cfg, rows.prompts, tokenizer, plan.micro_batch_size, policy.config)
         self.rollouts = Rollouts(cfg, rows.prompts, tokenizer, functions, accelerator, stops, plan.micro_batch_size,
-                                 plan.gradient_accumulation_steps, self.engine)
+                                 plan.gradient_accumulation_steps, self.engine, matching)
         rollout = plan.rollout or {}
         self.tolerance = rollout.get("logprob_tolerance")
         self.checked_by = rollout.get("logprob_gap_checked_by", "max")
@@ -204,9 +240,8 @@ class RolloutSteps(TrainingSteps):
             self.current = self._saved_rollout(resume_from)
 
     def step_prompts(self, generation: int) -> list[int]:
-        epoch, within = divmod(generation, self.generations_per_epoch)
-        order = prompt_order(len(self.prompts.ids), epoch, self.cfg.seed)
-        return [int(p) for p in order[within * self.per_step:(within + 1) * self.per_step]]
+        return generation_prompts(len(self.prompts.ids), self.per_step, self.generations_per_epoch, generation,
+                                  self.cfg.seed)
 
     def __iter__(self) -> Iterator[Step]:
         iterations = self.settings.num_iterations
@@ -360,6 +395,7 @@ class _LineNumbers:
         self.steps, self.generation_seconds, self.training_seconds, self.generated_tokens = 0, 0.0, 0.0, 0
         self.sync_seconds, self.synced = 0.0, False
         self.gap_sum, self.gap_count, self.gap_max, self.warning = 0.0, 0, None, None
+        self.reward_terms: dict[str, float] = {}  # EBFT's terms, summed over the steps
 
     def add(self, rollout, warning: str | None) -> None:
         self.steps += 1
@@ -368,6 +404,8 @@ class _LineNumbers:
         self.generated_tokens += rollout.generated_tokens
         if rollout.gap is not None:
             self.add_gap(rollout.gap)
+        for name, value in (rollout.line or {}).items():
+            self.reward_terms[name] = self.reward_terms.get(name, 0.0) + value
 
     def add_gap(self, gap: dict) -> None:
         self.gap_sum += gap["sum"]
@@ -385,6 +423,7 @@ class _LineNumbers:
         if self.gap_max is not None:
             line["vllm_logprob_gap"] = round(self.gap_sum / max(self.gap_count, 1), 8)
             line["vllm_logprob_gap_max"] = round(self.gap_max, 8)
+        line.update({name: round(total / self.steps, 6) for name, total in self.reward_terms.items()})
         if self.warning:
             line["warning"] = self.warning
         self.__init__()

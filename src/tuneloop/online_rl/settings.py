@@ -178,10 +178,6 @@ class TRLBlock(BaseModel):
         if self.clip_min is not None and self.clip_max is not None and self.clip_min >= self.clip_max:
             raise ValueError(f"`trl.vllm_importance_sampling_clip_min` ({self.clip_min}) must be below clip_max "
                              f"({self.clip_max})")
-        if self.reward_weights is not None and self.reward_funcs is not None \
-                and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"`trl.reward_weights` has {len(self.reward_weights)} weights for "
-                             f"{len(self.reward_funcs)} reward_funcs; give one weight per function")
         return self
 
     def _is_default(self, key: str) -> bool:

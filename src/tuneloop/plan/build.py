@@ -527,6 +527,13 @@ def plan_warnings(cfg, plan: TrainingPlan, counts) -> list[str]:
         if count > 1 / FREQUENT_FRACTION:
             found.append(f"{count} {name}s in {plan.total_steps} steps: one every "
                          f"{plan.total_steps / count:.1f} steps costs time; space them out.")
+    replies = (plan.rollout or {}).get("reference_replies")
+    if replies and replies["median_tokens"] > plan.rollout["max_completion_length"]:
+        found.append(f"trl.max_completion_length={plan.rollout['max_completion_length']} is below the typical "
+                     f"reference reply of these rows ({replies['median_tokens']} tokens at the median, "
+                     f"{replies['longer_than_max_completion_length']} of {replies['rows']} longer): most completions "
+                     "would be cut before they finish, and rewards of cut answers train little (TRL's quickstart "
+                     f"trains on zero reward this way); raise it to about {replies['p90_tokens']}.")
     read = plan.train_rows + plan.eval_rows + plan.dropped_too_long + plan.dropped_no_trained_tokens
     if read and plan.dropped_no_trained_tokens / read > 0.01:
         found.append(f"{plan.dropped_no_trained_tokens} of {read} rows have no trained token (nothing for the loss, "

@@ -86,9 +86,10 @@ def _describe_online(plan) -> str:
         f"  steps                {plan.steps_per_epoch} per epoch ({r['num_iterations']} per generation), "
         f"{plan.total_steps} in total = {plural(plan.epochs_covered, 'epoch')}; {r['generations']} generations",
         f"  generation           {_engine_words(r)}, {r['completions_per_rank']} "
-        f"completions per rank per generation, at most {r['max_completion_length']} tokens each: at most "
+        f"completions per rank per generation, at most {_cap_words(r)} tokens each: at most "
         f"{r['generated_tokens_at_most']} generated tokens over the run",
         *_vllm_lines(r),
+        *_feature_lines(r),
         f"  rewards              {', '.join(r['reward_funcs'])}; {r['aggregation'].replace('_', ' ')}, scaled "
         f"by {r['scale_rewards']} std",
         f"  objective            {plan.objective}, loss_type {r['loss_type']}: averaged over "
@@ -97,6 +98,28 @@ def _describe_online(plan) -> str:
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
     return "\n".join(lines + _machine_lines(plan))
+
+
+def _cap_words(r: dict) -> str:
+    caps = r.get("completion_caps")
+    if not caps:
+        return str(r["max_completion_length"])
+    multiplier = r["feature_matching"]["adaptive_max_tokens"]
+    span = f"{caps[0]}" if caps[0] == caps[1] else f"{caps[0]}–{caps[1]}"
+    return (f"{span} (EBFT's adaptive cap: {multiplier:g} × each step's longest reference answer, 64 to "
+            f"max_completion_length {r['max_completion_length']})")
+
+
+def _feature_lines(r: dict) -> list[str]:
+    """`rl: ebft`: what its feature-matching reward reads and how it scores."""
+    f = r.get("feature_matching")
+    if not f:
+        return []
+    compared = "whitened per group (SVD)" if f["whitening"] else "L2-normalised"
+    return [f"  features             hidden states after layers {', '.join(map(str, f['feature_layers']))} of "
+            f"{f['num_hidden_layers']}, {f['embed_method']} pooled, {compared}; from {f['features_from']}",
+            f"  ebft reward          {f['alignment_coef']:g} × 2·cos(completion, reference answer) − "
+            f"{f['diversity_coef']:g} × 2·mean similarity to the group's other completions"]
 
 
 def _engine_words(r: dict) -> str:

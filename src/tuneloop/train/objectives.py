@@ -119,10 +119,10 @@ def _online_rl(cfg, reference_model=None) -> Objective:
     """GRPO's clipped objective over generated completions (online_rl/loss.py): its unit is the loss type's; the
     reference model's log-probs come with the batch, computed when the completions were made."""
     from tuneloop.online_rl.loss import GRPOLoss
-    from tuneloop.online_rl.rewards import reward_names
+    from tuneloop.online_rl.rewards import online_reward_names
 
     settings = cfg.trl_settings
-    loss = GRPOLoss(settings, reward_names(settings.reward_funcs or []))
+    loss = GRPOLoss(settings, online_reward_names(cfg))
 
     def no_eval(*_):  # (the config refuses an eval set under online RL)
         raise RuntimeError("online RL has no eval set")
