@@ -113,6 +113,15 @@ def grpo_config_of(folder, model_dir, prompts, ranks: int):
                        optimizer="sgd", learning_rate=0.1, datasets=[{"path": str(prompts)}])
 
 
+def ebft_config_of(folder, model_dir, ranks: int):
+    """EBFT's groups of 4 over 2 ranks of 2 completions each (every group spans both), or 1 × 4 in one process, over
+    the same fed completions: the feature-matching rewards compare whole groups wherever they live."""
+    from test_ebft import ebft_config
+
+    return ebft_config(folder, model_dir, micro_batch_size=1, gradient_accumulation_steps=4 // ranks,
+                       optimizer="sgd", learning_rate=0.1)
+
+
 PLAN_KEYS = dict(sample_packing=True, sequence_len=256, micro_batch_size=1, gradient_accumulation_steps=2,
                  num_epochs=2)
 
@@ -154,7 +163,7 @@ def two_ranks(tmp_path_factory, inputs) -> tuple:
 
     root = tmp_path_factory.mktemp("two_ranks")
     folders = {name: root / name for name in ("plain", "masters", "qlora", "vlm", "t5_ddp", "t5_fsdp2", "t5_zero3",
-                                              "dpo", "grpo", "plan")}
+                                              "dpo", "grpo", "ebft", "plan")}
     for folder in folders.values():
         folder.mkdir()
     plan_config = write_config(folders["plan"] / "run.yml", **base_config(folders["plan"], inputs["llama"],
@@ -172,6 +181,7 @@ def two_ranks(tmp_path_factory, inputs) -> tuple:
         "dpo": (dpo_config(folders["dpo"], inputs["llama"], inputs["dpo_pairs"], 2), {}),
         "grpo": (grpo_config_of(folders["grpo"], inputs["llama"], inputs["prompts"], 2),
                  {FIXED_COMPLETIONS_ENV: inputs["fed_completions"]}),
+        "ebft": (ebft_config_of(folders["ebft"], inputs["llama"], 2), {FIXED_COMPLETIONS_ENV: inputs["fed_completions"]}),
     }
     results = run_in_one_launch(*((["train", str(config)], env) for config, env in configs.values()))
     return folders, {**dict(zip(configs, results)), "planned": planned}
@@ -292,6 +302,29 @@ def test_grpo_two_ranks_equal_one_process_on_the_same_completions(tmp_path, inpu
     logged = {name: [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
               for name, out in (("one", one_out), ("two", two_out))}
     assert [(r["where"], r["reward"]) for r in logged["two"]] == [(r["where"], r["reward"]) for r in logged["one"]]
+    one, two = load_file(one_out / "model.safetensors"), load_file(two_out / "model.safetensors")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_ebft_two_ranks_equal_one_process_on_the_same_completions(tmp_path, inputs, two_ranks, monkeypatch):
+    """Each rank pools its own completions' features; the rewards are taken over whole groups once gathered, so a
+    group split across the ranks scores as in one process, and the weights agree to the fp32 reduction order."""
+    from tuneloop.online_rl.rollout import FIXED_COMPLETIONS_ENV
+
+    folders, results = two_ranks
+    finished(results["ebft"])
+    monkeypatch.setenv(FIXED_COMPLETIONS_ENV, inputs["fed_completions"])
+    trained_here(ebft_config_of(tmp_path, inputs["llama"], 1))
+    one_out, two_out = tmp_path / "out", folders["ebft"] / "out"
+    logged = {name: [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
+              for name, out in (("one", one_out), ("two", two_out))}
+    assert [r["where"].rpartition("/")[2] for r in logged["two"]] == [r["where"].rpartition("/")[2]
+                                                                       for r in logged["one"]]
+    assert [r["rewards"]["ebft"] for r in logged["two"]] == pytest.approx(
+        [r["rewards"]["ebft"] for r in logged["one"]], abs=1e-5)
+    assert len({round(r["rewards"]["ebft"], 4) for r in logged["one"]}) == len(logged["one"]) == 8  # (all differ)
     one, two = load_file(one_out / "model.safetensors"), load_file(two_out / "model.safetensors")
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-6)
