@@ -175,6 +175,32 @@ def test_async_at_staleness_0_equals_sync_and_at_1_trains_on_one_step_old_comple
     assert ahead[1]["vllm_logprob_gap_max"] > 1e-3, ahead[1]
 
 
+def test_ebft_async_with_lora_scores_the_servers_completions_by_the_base_models_features(served):
+    """axolotl's EBFT examples: `rl: ebft` generating on the server, async, a LoRA adapter sent merged. The rewards
+    logged for the server's completions equal the paper's equation recomputed from the base model on disk (the
+    features come from the adapter switched off), at every step, and the first step's gap holds the tolerance."""
+    from test_ebft import ebft_config, recomputed_rewards
+
+    root, model, port, _ = served
+    folder = root / "ebft"
+    folder.mkdir()
+    config = ebft_config(folder, model, trl={"use_vllm": True, "vllm_server_port": port, "async_prefetch": True,
+                                             "max_completion_length": 8},
+                         adapter="lora", lora_r=8, lora_alpha=16, lora_target_linear=True, lora_dropout=0.0,
+                         max_steps=3, optimizer="sgd")
+    plan = json.loads(run_in_process("plan", str(config), "--json").stdout)
+    assert plan["rollout"]["engine"] == "vllm" and plan["rollout"]["staleness"] == 1
+    result = run_in_process("train", str(config))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = read_metrics(folder / "out")
+    assert len(lines) == 3 and lines[0]["vllm_logprob_gap_max"] <= 1e-3
+    assert all({"rewards/ebft", "ebft/alignment", "ebft/cfm_loss"} <= set(line) for line in lines)
+    logged = [json.loads(line) for line in (folder / "out" / "completions.jsonl").read_text().splitlines()]
+    recomputed = recomputed_rewards(model, folder / "out", [1, 2])
+    for step in (1, 2, 3):
+        assert [r["rewards"]["ebft"] for r in logged if r["step"] == step] == pytest.approx(recomputed[step], abs=2e-5)
+
+
 def test_a_regex_constrains_the_completions_and_its_gap_is_logged_not_checked(served):
     """trl.vllm_structured_outputs_regex: every completion matches it (vLLM's structured outputs), and as the server's
     log-probs are then of the constrained distribution, the plan says the gap is logged, not checked."""
