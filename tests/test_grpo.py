@@ -267,6 +267,16 @@ def test_a_vllm_server_that_does_not_answer_is_exit_2_before_the_data_is_read(gr
                       "tuneloop vllm-serve CONFIG")
 
 
+def test_dataset_shards_take_every_nth_prompt(grpo_dir, tiny_model_dir):
+    """axolotl's dataset_shard_num/idx keep every N-th row for online RL's prompts too (as prepare.py does for SFT)."""
+    write_jsonl(grpo_dir / "many.jsonl", [{"prompt": f"say {w} {i}", "word": w} for i in range(6) for w in WORDS])
+    config = grpo_config(grpo_dir, tiny_model_dir, datasets=[{"path": str(grpo_dir / "many.jsonl")}],
+                         dataset_shard_num=3, dataset_shard_idx=1)
+    planned = run_in_process("plan", str(config), "--json")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert json.loads(planned.stdout)["train_rows"] == 6 * len(WORDS) // 3
+
+
 def test_a_step_whose_completions_are_all_masked_trains_nothing(grpo_dir, tiny_model_dir):
     """mask_truncated_completions with every completion cut at the limit: no completion token is trained, the
     step's loss is 0 over no units (not a division by zero), and the weights stay as they were."""

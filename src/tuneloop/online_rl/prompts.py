@@ -17,6 +17,7 @@ adaptive cap reads it. `rl: ebft` needs every row's `ground_truth` (online_rl/fe
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field
 
@@ -155,9 +156,12 @@ def read_prompts(cfg, tokenizer) -> PromptSet:
     template = resolve_template(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
     longest = cfg.sequence_len - settings.max_completion_length
     found = PromptSet()
+    position = itertools.count()  # (axolotl's dataset_shard_num/idx: every N-th row, counted over all the entries)
     for index, entry in enumerate(cfg.datasets):
         transform = dataset_transform(cfg, entry, index)
         for row in read_rows(entry):
+            if cfg.dataset_shard_num and next(position) % cfg.dataset_shard_num != cfg.dataset_shard_idx:
+                continue
             values = row.values
             if transform is not None:
                 values = transformed(values, row.where, *transform, tokenizer, entry.type)
