@@ -1,6 +1,7 @@
-"""Dataset transforms axolotl ships under names its configs write (`type: ebft_opencode.transform`), built in so those
-configs run as written: each maps a row to structured EBFT's columns, a `prompt` (messages) and its reference answer
-`ground_truth`. A name here wins over a module of the same name (axolotl looks in its own strategies first too).
+"""axolotl's own dataset transforms that its EBFT configs name (`type: ebft_opencode.transform`), built in.
+
+Those configs run as written: each maps a row to structured EBFT's columns, a `prompt` (messages) and its reference
+answer `ground_truth`. A name here wins over a module of the same name (axolotl looks in its own strategies first too).
 
 A transform is called as prompts.py calls any: `factory(cfg)` -> (function of (row, tokenizer=None) -> the row's new
 columns, {"remove_columns": [...]}).
