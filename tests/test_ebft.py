@@ -127,7 +127,12 @@ def test_rewards_are_the_starting_models_features_and_the_plan_equals_the_run(tm
     adapter switched off, or the frozen copy). Completions are forced to the cap (min_new_tokens), so the run
     generates exactly the plan's upper bound under EBFT's adaptive cap."""
     lora = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_linear": True} if adapter else {}
-    config = ebft_config(tmp_path, tiny_model_dir, trl={"generation_kwargs": {"min_new_tokens": 12}}, **lora)
+    (tmp_path / "rewards.py").write_text("def short(prompts, completions, **kwargs):\n"
+                                         "    return [-len(c[0]['content']) / 10 for c in completions]\n")
+    trl = {"generation_kwargs": {"min_new_tokens": 12}}
+    if not adapter:  # (a reward function of the user's beside EBFT's, weighed after it)
+        trl.update(reward_funcs=["rewards.short"], reward_weights=[1.0, 0.5])
+    config = ebft_config(tmp_path, tiny_model_dir, trl=trl, **lora)
     planned = run_in_process("plan", str(config))
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "features             hidden states after layers 1, 2 of 2, last_token pooled, L2-normalised" \
@@ -137,7 +142,8 @@ def test_rewards_are_the_starting_models_features_and_the_plan_equals_the_run(tm
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "out"
     plan, summary = json.loads((out / "plan.json").read_text()), json.loads((out / "summary.json").read_text())
-    assert plan["rollout"]["reward_funcs"] == ["ebft"] and plan["rollout"]["feature_matching"]["features_from"] == (
+    assert plan["rollout"]["reward_funcs"] == (["ebft"] if adapter else ["ebft", "short"])
+    assert plan["rollout"]["feature_matching"]["features_from"] == (
         "the base model, the adapter switched off" if adapter else "a frozen copy of the starting model")
     assert summary["tokens"] == plan["rollout"]["generated_tokens_at_most"] == 2 * 8 * 12
     lines = read_metrics(out)
@@ -148,6 +154,10 @@ def test_rewards_are_the_starting_models_features_and_the_plan_equals_the_run(tm
         found = [record["rewards"]["ebft"] for record in logged if record["step"] == step]
         assert found == pytest.approx(recomputed[step], abs=2e-5)
     assert lines[1]["rewards/ebft"] == pytest.approx(sum(recomputed[2]) / 8, abs=1e-5)
+    if not adapter:
+        for record in logged:
+            assert record["reward"] == pytest.approx(record["rewards"]["ebft"] + 0.5 * record["rewards"]["short"],
+                                                     abs=1e-5)
 
 
 def test_the_adaptive_cap_follows_the_longest_reference_answer_and_the_plan_says_so(tmp_path, tiny_model_dir):
