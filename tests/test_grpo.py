@@ -320,6 +320,30 @@ def test_a_reward_model_folder_scores_the_completions(grpo_dir, tiny_model_dir, 
     lines = read_metrics(grpo_dir / "out")
     assert all(isinstance(line["rewards/scorer"], float) and line["rewards/scorer"] != 0 for line in lines)
 
+def test_a_language_model_folder_is_no_reward_model(grpo_dir, tiny_model_dir):
+    """A chat model's folder loads as a sequence classifier with a newly initialised (random) score head, and the
+    run would train on random rewards: refused when the config is checked, naming the folder and what it is."""
+    config = grpo_config(grpo_dir, tiny_model_dir, trl={"reward_funcs": [str(tiny_model_dir), "rewards.short"]},
+                         datasets=[{"path": str(grpo_dir / "missing.jsonl")}])  # (refused before the data is read)
+    assert_user_error(run_in_process("check", str(config)), f"trl.reward_funcs[0]: {tiny_model_dir}",
+                      "LlamaForCausalLM", "not a sequence classifier with one label")
+
+
+def test_a_reward_model_whose_score_head_is_not_in_its_weights_is_refused(tmp_path, tiny_model_dir):
+    """A config.json that says sequence classifier over a language model's weights: transformers' load report
+    names the score head as newly initialised, and that is refused as well (its scores would be random)."""
+    import shutil
+
+    from tuneloop.errors import UserError
+    from tuneloop.online_rl.rewards import RewardModel
+
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "relabelled")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["LlamaForSequenceClassification"], id2label={"0": "LABEL_0"})
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"relabelled: its weights hold no score\.weight"):
+        RewardModel(folder, None)
+
 
 def test_log_completions_reaches_every_tracker(grpo_dir, tiny_model_dir):
     """With `trl.log_completions`, each generation's completions are a TensorBoard text table, a wandb Table and an

@@ -3,7 +3,9 @@
 `trl.reward_funcs` lists dotted names (`rewards.correct`: the function `correct` of the module `rewards`), looked
 up in the config's folder (users keep the file next to the YAML), the working directory and the Python path, in
 that order; or a local folder holding a sequence-classification model (`num_labels: 1`), whose score of the
-prompt and completion together is the reward. A dataset transform (`type: rewards.prepare`) is found the same way
+prompt and completion together is the reward. A folder that is no such model (a chat model's: transformers would give
+it a newly initialised, random score head) is refused by its config.json when the config is checked, and by
+transformers' load report (weights missing) when it is loaded. A dataset transform (`type: rewards.prepare`) is found the same way
 (prompts.py).
 
 A function is called once per step on this rank's completions: `f(prompts=..., completions=...,
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -108,6 +111,7 @@ def load_reward_functions(names: list[str], config_dir: Path | None, device=None
         key = f"trl.reward_funcs[{index}]"
         folder = Path(name).expanduser()
         if folder.is_dir() and (folder / "config.json").is_file():
+            check_reward_model_folder(folder, key)
             functions.append(RewardFunction(shown, RewardModel(folder, device)))
             continue
         function = import_dotted(name, key, config_dir)
@@ -117,12 +121,42 @@ def load_reward_functions(names: list[str], config_dir: Path | None, device=None
 
 
 def check_reward_functions(cfg) -> None:
-    """Every dotted reward name imports and takes TRL's arguments (a reward model's folder is loaded at train)."""
+    """Every dotted reward name imports and takes TRL's arguments, and every reward model's folder holds a
+    sequence classifier with one label (by its config.json: its weights are loaded at train)."""
     for index, name in enumerate(cfg.trl_settings.reward_funcs or []):
         folder = Path(name).expanduser()
-        if not (folder.is_dir() and (folder / "config.json").is_file()):
-            key = f"trl.reward_funcs[{index}]"
+        key = f"trl.reward_funcs[{index}]"
+        if folder.is_dir() and (folder / "config.json").is_file():
+            check_reward_model_folder(folder, key)
+        else:
             _check_signature(import_dotted(name, key, cfg._config_dir), name, key)
+
+
+def check_reward_model_folder(folder: Path, key: str) -> None:
+    """A reward model is a sequence classifier with one label, as its config.json says (`architectures`: a
+    ...ForSequenceClassification; `id2label`, else `num_labels`, else transformers' default of 2: one label).
+    Anything else loaded as one gets a newly initialised score head (a chat model) or is scored by a logit that is
+    no reward (a classifier of several labels), and the run would train on that silently."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"config: `{key}: {folder}`: its config.json does not read ({error}); a reward model's "
+                        "folder is a transformers sequence classifier saved with save_pretrained") from None
+    architectures = config.get("architectures") or []
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+    classifier = any(str(name).endswith("ForSequenceClassification") for name in architectures)
+    if architectures and not classifier:
+        named = ", ".join(map(str, architectures))
+        what = " (a language model)" if any(str(name).endswith("ForCausalLM") for name in architectures) else ""
+        raise UserError(f"config: `{key}: {folder}`: its config.json's `architectures` says {named}{what}, not a "
+                        "sequence classifier with one label (...ForSequenceClassification, `num_labels: 1`): loaded "
+                        "as one its score head would be newly initialised and the rewards random; give a trained "
+                        "reward model's folder, or a reward function (module.function)")
+    if labels != 1:
+        raise UserError(f"config: `{key}: {folder}`: its config.json gives {labels} labels, and a reward model has "
+                        "one (`num_labels: 1`, TRL's): the first of several logits is no reward; give a reward "
+                        "model's folder, or wrap this classifier in a reward function that turns its logits into "
+                        "one score")
 
 
 def _check_signature(function: Callable, name: str, key: str) -> None:
@@ -164,7 +198,15 @@ class RewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+        model, report = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32,
+                                                                           output_loading_info=True)
+        missing = sorted(report.get("missing_keys") or [])
+        if missing:  # (transformers initialised them at random: the scores would be noise, and trained on)
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise UserError(f"config: `trl.reward_funcs`: {folder}: its weights hold no {shown}, which transformers "
+                            "would initialise at random (the rewards would be random): it is not a trained reward "
+                            "model; give a sequence classifier trained with one label (`num_labels: 1`)")
+        self.model = model.eval()
         if device is not None:
             self.model.to(device)
 
