@@ -39,6 +39,9 @@ REWARDS = textwrap.dedent('''
     def not_a_number(prompts, completions, **kwargs):
         return [float("nan")] * len(completions)
 
+    def no_kwargs(prompts, completions, completion_ids, trainer_state):
+        return [0.0] * len(completions)
+
     def as_prompt(cfg):
         def transform(row, tokenizer=None):
             return {"prompt": [{"role": "user", "content": "say " + row["text"]}], "word": row["text"]}
@@ -188,6 +191,8 @@ def test_gdpo_with_a_transform_and_reward_functions_beside_the_config(grpo_dir, 
     ({"trl": {"reward_funcs": None}}, ["`rl: grpo` scores its completions with `trl.reward_funcs`"]),
     ({"trl": {"reward_funcs": ["nowhere.correct"]}}, ["does not import", "No module named 'nowhere'", "searched"]),
     ({"trl": {"reward_funcs": ["rewards.missing"]}}, ["has no `missing`"]),
+    ({"trl": {"reward_funcs": ["rewards.shrot"]}}, ["has no `shrot`", "did you mean `rewards.short`",
+                                                    "has_word, broken, too_few"]),
     ({"trl": {"num_generations": 1}}, ["num_generations", "a group of one completion"]),
     ({"micro_batch_size": 3}, ["global batch is 6 completions", "num_generations 4"]),
     ({"trl": {"max_completion_length": 64}}, ["leaves no room for a prompt", "sequence_len: 64"]),
@@ -229,6 +234,9 @@ def test_bad_input_is_one_line_and_exit_2(grpo_dir, tiny_model_dir, change, frag
     ("rewards.endless", ["reward `endless` returned inf", "a finite number"]),
     # (NaN is no reward either: the steps trained nothing, grad_norm 0, and the run said "done")
     ("rewards.not_a_number", ["reward `not_a_number` returned nan", "a finite number"]),
+    # (Python's own TypeError said "unexpected keyword argument 'word'" and nothing of why it was passed)
+    ("rewards.no_kwargs", ["reward `no_kwargs` does not take the dataset column `word`", "**kwargs",
+                           "TRL passes every column by name"]),
 ])
 def test_a_failing_reward_stops_the_run_with_exit_2_and_no_changed_weights(grpo_dir, tiny_model_dir, reward,
                                                                           fragments):

@@ -12,11 +12,13 @@ A function is called once per step on this rank's completions: `f(prompts=..., c
 completion_ids=..., trainer_state=..., **the rows' other columns)` (trainer_state: TrainerProgress, the
 global_step/max_steps/epoch of TRL's) -> one float per completion, or None where it does not apply
 (TRL's convention; a completion no function scores trains with advantage 0). What it raises or returns wrongly
-stops the run with exit 2, naming the function, the row and the value, before any weight of that step changes.
+stops the run with exit 2, naming the function, the row and the value, before any weight of that step changes; so
+does a function without **kwargs that would be passed a column it does not take.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import json
@@ -57,10 +59,22 @@ def import_dotted(name: str, key: str, config_dir: Path | None) -> Callable:
                         f"{', '.join(folders)} and the Python path)") from None
     found = getattr(module, attribute, None)
     if found is None:
-        raise UserError(f"config: `{key}: {name}`: {getattr(module, '__file__', module_name)} has no `{attribute}`")
+        raise UserError(f"config: `{key}: {name}`: {getattr(module, '__file__', module_name)} has no `{attribute}`"
+                        f"{_nearest_words(module, module_name, attribute)}")
     if not callable(found):
         raise UserError(f"config: `{key}: {name}` is a {type(found).__name__}, not a function")
     return found
+
+
+def _nearest_words(module, module_name: str, attribute: str) -> str:
+    """A misspelt name's likely meaning, and the module's own functions (what the name could be)."""
+    own = [name for name, value in vars(module).items() if inspect.isfunction(value) and not name.startswith("_")
+           and value.__module__ == module.__name__]
+    if not own:
+        return ""
+    nearest = difflib.get_close_matches(attribute, own, n=1)
+    guess = f"; did you mean `{module_name}.{nearest[0]}`?" if nearest else ""
+    return f"{guess} (its functions: {', '.join(own)})"
 
 
 def reward_name(name: str) -> str:
@@ -103,6 +117,7 @@ def _forget_a_module_shadowed_by(top: str, folders: list[str]) -> None:
 class RewardFunction:
     name: str  # as the config writes it (the train line's `rewards/<name>`)
     call: Callable  # (prompts, completions, completion_ids, columns) -> list of float or None
+    takes: frozenset | None = None  # the keyword names it accepts; None: any (**kwargs, a model, a builtin)
 
 
 def load_reward_functions(names: list[str], config_dir: Path | None, device=None) -> list[RewardFunction]:
@@ -116,7 +131,7 @@ def load_reward_functions(names: list[str], config_dir: Path | None, device=None
             continue
         function = import_dotted(name, key, config_dir)
         _check_signature(function, name, key)
-        functions.append(RewardFunction(shown, _called_as_trl(function)))
+        functions.append(RewardFunction(shown, _called_as_trl(function), _keywords_taken(function)))
     return functions
 
 
@@ -178,6 +193,34 @@ class TrainerProgress:
     global_step: int
     max_steps: int
     epoch: float
+
+
+def _keywords_taken(function: Callable) -> frozenset | None:
+    """The keyword names a function accepts, or None where it takes any (**kwargs) or has no signature to read."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                               inspect.Parameter.KEYWORD_ONLY))
+
+
+def _check_keywords(function: RewardFunction, columns: dict) -> None:
+    """TRL passes a reward function the dataset's every column by name (besides its own arguments): one that takes
+    neither that column nor **kwargs would fail with Python's TypeError, which says nothing of why it was passed."""
+    if function.takes is None:
+        return
+    unknown = [name for name in ("prompts", "completions", "completion_ids", "trainer_state", *columns)
+               if name not in function.takes]
+    if not unknown:
+        return
+    named = ", ".join(f"the dataset column `{name}`" if name in columns else f"TRL's argument `{name}`"
+                      for name in unknown)
+    raise UserError(f"reward `{function.name}` does not take {named}: add **kwargs to its parameters (TRL passes "
+                    "every column by name, and its own prompts, completions, completion_ids and trainer_state), "
+                    f"e.g. `def {function.name.rpartition('.')[2]}(prompts, completions, **kwargs)`")
 
 
 def _called_as_trl(function: Callable) -> Callable:
@@ -254,6 +297,7 @@ def score(functions: list[RewardFunction], prompts: list, completions: list, com
     """[completion][function] rewards (NaN: None). A function that raises is a UserError naming it and the rows."""
     table = [[math.nan] * len(functions) for _ in completions]
     for column, function in enumerate(functions):
+        _check_keywords(function, columns)
         try:
             returned = function.call(prompts, completions, completion_ids, columns, progress)
         except Exception as error:  # the user's code: what it raised, where, in one line
