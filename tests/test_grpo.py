@@ -39,6 +39,9 @@ REWARDS = textwrap.dedent('''
     def not_a_number(prompts, completions, **kwargs):
         return [float("nan")] * len(completions)
 
+    def unscored(prompts, completions, **kwargs):
+        return [None] * len(completions)
+
     def no_kwargs(prompts, completions, completion_ids, trainer_state):
         return [0.0] * len(completions)
 
@@ -85,6 +88,7 @@ def test_plan_equals_run_and_rewards_reach_the_step_lines(grpo_dir, tiny_model_d
     planned = run_in_process("plan", str(config))
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "8 completions per optimizer step = 2 prompts × 4 generations" in planned.stdout
+    assert "a step no function scores stops the run (trl.unscored_steps_allowed: 0)" in planned.stdout
     result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     out = grpo_dir / "out"
@@ -246,6 +250,21 @@ def test_a_failing_reward_stops_the_run_with_exit_2_and_no_changed_weights(grpo_
     assert not (grpo_dir / "out" / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("allowed,stopped_at", [(None, 1), (1, 2)])
+def test_a_step_no_reward_scores_stops_the_run_after_the_grace(grpo_dir, tiny_model_dir, allowed, stopped_at):
+    """A function that returns None for every completion leaves every advantage 0: the step would train nothing and
+    say so nowhere. The run stops at the first such step beyond `trl.unscored_steps_allowed` (0 unless set), naming
+    the function and the columns it was given; the steps allowed before it trained and were logged."""
+    trl = {"reward_funcs": ["rewards.unscored"], **({"unscored_steps_allowed": allowed} if allowed else {})}
+    config = grpo_config(grpo_dir, tiny_model_dir, trl=trl, max_steps=3)
+    result = run_in_process("train", str(config))
+    assert_user_error(result, f"step {stopped_at}: no reward function scored any of the step's 8 completions",
+                      "rewards.unscored returned None for every one", "columns: word",
+                      f"trl.unscored_steps_allowed: {stopped_at}", "no weight of this step changed")
+    logged = read_metrics(grpo_dir / "out") if (grpo_dir / "out" / "metrics.jsonl").exists() else []
+    assert [line["step"] for line in logged] == list(range(1, stopped_at))
+
+
 def test_two_rewards_of_one_name_are_logged_apart(grpo_dir, tiny_model_dir):
     """`rewards.short` and `other.short`: each on the train line, in completions.jsonl and to the trackers under the
     name the config gives it (a name both share would log one and hide the other)."""
@@ -327,6 +346,7 @@ def test_a_reward_model_folder_scores_the_completions(grpo_dir, tiny_model_dir, 
     assert result.returncode == 0, result.stderr[-3000:]
     lines = read_metrics(grpo_dir / "out")
     assert all(isinstance(line["rewards/scorer"], float) and line["rewards/scorer"] != 0 for line in lines)
+
 
 def test_a_language_model_folder_is_no_reward_model(grpo_dir, tiny_model_dir):
     """A chat model's folder loads as a sequence classifier with a newly initialised (random) score head, and the
