@@ -194,3 +194,51 @@ def test_data_files_are_found_relative_to_a_folder_path(tmp_path, tokenizer):
                                                                   "type": "alpaca"}],
                             "dataset_prepared_path": str(tmp_path / "prepared")})
     assert len(prepare(cfg, tokenizer).train) == 1
+
+
+def test_compressed_json_lines_read_as_the_plain_file(tmp_path, tokenizer):
+    """`train.jsonl.gz` / `.xz` / `.bz2` are read as Hugging Face `datasets` reads them: the same prepared rows as
+    the plain file (they were refused: a format it cannot tell, or, with `ds_type: json`, text that is not UTF-8 with
+    advice to run iconv on a gzip file); a folder of them is a folder of data files, but not beside their plain
+    copy."""
+    import bz2
+    import gzip
+    import lzma
+
+    rows = [{"instruction": f"Say {word}.", "output": word} for word in ("hello", "red", "blue", "one")]
+    plain = write_jsonl(tmp_path / "train.jsonl", rows)
+    compressed = {"gz": gzip.compress, "xz": lzma.compress, "bz2": bz2.compress}
+    prepared = {}
+    for suffix in ("", *compressed):
+        folder = tmp_path / (suffix or "plain")
+        folder.mkdir()
+        target = folder / f"train.jsonl{'.' + suffix if suffix else ''}"
+        target.write_bytes(compressed[suffix](plain.read_bytes()) if suffix else plain.read_bytes())
+        for path in (target, folder):
+            cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(path), "type": "alpaca"}],
+                                    "dataset_prepared_path": str(tmp_path / "prepared" / target.name)})
+            result = prepare(cfg, tokenizer, force=True)
+            prepared[path] = (result.stats.train_rows, [list(result.train[i]["input_ids"])
+                                                        for i in range(len(result.train))])
+    expected = prepared[tmp_path / "plain" / "train.jsonl"]
+    assert expected[0] == len(rows)
+    assert all(found == expected for found in prepared.values()), list(prepared)
+    (tmp_path / "gz" / "train.jsonl").write_bytes(plain.read_bytes())  # (a folder of both would read each row twice)
+    cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(tmp_path / "gz"), "type": "alpaca"}],
+                            "dataset_prepared_path": str(tmp_path / "prepared" / "twice")})
+    with pytest.raises(UserError, match=r"train\.jsonl\.gz is a compressed copy of .*train\.jsonl"):
+        prepare(cfg, tokenizer)
+
+
+def test_a_compression_python_cannot_read_names_it_and_the_fix(tmp_path, tokenizer, monkeypatch):
+    """`.jsonl.zst` needs the `zstandard` package (as `datasets` does): without it, one line naming the file, the
+    compression and the install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # (as if not installed, wherever it is)
+    data = tmp_path / "train.jsonl.zst"
+    data.write_bytes(b"(\xb5/\xfd")  # zstd's magic number
+    cfg = config_from_dict({"base_model": "unused", "datasets": [{"path": str(data), "type": "alpaca"}],
+                            "dataset_prepared_path": str(tmp_path / "prepared")})
+    with pytest.raises(UserError, match=r"train\.jsonl\.zst is compressed with zstd.*pip install zstandard"):
+        prepare(cfg, tokenizer)

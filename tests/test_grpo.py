@@ -39,6 +39,12 @@ REWARDS = textwrap.dedent('''
     def not_a_number(prompts, completions, **kwargs):
         return [float("nan")] * len(completions)
 
+    def unscored(prompts, completions, **kwargs):
+        return [None] * len(completions)
+
+    def no_kwargs(prompts, completions, completion_ids, trainer_state):
+        return [0.0] * len(completions)
+
     def as_prompt(cfg):
         def transform(row, tokenizer=None):
             return {"prompt": [{"role": "user", "content": "say " + row["text"]}], "word": row["text"]}
@@ -82,6 +88,7 @@ def test_plan_equals_run_and_rewards_reach_the_step_lines(grpo_dir, tiny_model_d
     planned = run_in_process("plan", str(config))
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "8 completions per optimizer step = 2 prompts × 4 generations" in planned.stdout
+    assert "a step no function scores stops the run (trl.unscored_steps_allowed: 0)" in planned.stdout
     result = run_in_process("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     out = grpo_dir / "out"
@@ -188,6 +195,8 @@ def test_gdpo_with_a_transform_and_reward_functions_beside_the_config(grpo_dir, 
     ({"trl": {"reward_funcs": None}}, ["`rl: grpo` scores its completions with `trl.reward_funcs`"]),
     ({"trl": {"reward_funcs": ["nowhere.correct"]}}, ["does not import", "No module named 'nowhere'", "searched"]),
     ({"trl": {"reward_funcs": ["rewards.missing"]}}, ["has no `missing`"]),
+    ({"trl": {"reward_funcs": ["rewards.shrot"]}}, ["has no `shrot`", "did you mean `rewards.short`",
+                                                    "has_word, broken, too_few"]),
     ({"trl": {"num_generations": 1}}, ["num_generations", "a group of one completion"]),
     ({"micro_batch_size": 3}, ["global batch is 6 completions", "num_generations 4"]),
     ({"trl": {"max_completion_length": 64}}, ["leaves no room for a prompt", "sequence_len: 64"]),
@@ -229,6 +238,9 @@ def test_bad_input_is_one_line_and_exit_2(grpo_dir, tiny_model_dir, change, frag
     ("rewards.endless", ["reward `endless` returned inf", "a finite number"]),
     # (NaN is no reward either: the steps trained nothing, grad_norm 0, and the run said "done")
     ("rewards.not_a_number", ["reward `not_a_number` returned nan", "a finite number"]),
+    # (Python's own TypeError said "unexpected keyword argument 'word'" and nothing of why it was passed)
+    ("rewards.no_kwargs", ["reward `no_kwargs` does not take the dataset column `word`", "**kwargs",
+                           "TRL passes every column by name"]),
 ])
 def test_a_failing_reward_stops_the_run_with_exit_2_and_no_changed_weights(grpo_dir, tiny_model_dir, reward,
                                                                           fragments):
@@ -236,6 +248,21 @@ def test_a_failing_reward_stops_the_run_with_exit_2_and_no_changed_weights(grpo_
     result = run_in_process("train", str(config))
     assert_user_error(result, *fragments, "no weight of this step changed")
     assert not (grpo_dir / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("allowed,stopped_at", [(None, 1), (1, 2)])
+def test_a_step_no_reward_scores_stops_the_run_after_the_grace(grpo_dir, tiny_model_dir, allowed, stopped_at):
+    """A function that returns None for every completion leaves every advantage 0: the step would train nothing and
+    say so nowhere. The run stops at the first such step beyond `trl.unscored_steps_allowed` (0 unless set), naming
+    the function and the columns it was given; the steps allowed before it trained and were logged."""
+    trl = {"reward_funcs": ["rewards.unscored"], **({"unscored_steps_allowed": allowed} if allowed else {})}
+    config = grpo_config(grpo_dir, tiny_model_dir, trl=trl, max_steps=3)
+    result = run_in_process("train", str(config))
+    assert_user_error(result, f"step {stopped_at}: no reward function scored any of the step's 8 completions",
+                      "rewards.unscored returned None for every one", "columns: word",
+                      f"trl.unscored_steps_allowed: {stopped_at}", "no weight of this step changed")
+    logged = read_metrics(grpo_dir / "out") if (grpo_dir / "out" / "metrics.jsonl").exists() else []
+    assert [line["step"] for line in logged] == list(range(1, stopped_at))
 
 
 def test_two_rewards_of_one_name_are_logged_apart(grpo_dir, tiny_model_dir):
@@ -319,6 +346,31 @@ def test_a_reward_model_folder_scores_the_completions(grpo_dir, tiny_model_dir, 
     assert result.returncode == 0, result.stderr[-3000:]
     lines = read_metrics(grpo_dir / "out")
     assert all(isinstance(line["rewards/scorer"], float) and line["rewards/scorer"] != 0 for line in lines)
+
+
+def test_a_language_model_folder_is_no_reward_model(grpo_dir, tiny_model_dir):
+    """A chat model's folder loads as a sequence classifier with a newly initialised (random) score head, and the
+    run would train on random rewards: refused when the config is checked, naming the folder and what it is."""
+    config = grpo_config(grpo_dir, tiny_model_dir, trl={"reward_funcs": [str(tiny_model_dir), "rewards.short"]},
+                         datasets=[{"path": str(grpo_dir / "missing.jsonl")}])  # (refused before the data is read)
+    assert_user_error(run_in_process("check", str(config)), f"trl.reward_funcs[0]: {tiny_model_dir}",
+                      "LlamaForCausalLM", "not a sequence classifier with one label")
+
+
+def test_a_reward_model_whose_score_head_is_not_in_its_weights_is_refused(tmp_path, tiny_model_dir):
+    """A config.json that says sequence classifier over a language model's weights: transformers' load report
+    names the score head as newly initialised, and that is refused as well (its scores would be random)."""
+    import shutil
+
+    from tuneloop.errors import UserError
+    from tuneloop.online_rl.rewards import RewardModel
+
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "relabelled")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["LlamaForSequenceClassification"], id2label={"0": "LABEL_0"})
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"relabelled: its weights hold no score\.weight"):
+        RewardModel(folder, None)
 
 
 def test_log_completions_reaches_every_tracker(grpo_dir, tiny_model_dir):

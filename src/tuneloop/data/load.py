@@ -1,4 +1,8 @@
-"""Read a dataset entry's rows: local files (json, jsonl, parquet, csv, arrow, text), or a hub dataset.
+"""Read a dataset entry's rows: local files (json, jsonl, parquet, csv, arrow, text, also compressed: gz, bz2, xz,
+zst), or a hub dataset.
+
+A compressed file is read as Hugging Face `datasets` reads it, by its last suffix (`train.jsonl.gz`): gzip, bzip2
+and xz through Python's standard library, zstd through the `zstandard` package (as in `datasets`).
 
 Each row comes back with where it was read from (`file:line` for JSON lines, `file row N`
 otherwise), so that a later error about a missing field can point at the exact row. `split`
@@ -9,9 +13,16 @@ A `path` that is no local file or folder is read with `datasets.load_dataset` (a
 
 from __future__ import annotations
 
+import bz2
+import contextlib
+import gzip
+import importlib
+import io
 import itertools
 import json
+import lzma
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +33,20 @@ from tuneloop.errors import UserError
 
 SUFFIX_TO_TYPE = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv",
                   ".arrow": "arrow", ".txt": "text"}
+
+# a data file's last suffix -> its compression (the suffix before it says the format: train.jsonl.gz is JSON lines)
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd"}
+
+
+def format_suffix(file: Path) -> str:
+    """The suffix that says a data file's format: `.jsonl` of both train.jsonl and train.jsonl.gz."""
+    if file.suffix in COMPRESSIONS and len(file.suffixes) > 1:
+        return file.suffixes[-2]
+    return file.suffix
+
+
+def compression_of(file: Path) -> str | None:
+    return COMPRESSIONS.get(file.suffix)
 
 
 @dataclass(frozen=True)
@@ -52,7 +77,7 @@ def is_hub_dataset(entry) -> bool:
     if path in BUILDERS and entry.data_files:
         return False
     return (not Path(path).expanduser().exists() and not path.startswith(("/", ".", "~"))
-            and Path(path).suffix not in SUFFIX_TO_TYPE and path.count("/") <= 1)
+            and format_suffix(Path(path)) not in SUFFIX_TO_TYPE and path.count("/") <= 1)
 
 
 def data_files_of(entry) -> list[Path]:
@@ -66,9 +91,11 @@ def data_files_of(entry) -> list[Path]:
         files = [base / name if base.is_dir() and not Path(name).is_absolute() and not Path(name).exists()
                  else Path(name).expanduser() for name in names]
     elif base.is_dir():
-        files = sorted(p for p in base.rglob("*") if p.suffix in SUFFIX_TO_TYPE and p.is_file())
+        files = sorted(p for p in base.rglob("*") if format_suffix(p) in SUFFIX_TO_TYPE and p.is_file())
         if not files:
-            raise UserError(f"data: folder {base} holds no .json/.jsonl/.parquet/.csv/.arrow/.txt files")
+            raise UserError(f"data: folder {base} holds no .json/.jsonl/.parquet/.csv/.arrow/.txt files (nor any "
+                            f"compressed: {'/'.join(COMPRESSIONS)})")
+        _check_no_file_twice(files)
     else:
         files = [base]
     for file in files:
@@ -78,13 +105,35 @@ def data_files_of(entry) -> list[Path]:
     return files
 
 
+def _check_no_file_twice(files: list[Path]) -> None:
+    """A folder holding a file and its compressed copy (train.jsonl and train.jsonl.gz) would train each row twice."""
+    names = {file.with_suffix("") if compression_of(file) else file for file in files}
+    if len(names) < len(files):
+        twice = next(file for file in files if compression_of(file) and file.with_suffix("") in files)
+        raise UserError(f"data: {twice} is a compressed copy of {twice.with_suffix('')} in the same folder, and both "
+                        "would be read (each row twice); keep one, or name the file with `data_files`")
+
+
+def check_compression(file: Path) -> None:
+    """A compression this Python cannot read is said before a row is read: zstd needs `zstandard`."""
+    if compression_of(file) != "zstd":
+        return
+    try:
+        importlib.import_module("zstandard")  # (the package Hugging Face `datasets` reads zstd with)
+    except ImportError:
+        raise UserError(f"data: {file} is compressed with zstd, which Python reads with the `zstandard` package "
+                        f"(as Hugging Face `datasets` does), not installed here: `pip install zstandard`, or "
+                        f"decompress it (`zstd -d {file}`)") from None
+
+
 def _file_type(entry, file: Path) -> str:
+    check_compression(file)
     if entry.ds_type:
         return "json" if entry.ds_type == "jsonl" else entry.ds_type
     if entry.path in BUILDERS:
         return BUILDERS[entry.path]
-    if file.suffix in SUFFIX_TO_TYPE:
-        return SUFFIX_TO_TYPE[file.suffix]
+    if format_suffix(file) in SUFFIX_TO_TYPE:
+        return SUFFIX_TO_TYPE[format_suffix(file)]
     raise UserError(f"data: cannot tell the format of {file}; set `ds_type` (json, parquet, csv, arrow, text)")
 
 
@@ -111,24 +160,58 @@ class ReadProgress:
         return min(1.0, self.done_bytes / self.total_bytes)
 
 
+@contextlib.contextmanager
+def _opened(file: Path):
+    """(the file's bytes, decompressed where it is compressed; the handle on the file itself, whose position
+    counts the bytes read from disk, for the progress)."""
+    with open(file, "rb") as raw:
+        kind = compression_of(file)
+        if kind is None:
+            yield raw, raw
+        elif kind == "zstd":
+            import zstandard  # (check_compression said its absence)
+
+            with zstandard.ZstdDecompressor().stream_reader(raw) as reader, io.BufferedReader(reader) as handle:
+                yield handle, raw
+        else:
+            opener = {"gzip": lambda fileobj: gzip.GzipFile(fileobj=fileobj, mode="rb"), "bzip2": bz2.BZ2File,
+                      "xz": lzma.LZMAFile}[kind]
+            with opener(raw) as handle:
+                yield handle, raw
+
+
 def _json_rows(file: Path, progress: ReadProgress | None = None) -> Iterator[RawRow]:
     """Line by line (a JSON-lines file of any size streams); a file that is one JSON array is read whole."""
-    with open(file, "rb") as handle:
-        head = handle.read(4096).lstrip()
-        handle.seek(0)
-        if head.startswith(b"["):
+    try:
+        yield from _json_rows_of(file, progress)
+    except (OSError, EOFError, lzma.LZMAError, getattr(sys.modules.get("zstandard"), "ZstdError", OSError)) as error:
+        if compression_of(file) is None:  # (a read error of a plain file is no decompression's)
+            raise
+        first = (str(error).splitlines() or [""])[0]
+        raise UserError(f"data: {file} does not decompress as {compression_of(file)} (its suffix says it is): "
+                        f"{type(error).__name__}: {first}; check the file, or name it by what it holds") from None
+
+
+def _json_rows_of(file: Path, progress: ReadProgress | None) -> Iterator[RawRow]:
+    with _opened(file) as (handle, _):
+        is_array = handle.read(4096).lstrip().startswith(b"[")
+    with _opened(file) as (handle, raw):
+        if is_array:
             yield from _json_array_rows(file, handle.read())
             if progress:
                 progress.advance(file.stat().st_size)
             return
-        for number, raw in enumerate(handle, start=1):
-            if progress:
-                progress.advance(len(raw))
+        compressed, done = raw is not handle, 0
+        for number, line_bytes in enumerate(handle, start=1):
+            if progress:  # (the bytes on disk: what the progress's total counts)
+                read = raw.tell() if compressed else done + len(line_bytes)
+                progress.advance(read - done)
+                done = read
             try:
-                line = raw.decode("utf-8")
+                line = line_bytes.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise UserError(f"data: {file}:{number}: not valid UTF-8 (byte 0x{raw[error.start]:02x} at column "
-                                f"{error.start + 1}); save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
+                raise UserError(f"data: {file}:{number}: not valid UTF-8 (byte 0x{line_bytes[error.start]:02x} at "
+                                f"column {error.start + 1}); save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"
                                 ) from None
             if line.strip():
                 yield RawRow(line, f"{file}:{number}")

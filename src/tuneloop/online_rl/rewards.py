@@ -3,20 +3,25 @@
 `trl.reward_funcs` lists dotted names (`rewards.correct`: the function `correct` of the module `rewards`), looked
 up in the config's folder (users keep the file next to the YAML), the working directory and the Python path, in
 that order; or a local folder holding a sequence-classification model (`num_labels: 1`), whose score of the
-prompt and completion together is the reward. A dataset transform (`type: rewards.prepare`) is found the same way
+prompt and completion together is the reward. A folder that is no such model (a chat model's: transformers would give
+it a newly initialised, random score head) is refused by its config.json when the config is checked, and by
+transformers' load report (weights missing) when it is loaded. A dataset transform (`type: rewards.prepare`) is found the same way
 (prompts.py).
 
 A function is called once per step on this rank's completions: `f(prompts=..., completions=...,
 completion_ids=..., trainer_state=..., **the rows' other columns)` (trainer_state: TrainerProgress, the
 global_step/max_steps/epoch of TRL's) -> one float per completion, or None where it does not apply
 (TRL's convention; a completion no function scores trains with advantage 0). What it raises or returns wrongly
-stops the run with exit 2, naming the function, the row and the value, before any weight of that step changes.
+stops the run with exit 2, naming the function, the row and the value, before any weight of that step changes; so
+does a function without **kwargs that would be passed a column it does not take.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -54,10 +59,22 @@ def import_dotted(name: str, key: str, config_dir: Path | None) -> Callable:
                         f"{', '.join(folders)} and the Python path)") from None
     found = getattr(module, attribute, None)
     if found is None:
-        raise UserError(f"config: `{key}: {name}`: {getattr(module, '__file__', module_name)} has no `{attribute}`")
+        raise UserError(f"config: `{key}: {name}`: {getattr(module, '__file__', module_name)} has no `{attribute}`"
+                        f"{_nearest_words(module, module_name, attribute)}")
     if not callable(found):
         raise UserError(f"config: `{key}: {name}` is a {type(found).__name__}, not a function")
     return found
+
+
+def _nearest_words(module, module_name: str, attribute: str) -> str:
+    """A misspelt name's likely meaning, and the module's own functions (what the name could be)."""
+    own = [name for name, value in vars(module).items() if inspect.isfunction(value) and not name.startswith("_")
+           and value.__module__ == module.__name__]
+    if not own:
+        return ""
+    nearest = difflib.get_close_matches(attribute, own, n=1)
+    guess = f"; did you mean `{module_name}.{nearest[0]}`?" if nearest else ""
+    return f"{guess} (its functions: {', '.join(own)})"
 
 
 def reward_name(name: str) -> str:
@@ -100,6 +117,7 @@ def _forget_a_module_shadowed_by(top: str, folders: list[str]) -> None:
 class RewardFunction:
     name: str  # as the config writes it (the train line's `rewards/<name>`)
     call: Callable  # (prompts, completions, completion_ids, columns) -> list of float or None
+    takes: frozenset | None = None  # the keyword names it accepts; None: any (**kwargs, a model, a builtin)
 
 
 def load_reward_functions(names: list[str], config_dir: Path | None, device=None) -> list[RewardFunction]:
@@ -108,21 +126,52 @@ def load_reward_functions(names: list[str], config_dir: Path | None, device=None
         key = f"trl.reward_funcs[{index}]"
         folder = Path(name).expanduser()
         if folder.is_dir() and (folder / "config.json").is_file():
+            check_reward_model_folder(folder, key)
             functions.append(RewardFunction(shown, RewardModel(folder, device)))
             continue
         function = import_dotted(name, key, config_dir)
         _check_signature(function, name, key)
-        functions.append(RewardFunction(shown, _called_as_trl(function)))
+        functions.append(RewardFunction(shown, _called_as_trl(function), _keywords_taken(function)))
     return functions
 
 
 def check_reward_functions(cfg) -> None:
-    """Every dotted reward name imports and takes TRL's arguments (a reward model's folder is loaded at train)."""
+    """Every dotted reward name imports and takes TRL's arguments, and every reward model's folder holds a
+    sequence classifier with one label (by its config.json: its weights are loaded at train)."""
     for index, name in enumerate(cfg.trl_settings.reward_funcs or []):
         folder = Path(name).expanduser()
-        if not (folder.is_dir() and (folder / "config.json").is_file()):
-            key = f"trl.reward_funcs[{index}]"
+        key = f"trl.reward_funcs[{index}]"
+        if folder.is_dir() and (folder / "config.json").is_file():
+            check_reward_model_folder(folder, key)
+        else:
             _check_signature(import_dotted(name, key, cfg._config_dir), name, key)
+
+
+def check_reward_model_folder(folder: Path, key: str) -> None:
+    """A reward model is a sequence classifier with one label, as its config.json says (`architectures`: a
+    ...ForSequenceClassification; `id2label`, else `num_labels`, else transformers' default of 2: one label).
+    Anything else loaded as one gets a newly initialised score head (a chat model) or is scored by a logit that is
+    no reward (a classifier of several labels), and the run would train on that silently."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise UserError(f"config: `{key}: {folder}`: its config.json does not read ({error}); a reward model's "
+                        "folder is a transformers sequence classifier saved with save_pretrained") from None
+    architectures = config.get("architectures") or []
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels", 2)
+    classifier = any(str(name).endswith("ForSequenceClassification") for name in architectures)
+    if architectures and not classifier:
+        named = ", ".join(map(str, architectures))
+        what = " (a language model)" if any(str(name).endswith("ForCausalLM") for name in architectures) else ""
+        raise UserError(f"config: `{key}: {folder}`: its config.json's `architectures` says {named}{what}, not a "
+                        "sequence classifier with one label (...ForSequenceClassification, `num_labels: 1`): loaded "
+                        "as one its score head would be newly initialised and the rewards random; give a trained "
+                        "reward model's folder, or a reward function (module.function)")
+    if labels != 1:
+        raise UserError(f"config: `{key}: {folder}`: its config.json gives {labels} labels, and a reward model has "
+                        "one (`num_labels: 1`, TRL's): the first of several logits is no reward; give a reward "
+                        "model's folder, or wrap this classifier in a reward function that turns its logits into "
+                        "one score")
 
 
 def _check_signature(function: Callable, name: str, key: str) -> None:
@@ -146,6 +195,34 @@ class TrainerProgress:
     epoch: float
 
 
+def _keywords_taken(function: Callable) -> frozenset | None:
+    """The keyword names a function accepts, or None where it takes any (**kwargs) or has no signature to read."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    return frozenset(p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                               inspect.Parameter.KEYWORD_ONLY))
+
+
+def _check_keywords(function: RewardFunction, columns: dict) -> None:
+    """TRL passes a reward function the dataset's every column by name (besides its own arguments): one that takes
+    neither that column nor **kwargs would fail with Python's TypeError, which says nothing of why it was passed."""
+    if function.takes is None:
+        return
+    unknown = [name for name in ("prompts", "completions", "completion_ids", "trainer_state", *columns)
+               if name not in function.takes]
+    if not unknown:
+        return
+    named = ", ".join(f"the dataset column `{name}`" if name in columns else f"TRL's argument `{name}`"
+                      for name in unknown)
+    raise UserError(f"reward `{function.name}` does not take {named}: add **kwargs to its parameters (TRL passes "
+                    "every column by name, and its own prompts, completions, completion_ids and trainer_state), "
+                    f"e.g. `def {function.name.rpartition('.')[2]}(prompts, completions, **kwargs)`")
+
+
 def _called_as_trl(function: Callable) -> Callable:
     def call(prompts, completions, completion_ids, columns: dict, progress: TrainerProgress | None = None):
         return function(prompts=prompts, completions=completions, completion_ids=completion_ids,
@@ -164,7 +241,15 @@ class RewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+        model, report = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32,
+                                                                           output_loading_info=True)
+        missing = sorted(report.get("missing_keys") or [])
+        if missing:  # (transformers initialised them at random: the scores would be noise, and trained on)
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise UserError(f"config: `trl.reward_funcs`: {folder}: its weights hold no {shown}, which transformers "
+                            "would initialise at random (the rewards would be random): it is not a trained reward "
+                            "model; give a sequence classifier trained with one label (`num_labels: 1`)")
+        self.model = model.eval()
         if device is not None:
             self.model.to(device)
 
@@ -212,6 +297,7 @@ def score(functions: list[RewardFunction], prompts: list, completions: list, com
     """[completion][function] rewards (NaN: None). A function that raises is a UserError naming it and the rows."""
     table = [[math.nan] * len(functions) for _ in completions]
     for column, function in enumerate(functions):
+        _check_keywords(function, columns)
         try:
             returned = function.call(prompts, completions, completion_ids, columns, progress)
         except Exception as error:  # the user's code: what it raised, where, in one line

@@ -216,6 +216,7 @@ class Rollouts:
         weights = self.settings.reward_weights or [1.0] * len(self.reward_names)
         self.weights = torch.tensor(weights, dtype=torch.float64)
         self.aggregation = self.settings.aggregation(cfg.rl)
+        self.unscored_steps = 0  # steps in a row that no reward function scored (trl.unscored_steps_allowed)
 
     def seed_of(self, generation: int, rank: int) -> int:
         return (self.cfg.seed * 1_000_003 + generation * 7_919 + rank) % (2 ** 63)
@@ -254,6 +255,7 @@ class Rollouts:
             sampled = self.sample(policy, generation, step_prompts, rank)
         owned, completions, error = sampled.owned, sampled.completions, sampled.error
         table = texts = features = None
+        names = []
         prompts = [self.prompts.prompts[p] for p in owned]
         where = [self.prompts.where[p] for p in owned]
         if error is None:
@@ -289,6 +291,7 @@ class Rollouts:
                                                  {p: f for item in shared for p, f in item[8][1].items()},
                                                  [p for item in shared for p in item[7]])
             rewards, line = torch.cat([matched.rewards.unsqueeze(1), rewards], dim=1), matched.line
+        self._check_scored(rewards, generation, names)
         advantages, zero_spread, total = group_advantages(rewards, self.weights, group, settings.reward_scaling,
                                                           self.aggregation)
         mine = slice(rank * local, (rank + 1) * local)
@@ -312,6 +315,30 @@ class Rollouts:
         return StepRollout(window, step_tokens, units, logged, sum(item[4] for item in shared),
                            max(item[5] for item in shared), gap, sum(item[6] for item in shared) / len(rewards),
                            float(zero_spread.float().mean()), gap_parts, line)
+
+    def _check_scored(self, rewards: torch.Tensor, generation: int, columns: list[str]) -> None:
+        """A step on which no function scored any completion (every value None: NaN here) trains nothing, every
+        advantage 0: past trl.unscored_steps_allowed such steps in a row the run stops (every rank alike: the
+        rewards are every rank's), naming the functions and the columns they were given."""
+        settings = self.settings
+        if not bool(torch.isnan(rewards).all()):
+            self.unscored_steps = 0
+            return
+        self.unscored_steps += settings.num_iterations  # (a generation trains that many steps)
+        if self.unscored_steps <= settings.unscored_steps_allowed:
+            return
+        step = generation * settings.num_iterations + 1
+        names = list(settings.reward_funcs or [])
+        functions = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        streak = f", {self.unscored_steps} steps in a row" if self.unscored_steps > 1 else ""
+        given = f"the columns: {', '.join(columns)}" if columns else "no dataset column"
+        raise UserError(f"train: step {step}: no reward function scored any of the step's {len(rewards)} completions "
+                        f"({functions} returned None for every one){streak}, so every advantage is 0 and nothing "
+                        f"trains; they were given {given} (besides prompts, completions, completion_ids and "
+                        "trainer_state): make a function return a number where it applies (check the column names "
+                        "and the answer format it reads), or train through such steps with "
+                        f"trl.unscored_steps_allowed: {self.unscored_steps}; no weight of this step changed, and the "
+                        "last checkpoint is as it was")
 
     def _gathered(self, item, world_size: int) -> list:
         if world_size == 1:

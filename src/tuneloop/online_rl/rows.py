@@ -142,6 +142,8 @@ class PromptRows:
                 "loss_type": settings.loss_type, "unit": settings.unit, "beta": settings.beta,
                 "reward_funcs": online_reward_names(cfg), **self.feature_numbers(),
                 "aggregation": settings.aggregation(self.cfg.rl), "scale_rewards": settings.reward_scaling,
+                # (EBFT's own reward scores every completion: its steps are never unscored)
+                "unscored_steps_allowed": None if matches_features(cfg) else settings.unscored_steps_allowed,
                 **self.engine_numbers(spec)}
 
     def reply_numbers(self) -> dict | None:

@@ -69,6 +69,12 @@ class TRLBlock(BaseModel):
     use_bias_correction_kl: bool = True  # TRL's default: the KL term weighted by the importance ratio
     reward_funcs: Optional[list[str]] = None
     reward_weights: Optional[list[float]] = None
+    # tuneloop's: steps in a row on which no reward function scored any completion (each returned None for every
+    # one) that the run trains through before it stops. Such a step has every advantage 0 and trains nothing (but
+    # trl.beta's pull to the reference), which TRL only warns of; 0: the first one stops, before its weights change
+    # (a function that never scores is a bug: a column misnamed, an answer format never matched). Raise it where
+    # the functions score only some tasks of a mixed dataset, and a step may by chance draw none of those.
+    unscored_steps_allowed: int = 0
     log_completions: bool = False
     num_completions_to_print: Optional[int] = None
     sapo_temperature_pos: float = 1.0
@@ -130,6 +136,13 @@ class TRLBlock(BaseModel):
         if value < 2:
             raise ValueError(f"got {value}: a group of one completion has no one to be compared with (its advantage "
                              "is always 0, so nothing trains); use 2 or more")
+        return value
+
+    @field_validator("unscored_steps_allowed")
+    @classmethod
+    def _not_negative(cls, value):
+        if value < 0:
+            raise ValueError(f"got {value}; it counts steps: 0 or more")
         return value
 
     @field_validator("max_completion_length", "num_iterations")

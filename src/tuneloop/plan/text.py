@@ -91,13 +91,23 @@ def _describe_online(plan) -> str:
         *_vllm_lines(r),
         *_feature_lines(r),
         f"  rewards              {', '.join(r['reward_funcs'])}; {r['aggregation'].replace('_', ' ')}, scaled "
-        f"by {r['scale_rewards']} std",
+        f"by {r['scale_rewards']} std{_unscored_words(r)}",
         f"  objective            {plan.objective}, loss_type {r['loss_type']}: averaged over "
         f"{UNIT_WORDS[r['unit']]}; reference {reference}",
         f"  optimizer            {_optimizer(plan)}, learning rate {plan.learning_rate:g}, {plan.lr_scheduler} schedule, "
         f"warm-up {plural(plan.warmup_steps, 'step')}",
     ]
     return "\n".join(lines + _machine_lines(plan))
+
+
+def _unscored_words(r: dict) -> str:
+    """When the run stops for steps that no reward function scores (each advantage 0: nothing trains)."""
+    allowed = r.get("unscored_steps_allowed")
+    if allowed is None:
+        return ""
+    if allowed == 0:
+        return "; a step no function scores stops the run (trl.unscored_steps_allowed: 0)"
+    return f"; {plural(allowed, 'step')} in a row that no function scores, then the run stops (trl.unscored_steps_allowed)"
 
 
 def _cap_words(r: dict) -> str:
