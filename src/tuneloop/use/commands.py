@@ -339,34 +339,14 @@ def command_export(args) -> int:
 def command_quantize(args) -> int:
     from tuneloop.host.hardware import quiet_deepspeed_on_cpu
     from tuneloop.run_files import QUANTIZED
-    from tuneloop.use.quantize import quantize_folder
+    from tuneloop.use.quantize import qat_settings, quantize_folder, words
 
     quiet_deepspeed_on_cpu()
     args.base = None  # (a QAT run saves a whole model: there is no adapter base to name)
     folder, cfg = _source_folder(args, "quantize", "--model")
-    settings = _qat_settings(cfg, folder)
+    settings = qat_settings(cfg, folder)  # as the run recorded it trained
     output = Path(args.output).expanduser() if args.output else folder.path / QUANTIZED
     done = quantize_folder(folder, settings, output, _trusts_remote_code(cfg))
-    activations = ", int8 activations" if settings.activation_dtype else ""
-    print(f"quantized model ({settings.weight_dtype} weights in groups of {settings.group_size}{activations}) saved "
-          f"to {done}; from_pretrained loads it with torchao installed", flush=True)
+    print(f"quantized model ({words(settings)}) saved to {done}; from_pretrained loads it with torchao installed",
+          flush=True)
     return 0
-
-
-def _qat_settings(cfg, folder):
-    """The `qat:` block of CONFIG, or of the run_config.yml a tuneloop run leaves beside its model."""
-    from tuneloop.run_files import RUN_CONFIG
-
-    where = "CONFIG"
-    if cfg is None:
-        run_config = folder.path / RUN_CONFIG
-        if not run_config.is_file():
-            raise UserError(f"quantize: {folder.path} has no {RUN_CONFIG} to say how to quantize it; give the run's "
-                            "CONFIG instead of --model (its `qat:` block)")
-        from tuneloop.config import load_config as load_yaml
-
-        cfg, where = load_yaml(str(run_config)), str(run_config)
-    if cfg.qat is None:
-        raise UserError(f"quantize: {where} has no `qat:` block, which says how to quantize (weight_dtype, "
-                        "activation_dtype, group_size): add the one the model was trained with")
-    return cfg.qat
