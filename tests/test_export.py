@@ -611,15 +611,81 @@ def test_overwrite_leaves_a_file_changed_since_tuneloop_wrote_it(tiny_model_dir,
 def test_what_a_killed_export_left_is_removed_and_a_folder_that_cannot_be_made_is_said(tiny_model_dir, tmp_path):
     left = tmp_path / ".tmp-model.gguf-k1ll3d"
     left.write_bytes(b"half a file")
+    lock = tmp_path / ".model.gguf.lock"  # a kill -9 leaves its lock file too (unlocked: the process is gone)
+    lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "before"}))
     mine = tmp_path / ".tmp-notes.txt"
     mine.write_text("not an export's")
     result = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(tmp_path / "model.gguf"))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"removed {left}" in result.stdout and not left.exists() and mine.exists()
+    assert f"removed {left}" in result.stdout and not left.exists() and not lock.exists() and mine.exists()
     (tmp_path / "afile").write_text("")
     assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--output",
                                      str(tmp_path / "afile" / "model.gguf")), "cannot make the folder")
 
+
+def test_two_exports_into_one_file_never_take_each_others_temporary(tiny_model_dir, tmp_path, monkeypatch):
+    """A first export held while its temporary is being written (a thread here, stopped by an event, not by timing):
+    a second export of the same file is refused in one line naming it and leaves the first's temporary alone, and
+    the first then finishes whole. (What an export that is gone left is still removed:
+    test_what_a_killed_export_left_is_removed_and_a_folder_that_cannot_be_made_is_said.)"""
+    import threading
+
+    from tuneloop.use.gguf import write
+
+    output = tmp_path / "model.gguf"
+    writing, finish = threading.Event(), threading.Event()
+    original = write._write_file
+
+    def held_once(path, *args):
+        if not writing.is_set():  # the first export's write waits for the test; any other goes on
+            writing.set()
+            assert finish.wait(120)
+        return original(path, *args)
+
+    monkeypatch.setattr(write, "_write_file", held_once)
+    first = {}
+
+    def export_first():
+        try:
+            first["done"] = export_gguf(find_model_folder(tiny_model_dir, "--model"), output, "f16",
+                                        say=lambda line: None)
+        except BaseException as error:  # (said by the test's thread below)
+            first["error"] = error
+
+    thread = threading.Thread(target=export_first)
+    thread.start()
+    try:
+        assert writing.wait(120), first
+        in_progress = list(tmp_path.glob(".tmp-model.gguf-*"))
+        assert len(in_progress) == 1
+        second = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(output), "--quant", "f16")
+        assert in_progress[0].exists()
+    finally:
+        finish.set()
+        thread.join(120)
+    assert_user_error(second, f"another export is writing {output}", "wait for it to end")
+    assert "removed" not in second.stdout and "disk" not in second.stderr
+    assert "error" not in first, repr(first.get("error"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.Modelfile", "model.gguf"]  # nothing else left
+    assert fields(output)["general.file_type"] == 1  # f16, whole
+
+
+def test_without_file_locks_a_temporary_is_left_with_a_note(tiny_model_dir, tmp_path, monkeypatch):
+    """A file system that gives no locks (flock fails): whether another export still writes a temporary cannot be
+    known, so it is left, and said."""
+    import errno
+    import fcntl
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    left = tmp_path / ".tmp-model.gguf-wr1t1ng"
+    left.write_bytes(b"maybe another export's")
+    result = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(tmp_path / "model.gguf"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"note: left {left}" in result.stdout and left.read_bytes() == b"maybe another export's"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [left.name, "model.Modelfile", "model.gguf"]
 
 @pytest.mark.slow
 def test_sigterm_while_writing_leaves_neither_a_file_nor_a_temporary(tmp_path):
