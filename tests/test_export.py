@@ -687,6 +687,24 @@ def test_without_file_locks_a_temporary_is_left_with_a_note(tiny_model_dir, tmp_
     assert f"note: left {left}" in result.stdout and left.read_bytes() == b"maybe another export's"
     assert sorted(path.name for path in tmp_path.iterdir()) == [left.name, "model.Modelfile", "model.gguf"]
 
+# ---- what export says when it cannot, in one line naming the path and the fix -------------------------------------
+
+def test_a_llama_cpp_quantization_export_cannot_write_says_how_to_get_it(tiny_model_dir, tmp_path):
+    """`--quant Q4_K_M` (a k-quant the gguf package cannot write): one line with llama.cpp's own way to it, not
+    argparse's usage; the spelling llama.cpp uses for a type export writes (Q8_0) is that type."""
+    f16 = tiny_model_dir / "model-f16.gguf"
+    refused = run_in_process("export", "--model", str(tiny_model_dir), "--quant", "Q4_K_M")
+    assert_user_error(refused, "--quant Q4_K_M", "--quant f16", f"llama-quantize {f16} "
+                      f"{tiny_model_dir / 'model-Q4_K_M.gguf'} Q4_K_M")
+    assert "usage:" not in refused.stderr
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--quant", "q9_x"),
+                      "--quant q9_x is not one of --format gguf's")
+    spelled = run_in_process("export", "--model", str(tiny_model_dir), "--quant", "Q8_0", "--output",
+                             str(tmp_path / "model.gguf"))
+    assert spelled.returncode == 0, spelled.stderr[-2000:]
+    assert fields(tmp_path / "model.gguf")["general.file_type"] == 7  # q8_0
+
+
 @pytest.mark.slow
 def test_sigterm_while_writing_leaves_neither_a_file_nor_a_temporary(tmp_path):
     """The embedded model at f32 (540 MB, a few seconds to write): SIGTERM once the temporary appears; exit 143, and

@@ -81,7 +81,7 @@ def _add_merge(commands) -> None:
 
 
 def _add_export(commands) -> None:
-    from tuneloop.use.exporters import EXPORTERS, quant_names  # (light: each writer is imported when it runs)
+    from tuneloop.use.exporters import EXPORTERS  # (light: each writer is imported when it runs)
 
     formats = EXPORTERS.names()
     export = commands.add_parser("export", help="the trained model (a LoRA run merged first) as " + "; or ".join(
@@ -92,7 +92,8 @@ def _add_export(commands) -> None:
     export.add_argument("--format", choices=formats, default=formats[0],
                         help="; ".join(f"{name}: {EXPORTERS[name].summary}" + (" (the default)" if name == formats[0]
                                                                               else "") for name in formats))
-    export.add_argument("--quant", choices=quant_names(), default=None,
+    # (no argparse choices: a name the format does not write is said by the command, with how to get it)
+    export.add_argument("--quant", default=None,
                         help="the weights' type; " + "; ".join(f"{name}: {EXPORTERS[name].quant_help()}"
                                                              for name in formats))
     suffixes = ", ".join(f"{EXPORTERS[name].suffix} ({name})" for name in formats)
@@ -315,18 +316,23 @@ def command_export(args) -> int:
     quiet_deepspeed_on_cpu()
     exporter = EXPORTERS[args.format]
     quant = args.quant or exporter.default_quant
-    if quant not in exporter.quantizations:  # (--quant's choices are every format's)
-        raise UserError(f"export: --quant {quant} is not one of --format {args.format}'s: "
-                        f"{exporter.quantizations.choices()}")
+    if quant not in exporter.quantizations and quant.lower() in exporter.quantizations:
+        quant = quant.lower()  # (Q8_0, as llama.cpp spells it)
     folder, cfg = _source_folder(args, "export", "--model")
-    trust_remote_code = _trusts_remote_code(cfg)
     if args.output:
         output = Path(args.output).expanduser()
         if output.suffix != exporter.suffix:
             raise UserError(f"export: --output {output} does not end in {exporter.suffix}; {exporter.readers} look "
                             "for that")
-    else:
+    if quant not in exporter.quantizations:
+        def output_for(other: str) -> Path:
+            return output if args.output else folder.path / f"model-{other}{exporter.suffix}"
+
+        raise UserError("export: " + (exporter.elsewhere(quant, output_for) or (
+            f"--quant {quant} is not one of --format {args.format}'s: {exporter.quantizations.choices()}")))
+    if not args.output:
         output = folder.path / f"model-{quant}{exporter.suffix}"
+    trust_remote_code = _trusts_remote_code(cfg)
     done = exporter.write(folder, output, quant, overwrite=args.overwrite, trust_remote_code=trust_remote_code,
                           base_quantization=_quantized_base_of_run(cfg, folder) if folder.is_adapter else None)
     for line in exporter.hints(done):
