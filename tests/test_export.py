@@ -705,6 +705,23 @@ def test_a_llama_cpp_quantization_export_cannot_write_says_how_to_get_it(tiny_mo
     assert fields(tmp_path / "model.gguf")["general.file_type"] == 7  # q8_0
 
 
+def test_an_adapter_whose_base_moved_is_said_with_how_to_point_at_it(tiny_model_dir, tmp_path):
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = shutil.copytree(tiny_model_dir, tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"])
+                   ).save_pretrained(adapter)
+    base.rename(tmp_path / "moved")
+    refused = run_in_process("export", "--model", str(adapter))
+    assert_user_error(refused, str(base), "is not there", "--base DIR")
+    assert "Repo id" not in refused.stderr
+    assert run_in_process("export", "--model", str(adapter), "--base", str(tmp_path / "moved")).returncode == 0
+
+
 @pytest.mark.slow
 def test_sigterm_while_writing_leaves_neither_a_file_nor_a_temporary(tmp_path):
     """The embedded model at f32 (540 MB, a few seconds to write): SIGTERM once the temporary appears; exit 143, and

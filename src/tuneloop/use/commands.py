@@ -318,7 +318,11 @@ def command_export(args) -> int:
     quant = args.quant or exporter.default_quant
     if quant not in exporter.quantizations and quant.lower() in exporter.quantizations:
         quant = quant.lower()  # (Q8_0, as llama.cpp spells it)
+    from tuneloop.use.folders import check_base_reachable
+
     folder, cfg = _source_folder(args, "export", "--model")
+    if folder.is_adapter:
+        check_base_reachable(folder)  # (a base folder that moved: said, before the hub's name rules are)
     if args.output:
         output = Path(args.output).expanduser()
         if output.suffix != exporter.suffix:
