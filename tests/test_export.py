@@ -722,6 +722,30 @@ def test_an_adapter_whose_base_moved_is_said_with_how_to_point_at_it(tiny_model_
     assert run_in_process("export", "--model", str(adapter), "--base", str(tmp_path / "moved")).returncode == 0
 
 
+def test_export_of_a_folder_a_run_is_training_in_says_so(tiny_model_dir, tmp_path):
+    """The run's lock on output_dir (run_files.OutputDirLock, as `train` holds it) is how tuneloop knows a run is
+    live: export refuses the folder, naming the run; once the run has ended it exports."""
+    import os
+    import shutil
+
+    from conftest import base_config, tiny_rows, write_config, write_jsonl
+
+    from tuneloop import run_files
+
+    out = shutil.copytree(tiny_model_dir, tmp_path / "out")  # (an earlier run's model, which the run there replaces)
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir,
+                                                              write_jsonl(tmp_path / "d.jsonl", tiny_rows(4))))
+    training = run_files.OutputDirLock(out)
+    training.sign()
+    try:
+        refused = run_in_process("export", str(config), "--quant", "f16")
+    finally:
+        training.close()
+    assert_user_error(refused, f"a run is training in {out}", f"pid {os.getpid()}", "wait for it to end")
+    assert not list(out.glob("*.gguf"))
+    assert run_in_process("export", str(config), "--quant", "f16").returncode == 0
+
+
 @pytest.mark.slow
 def test_sigterm_while_writing_leaves_neither_a_file_nor_a_temporary(tmp_path):
     """The embedded model at f32 (540 MB, a few seconds to write): SIGTERM once the temporary appears; exit 143, and

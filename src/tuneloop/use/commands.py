@@ -126,15 +126,19 @@ def _one_source(args, command: str, flag: str) -> None:
         raise UserError(f"{command}: give CONFIG or {flag} DIR (one of them)")
 
 
-def _source_folder(args, command: str, flag: str, find=None):
+def _source_folder(args, command: str, flag: str, find=None, while_training: str | None = None):
     """(the model folder CONFIG's output_dir or `flag` names, the config or None): an adapter sits on --base, else
     on the config's base_model, else on the base its adapter_config.json names. `find(path, what, base)`: how
-    the folder is read (default: a full model or an adapter)."""
+    the folder is read (default: a full model or an adapter). `while_training`: why the command refuses a folder a
+    run is training in, if it does."""
     from tuneloop.use.folders import find_model_folder
 
     _one_source(args, command, flag)
-    if args.config is not None:
-        cfg = load_config(args)
+    cfg = load_config(args) if args.config is not None else None
+    if while_training is not None:
+        _refuse_a_training_run(cfg.output_dir if cfg is not None else getattr(args, flag.strip("-")), command,
+                               while_training)
+    if cfg is not None:
         if find is not None:
             return find(cfg.output_dir, "output_dir", args.base or cfg.base_model), cfg
         return find_model_folder(cfg.output_dir, f"{command}: output_dir", base=args.base or cfg.base_model,
@@ -143,6 +147,17 @@ def _source_folder(args, command: str, flag: str, find=None):
     if find is not None:
         return find(given, flag, args.base), None
     return find_model_folder(given, f"{command}: {flag}", base=args.base), None
+
+
+def _refuse_a_training_run(folder, command: str, why: str) -> None:
+    """A run training in the folder holds its lock (run_files.OutputDirLock), from its plan to its last save."""
+    from tuneloop.run_files import training_in
+
+    path = Path(folder).expanduser()
+    who = training_in(path)
+    if who is not None:
+        raise UserError(f"{command}: a run is training in {path} ({who}); {why}: wait for it to end, then "
+                        f"{command} again")
 
 
 def _trusts_remote_code(cfg) -> bool:
@@ -320,7 +335,8 @@ def command_export(args) -> int:
         quant = quant.lower()  # (Q8_0, as llama.cpp spells it)
     from tuneloop.use.folders import check_base_reachable
 
-    folder, cfg = _source_folder(args, "export", "--model")
+    folder, cfg = _source_folder(args, "export", "--model",
+                                 while_training="the model there is the one it replaces, or none yet")
     if folder.is_adapter:
         check_base_reachable(folder)  # (a base folder that moved: said, before the hub's name rules are)
     if args.output:
