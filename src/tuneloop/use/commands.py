@@ -327,14 +327,13 @@ def _quantized_base_of_run(cfg, folder):
 def command_export(args) -> int:
     from tuneloop.host.hardware import quiet_deepspeed_on_cpu
     from tuneloop.use.exporters import EXPORTERS
+    from tuneloop.use.folders import check_base_reachable
 
     quiet_deepspeed_on_cpu()
     exporter = EXPORTERS[args.format]
     quant = args.quant or exporter.default_quant
     if quant not in exporter.quantizations and quant.lower() in exporter.quantizations:
         quant = quant.lower()  # (Q8_0, as llama.cpp spells it)
-    from tuneloop.use.folders import check_base_reachable
-
     folder, cfg = _source_folder(args, "export", "--model",
                                  while_training="the model there is the one it replaces, or none yet")
     if folder.is_adapter:
