@@ -611,14 +611,139 @@ def test_overwrite_leaves_a_file_changed_since_tuneloop_wrote_it(tiny_model_dir,
 def test_what_a_killed_export_left_is_removed_and_a_folder_that_cannot_be_made_is_said(tiny_model_dir, tmp_path):
     left = tmp_path / ".tmp-model.gguf-k1ll3d"
     left.write_bytes(b"half a file")
+    lock = tmp_path / ".model.gguf.lock"  # a kill -9 leaves its lock file too (unlocked: the process is gone)
+    lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "before"}))
     mine = tmp_path / ".tmp-notes.txt"
     mine.write_text("not an export's")
     result = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(tmp_path / "model.gguf"))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"removed {left}" in result.stdout and not left.exists() and mine.exists()
+    assert f"removed {left}" in result.stdout and not left.exists() and not lock.exists() and mine.exists()
     (tmp_path / "afile").write_text("")
     assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--output",
                                      str(tmp_path / "afile" / "model.gguf")), "cannot make the folder")
+
+
+def test_two_exports_into_one_file_never_take_each_others_temporary(tiny_model_dir, tmp_path, monkeypatch):
+    """A first export held while its temporary is being written (a thread here, stopped by an event, not by timing):
+    a second export of the same file is refused in one line naming it and leaves the first's temporary alone, and
+    the first then finishes whole. (What an export that is gone left is still removed:
+    test_what_a_killed_export_left_is_removed_and_a_folder_that_cannot_be_made_is_said.)"""
+    import threading
+
+    from tuneloop.use.gguf import write
+
+    output = tmp_path / "model.gguf"
+    writing, finish = threading.Event(), threading.Event()
+    original = write._write_file
+
+    def held_once(path, *args):
+        if not writing.is_set():  # the first export's write waits for the test; any other goes on
+            writing.set()
+            assert finish.wait(120)
+        return original(path, *args)
+
+    monkeypatch.setattr(write, "_write_file", held_once)
+    first = {}
+
+    def export_first():
+        try:
+            first["done"] = export_gguf(find_model_folder(tiny_model_dir, "--model"), output, "f16",
+                                        say=lambda line: None)
+        except BaseException as error:  # (said by the test's thread below)
+            first["error"] = error
+
+    thread = threading.Thread(target=export_first)
+    thread.start()
+    try:
+        assert writing.wait(120), first
+        in_progress = list(tmp_path.glob(".tmp-model.gguf-*"))
+        assert len(in_progress) == 1
+        second = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(output), "--quant", "f16")
+        assert in_progress[0].exists()
+    finally:
+        finish.set()
+        thread.join(120)
+    assert_user_error(second, f"another export is writing {output}", "wait for it to end")
+    assert "removed" not in second.stdout and "disk" not in second.stderr
+    assert "error" not in first, repr(first.get("error"))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.Modelfile", "model.gguf"]  # nothing else left
+    assert fields(output)["general.file_type"] == 1  # f16, whole
+
+
+def test_without_file_locks_a_temporary_is_left_with_a_note(tiny_model_dir, tmp_path, monkeypatch):
+    """A file system that gives no locks (flock fails): whether another export still writes a temporary cannot be
+    known, so it is left, and said."""
+    import errno
+    import fcntl
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    left = tmp_path / ".tmp-model.gguf-wr1t1ng"
+    left.write_bytes(b"maybe another export's")
+    result = run_in_process("export", "--model", str(tiny_model_dir), "--output", str(tmp_path / "model.gguf"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"note: left {left}" in result.stdout and left.read_bytes() == b"maybe another export's"
+    assert sorted(path.name for path in tmp_path.iterdir()) == [left.name, "model.Modelfile", "model.gguf"]
+
+# ---- what export says when it cannot, in one line naming the path and the fix -------------------------------------
+
+def test_a_llama_cpp_quantization_export_cannot_write_says_how_to_get_it(tiny_model_dir, tmp_path):
+    """`--quant Q4_K_M` (a k-quant the gguf package cannot write): one line with llama.cpp's own way to it, not
+    argparse's usage; the spelling llama.cpp uses for a type export writes (Q8_0) is that type."""
+    f16 = tiny_model_dir / "model-f16.gguf"
+    refused = run_in_process("export", "--model", str(tiny_model_dir), "--quant", "Q4_K_M")
+    assert_user_error(refused, "--quant Q4_K_M", "--quant f16", f"llama-quantize {f16} "
+                      f"{tiny_model_dir / 'model-Q4_K_M.gguf'} Q4_K_M")
+    assert "usage:" not in refused.stderr
+    assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--quant", "q9_x"),
+                      "--quant q9_x is not one of --format gguf's")
+    spelled = run_in_process("export", "--model", str(tiny_model_dir), "--quant", "Q8_0", "--output",
+                             str(tmp_path / "model.gguf"))
+    assert spelled.returncode == 0, spelled.stderr[-2000:]
+    assert fields(tmp_path / "model.gguf")["general.file_type"] == 7  # q8_0
+
+
+def test_an_adapter_whose_base_moved_is_said_with_how_to_point_at_it(tiny_model_dir, tmp_path):
+    import shutil
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = shutil.copytree(tiny_model_dir, tmp_path / "base")
+    adapter = tmp_path / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"])
+                   ).save_pretrained(adapter)
+    base.rename(tmp_path / "moved")
+    refused = run_in_process("export", "--model", str(adapter))
+    assert_user_error(refused, str(base), "is not there", "--base DIR")
+    assert "Repo id" not in refused.stderr
+    assert run_in_process("export", "--model", str(adapter), "--base", str(tmp_path / "moved")).returncode == 0
+
+
+def test_export_of_a_folder_a_run_is_training_in_says_so(tiny_model_dir, tmp_path):
+    """The run's lock on output_dir (run_files.OutputDirLock, as `train` holds it) is how tuneloop knows a run is
+    live: export refuses the folder, naming the run; once the run has ended it exports."""
+    import os
+    import shutil
+
+    from conftest import base_config, tiny_rows, write_config, write_jsonl
+
+    from tuneloop import run_files
+
+    out = shutil.copytree(tiny_model_dir, tmp_path / "out")  # (an earlier run's model, which the run there replaces)
+    config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir,
+                                                              write_jsonl(tmp_path / "d.jsonl", tiny_rows(4))))
+    training = run_files.OutputDirLock(out)
+    training.sign()
+    try:
+        refused = run_in_process("export", str(config), "--quant", "f16")
+    finally:
+        training.close()
+    assert_user_error(refused, f"a run is training in {out}", f"pid {os.getpid()}", "wait for it to end")
+    assert not list(out.glob("*.gguf"))
+    assert run_in_process("export", str(config), "--quant", "f16").returncode == 0
 
 
 @pytest.mark.slow

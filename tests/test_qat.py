@@ -5,7 +5,8 @@
   torchao-quantized model's from then on (whose forward equals torchao's fake-quantized one);
 - the saved model is plain: the base's tensor names, no quantization config, from_pretrained loads it alone, and
   its weights are the last step's trained fp32 weights;
-- `tuneloop quantize` writes a folder from_pretrained reloads, whose logits are the fake-quantized forward's;
+- `tuneloop quantize` writes a folder from_pretrained reloads, whose logits are the fake-quantized forward's, and
+  quantizes as the run recorded it trained: a CONFIG edited since is refused;
 - under FSDP2 (fully_shard, the example's keys) 2 ranks end with 2 DDP ranks' weights and save a plain model;
 - what cannot run is refused at `check` in one line (NVFP4, an adapter, DeepSpeed), and a group size the layers do
   not take by `plan`.
@@ -124,6 +125,27 @@ def test_quantize_command_writes_a_reloadable_fake_quantized_model(run):
     assert (got - unquantized).abs().max() > 1e-2
     again = run_in_process("quantize", str(config))  # never over a folder that holds something
     assert_user_error(again, "exists and is not empty")
+
+
+def test_quantize_follows_what_the_run_recorded_and_refuses_a_config_edited_since(run, tmp_path):
+    """The run trained at int4 (its run_config.yml says so): CONFIG edited to int8 since, or without its `qat:`
+    block, is refused naming both and nothing is written; a change quantize does not read (when the fake
+    quantization started) is not."""
+    config, out, _ = run
+    recorded = out / "run_config.yml"
+    output = tmp_path / "quantized"
+    edited = run_in_process("quantize", str(config), "--set", "qat.weight_dtype=int8", "--output", str(output))
+    assert_user_error(edited, "qat.weight_dtype", "int8", "int4", str(recorded), "--model")
+    assert not output.exists()
+    assert_user_error(run_in_process("quantize", str(config), "--set", "qat=null", "--output", str(output)),
+                      "no `qat:` block", "int4", str(recorded))
+    started_later = run_in_process("quantize", str(config), "--set", "qat.fake_quant_after_n_steps=3",
+                                   "--output", str(output))
+    assert started_later.returncode == 0, started_later.stderr[-3000:]
+    assert "int4 weights in groups of 32, int8 activations" in started_later.stdout
+    by_record = run_in_process("quantize", "--model", str(out), "--output", str(tmp_path / "by_record"))
+    assert by_record.returncode == 0, by_record.stderr[-3000:]
+    assert "int4 weights in groups of 32, int8 activations" in by_record.stdout
 
 
 # axolotl's qwen3/8b-qat-fsdp2.yml keys: rank 1 builds on the meta device and receives its shards, checkpointed layers

@@ -431,4 +431,4 @@ def test_the_export_command_knows_no_format_but_the_registrys(tiny_model_dir, tm
     assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--format", "onnx"),
                       "--format", "onnx", *EXPORTERS.names())
     assert_user_error(run_in_process("export", "--model", str(tiny_model_dir), "--quant", "q2_k"),
-                      "--quant", "q2_k", "x1", *EXPORTERS["gguf"].quantizations.names())
+                      "--quant", "q2_k", *EXPORTERS["gguf"].quantizations.names())

@@ -253,10 +253,8 @@ class OutputDirLock:
                 self.descriptor = None
                 return
             os.close(self.descriptor)
-            holder = read_json(output_dir / LOCK) or {}
-            who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}"
-                   if holder else "a process that has not said who it is")
-            raise UserError(f"output_dir {output_dir} is in use by another tuneloop run ({who}); two runs in one "
+            raise UserError(f"output_dir {output_dir} is in use by another tuneloop run ({holder_of(output_dir)}); "
+                            "two runs in one "
                             "folder would mix their files. Wait for that run to end, or choose another "
                             "output_dir.") from None
 
@@ -271,6 +269,33 @@ class OutputDirLock:
         if self.descriptor is not None:
             os.close(self.descriptor)  # (releases the lock)
             self.descriptor = None
+
+
+def holder_of(output_dir: Path) -> str:
+    """Who holds output_dir's lock, as the holder signed LOCK."""
+    holder = read_json(output_dir / LOCK) or {}
+    return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('since', '?')}"
+            if holder else "a process that has not said who it is")
+
+
+def training_in(output_dir: Path) -> str | None:
+    """While a run holds output_dir (OutputDirLock): who it is (holder_of); None when no run does, or when the
+    folder or its file system gives no lock to test."""
+    import fcntl
+
+    try:
+        descriptor = os.open(output_dir, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (a shared lock, let go at once: the test only)
+    except BlockingIOError:
+        return holder_of(output_dir)
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
+    return None
 
 
 def append_json_line(path: Path, record_: dict) -> None:

@@ -81,7 +81,7 @@ def _add_merge(commands) -> None:
 
 
 def _add_export(commands) -> None:
-    from tuneloop.use.exporters import EXPORTERS, quant_names  # (light: each writer is imported when it runs)
+    from tuneloop.use.exporters import EXPORTERS  # (light: each writer is imported when it runs)
 
     formats = EXPORTERS.names()
     export = commands.add_parser("export", help="the trained model (a LoRA run merged first) as " + "; or ".join(
@@ -92,7 +92,8 @@ def _add_export(commands) -> None:
     export.add_argument("--format", choices=formats, default=formats[0],
                         help="; ".join(f"{name}: {EXPORTERS[name].summary}" + (" (the default)" if name == formats[0]
                                                                               else "") for name in formats))
-    export.add_argument("--quant", choices=quant_names(), default=None,
+    # (no argparse choices: a name the format does not write is said by the command, with how to get it)
+    export.add_argument("--quant", default=None,
                         help="the weights' type; " + "; ".join(f"{name}: {EXPORTERS[name].quant_help()}"
                                                              for name in formats))
     suffixes = ", ".join(f"{EXPORTERS[name].suffix} ({name})" for name in formats)
@@ -125,15 +126,19 @@ def _one_source(args, command: str, flag: str) -> None:
         raise UserError(f"{command}: give CONFIG or {flag} DIR (one of them)")
 
 
-def _source_folder(args, command: str, flag: str, find=None):
+def _source_folder(args, command: str, flag: str, find=None, while_training: str | None = None):
     """(the model folder CONFIG's output_dir or `flag` names, the config or None): an adapter sits on --base, else
     on the config's base_model, else on the base its adapter_config.json names. `find(path, what, base)`: how
-    the folder is read (default: a full model or an adapter)."""
+    the folder is read (default: a full model or an adapter). `while_training`: why the command refuses a folder a
+    run is training in, if it does."""
     from tuneloop.use.folders import find_model_folder
 
     _one_source(args, command, flag)
-    if args.config is not None:
-        cfg = load_config(args)
+    cfg = load_config(args) if args.config is not None else None
+    if while_training is not None:
+        _refuse_a_training_run(cfg.output_dir if cfg is not None else getattr(args, flag.strip("-")), command,
+                               while_training)
+    if cfg is not None:
         if find is not None:
             return find(cfg.output_dir, "output_dir", args.base or cfg.base_model), cfg
         return find_model_folder(cfg.output_dir, f"{command}: output_dir", base=args.base or cfg.base_model,
@@ -142,6 +147,17 @@ def _source_folder(args, command: str, flag: str, find=None):
     if find is not None:
         return find(given, flag, args.base), None
     return find_model_folder(given, f"{command}: {flag}", base=args.base), None
+
+
+def _refuse_a_training_run(folder, command: str, why: str) -> None:
+    """A run training in the folder holds its lock (run_files.OutputDirLock), from its plan to its last save."""
+    from tuneloop.run_files import training_in
+
+    path = Path(folder).expanduser()
+    who = training_in(path)
+    if who is not None:
+        raise UserError(f"{command}: a run is training in {path} ({who}); {why}: wait for it to end, then "
+                        f"{command} again")
 
 
 def _trusts_remote_code(cfg) -> bool:
@@ -311,22 +327,31 @@ def _quantized_base_of_run(cfg, folder):
 def command_export(args) -> int:
     from tuneloop.host.hardware import quiet_deepspeed_on_cpu
     from tuneloop.use.exporters import EXPORTERS
+    from tuneloop.use.folders import check_base_reachable
 
     quiet_deepspeed_on_cpu()
     exporter = EXPORTERS[args.format]
     quant = args.quant or exporter.default_quant
-    if quant not in exporter.quantizations:  # (--quant's choices are every format's)
-        raise UserError(f"export: --quant {quant} is not one of --format {args.format}'s: "
-                        f"{exporter.quantizations.choices()}")
-    folder, cfg = _source_folder(args, "export", "--model")
-    trust_remote_code = _trusts_remote_code(cfg)
+    if quant not in exporter.quantizations and quant.lower() in exporter.quantizations:
+        quant = quant.lower()  # (Q8_0, as llama.cpp spells it)
+    folder, cfg = _source_folder(args, "export", "--model",
+                                 while_training="the model there is the one it replaces, or none yet")
+    if folder.is_adapter:
+        check_base_reachable(folder)  # (a base folder that moved: said, before the hub's name rules are)
     if args.output:
         output = Path(args.output).expanduser()
         if output.suffix != exporter.suffix:
             raise UserError(f"export: --output {output} does not end in {exporter.suffix}; {exporter.readers} look "
                             "for that")
-    else:
+    if quant not in exporter.quantizations:
+        def output_for(other: str) -> Path:
+            return output if args.output else folder.path / f"model-{other}{exporter.suffix}"
+
+        raise UserError("export: " + (exporter.elsewhere(quant, output_for) or (
+            f"--quant {quant} is not one of --format {args.format}'s: {exporter.quantizations.choices()}")))
+    if not args.output:
         output = folder.path / f"model-{quant}{exporter.suffix}"
+    trust_remote_code = _trusts_remote_code(cfg)
     done = exporter.write(folder, output, quant, overwrite=args.overwrite, trust_remote_code=trust_remote_code,
                           base_quantization=_quantized_base_of_run(cfg, folder) if folder.is_adapter else None)
     for line in exporter.hints(done):
@@ -339,34 +364,14 @@ def command_export(args) -> int:
 def command_quantize(args) -> int:
     from tuneloop.host.hardware import quiet_deepspeed_on_cpu
     from tuneloop.run_files import QUANTIZED
-    from tuneloop.use.quantize import quantize_folder
+    from tuneloop.use.quantize import qat_settings, quantize_folder, words
 
     quiet_deepspeed_on_cpu()
     args.base = None  # (a QAT run saves a whole model: there is no adapter base to name)
     folder, cfg = _source_folder(args, "quantize", "--model")
-    settings = _qat_settings(cfg, folder)
+    settings = qat_settings(cfg, folder)  # as the run recorded it trained
     output = Path(args.output).expanduser() if args.output else folder.path / QUANTIZED
     done = quantize_folder(folder, settings, output, _trusts_remote_code(cfg))
-    activations = ", int8 activations" if settings.activation_dtype else ""
-    print(f"quantized model ({settings.weight_dtype} weights in groups of {settings.group_size}{activations}) saved "
-          f"to {done}; from_pretrained loads it with torchao installed", flush=True)
+    print(f"quantized model ({words(settings)}) saved to {done}; from_pretrained loads it with torchao installed",
+          flush=True)
     return 0
-
-
-def _qat_settings(cfg, folder):
-    """The `qat:` block of CONFIG, or of the run_config.yml a tuneloop run leaves beside its model."""
-    from tuneloop.run_files import RUN_CONFIG
-
-    where = "CONFIG"
-    if cfg is None:
-        run_config = folder.path / RUN_CONFIG
-        if not run_config.is_file():
-            raise UserError(f"quantize: {folder.path} has no {RUN_CONFIG} to say how to quantize it; give the run's "
-                            "CONFIG instead of --model (its `qat:` block)")
-        from tuneloop.config import load_config as load_yaml
-
-        cfg, where = load_yaml(str(run_config)), str(run_config)
-    if cfg.qat is None:
-        raise UserError(f"quantize: {where} has no `qat:` block, which says how to quantize (weight_dtype, "
-                        "activation_dtype, group_size): add the one the model was trained with")
-    return cfg.qat

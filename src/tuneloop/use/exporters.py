@@ -28,6 +28,9 @@ class Exporter:
     # (folder, output, quant, *, overwrite, trust_remote_code, base_quantization, say) -> the export's result
     write: Callable
     hints: Callable[[object], Iterable[str]]  # (the export's result) -> the lines printed after it: how to run it
+    # (a --quant it does not write, output_for(quant) -> the file an export at that --quant writes) -> the message
+    # that says how to get that file some other way, or None
+    elsewhere: Callable[[str, Callable[[str], Path]], str | None] = lambda name, output_for: None
 
     def quant_help(self) -> str:
         others = [name for name in self.quantizations.names() if name != self.default_quant]
@@ -38,6 +41,12 @@ def _write_gguf(folder, output: Path, quant: str, **options):
     from tuneloop.use.gguf.write import export_gguf
 
     return export_gguf(folder, output, quant, **options)
+
+
+def _gguf_elsewhere(name: str, output_for) -> str | None:
+    from tuneloop.use.gguf.quantize import elsewhere
+
+    return elsewhere(name, output_for)
 
 
 def _gguf_hints(done) -> list[str]:
@@ -51,9 +60,5 @@ EXPORTERS.add("gguf", Exporter(
     summary="one GGUF file for llama.cpp / Ollama, with an Ollama Modelfile beside it", suffix=".gguf",
     readers="llama.cpp and Ollama", quantizations=QUANTIZATIONS, default_quant="q8_0",
     default_quant_note="close to f16, half its size", quant_note="norms and biases stay f32",
-    write=_write_gguf, hints=_gguf_hints))
+    write=_write_gguf, hints=_gguf_hints, elsewhere=_gguf_elsewhere))
 
-
-def quant_names() -> list[str]:
-    """Every --quant some format takes (each format checks its own: exporter.quantizations)."""
-    return list(dict.fromkeys(name for format in EXPORTERS.names() for name in EXPORTERS[format].quantizations.names()))

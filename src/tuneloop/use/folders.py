@@ -49,11 +49,27 @@ def adapter_base(folder: Path) -> str:
 
 
 def check_base_reachable(folder: ModelFolder) -> None:
-    """A local base that moved or was deleted since training: said before anything is loaded."""
+    """A local base that moved or was deleted since training: said before anything is loaded (huggingface_hub would
+    take the path for a hub name it refuses: "Repo id must be in the form...")."""
     base = folder.base
-    if base and base.startswith(("/", "./", "../", "~")) and not Path(base).expanduser().is_dir():
-        raise UserError(f"model: the adapter in {folder.path} was trained on {base}, which is not there; give the "
-                        "base model's folder with --base DIR")
+    if base and not Path(base).expanduser().is_dir() and not _could_be_hub_name(base):
+        raise UserError(f"model: {base}, the base model of the adapter in {folder.path}, is not there (moved or "
+                        "deleted?); give the base model's folder with --base DIR")
+
+
+def _could_be_hub_name(name: str) -> bool:
+    """`name` reads as a hub repository (`org/model`, `model`); a path with more to it (`/data/base`, `./base`,
+    `runs/a/base`) does not."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.startswith(("/", ".", "~")):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def load_tokenizer_of(folder: ModelFolder):

@@ -31,6 +31,31 @@ QUANTIZATIONS.add("q4_0", Quantization("MOSTLY_Q4_0", "Q4_0", "Q8_0"))
 VOCABULARY_TENSORS = ("token_embd.weight", "output.weight")
 
 
+def llama_cpp_type(name: str) -> str | None:
+    """`name` as llama.cpp's `llama-quantize` spells a type it writes (Q4_K_M, IQ4_XS, Q5_1, ...), or None."""
+    import gguf
+
+    spelled = name.upper()
+    types = {member.removeprefix("MOSTLY_") for member in gguf.LlamaFileType.__members__ if
+             member.startswith("MOSTLY_")}
+    types |= {kind.removesuffix("_M") for kind in types if kind.endswith("_K_M")}  # (Q4_K: llama-quantize's Q4_K_M)
+    return spelled if spelled in types else None
+
+
+def elsewhere(name: str, output_for) -> str | None:
+    """For a --quant export does not write but llama.cpp does: export f16 and quantize that file with llama.cpp's
+    own tool. `output_for(quant)`: the file `export` at that --quant writes."""
+    kind = llama_cpp_type(name)
+    if kind is None:
+        return None
+    f16 = output_for("f16")
+    target = f16.with_name(f"model-{kind}{f16.suffix}" if f16.name == f"model-f16{f16.suffix}" else
+                           f"{f16.stem}-{kind}{f16.suffix}")
+    return (f"--quant {name} is a llama.cpp quantization that the gguf package export writes with has no encoder for "
+            f"(export writes {QUANTIZATIONS.choices()}): export with --quant f16 (into {f16}), then run llama.cpp's "
+            f"`llama-quantize {f16} {target} {kind}`")
+
+
 def tensor_type(name: str, shape: tuple[int, ...], quantization: Quantization):
     """The ggml type this tensor is written in."""
     import gguf

@@ -14,8 +14,9 @@ from tuneloop.use.folders import ModelFolder
 from tuneloop.use.gguf.architectures import (FileTensor, add_metadata, architecture_of, check_exportable, file_tensors,
                                              head_dim)
 from tuneloop.use.gguf.chat import ChatFacts, chat_facts, modelfile
-from tuneloop.use.gguf.files import (MARKER_KEY, check_outputs, gguf_marker, interrupted_by_termination, make_folder,
-                                     modelfile_path, modelfile_text, publish, stale_temporaries, write_temporary)
+from tuneloop.use.gguf.files import (MARKER_KEY, WritingLock, check_outputs, gguf_marker, interrupted_by_termination,
+                                     make_folder, modelfile_path, modelfile_text, publish, stale_temporaries,
+                                     write_temporary)
 from tuneloop.use.gguf.quantize import QUANTIZATIONS, encode, stored_bytes, tensor_type
 from tuneloop.use.gguf.vocab import GgufVocab, add_vocab, read_vocab
 
@@ -31,13 +32,24 @@ class Export:
 def export_gguf(folder: ModelFolder, output: Path, quant: str, *, overwrite: bool = False,
                 trust_remote_code: bool = False, base_quantization=None, say=print) -> Export:
     """`base_quantization`: the bitsandbytes config a QLoRA run's base was loaded with (the adapter is merged into that
-    base dequantized, as merge-lora does)."""
+    base dequantized, as merge-lora does). `output` is written by one export at a time (files.WritingLock)."""
+    check_outputs(output, overwrite)
+    lock = WritingLock(output)
+    with interrupted_by_termination():  # (SIGTERM releases the lock and removes its file, and the temporaries)
+        lock.take()  # (before the model loads: a second export of the file is refused at once)
+        try:
+            return _export(folder, output, quant, lock, overwrite, trust_remote_code, base_quantization, say)
+        finally:
+            lock.release()
+
+
+def _export(folder: ModelFolder, output: Path, quant: str, lock: WritingLock, overwrite: bool,
+            trust_remote_code: bool, base_quantization, say) -> Export:
     from transformers import AutoConfig
 
     from tuneloop.use.folders import load_model_from, load_tokenizer_of
 
     quantization = QUANTIZATIONS[quant]
-    check_outputs(output, overwrite)
     config_source = folder.base if folder.is_adapter else folder.path
     try:
         config = AutoConfig.from_pretrained(config_source, trust_remote_code=trust_remote_code)
@@ -66,22 +78,26 @@ def export_gguf(folder: ModelFolder, output: Path, quant: str, *, overwrite: boo
         say(line)
     check_free_space(output.parent, total)
     make_folder(output.parent)
+    lock.take()  # (now that the folder exists, where it did not)
     for stale in stale_temporaries(output):
-        stale.unlink(missing_ok=True)
+        if lock.unguarded:  # (whether its writer is still running cannot be known)
+            say(f"note: left {stale}: this file system gives no locks, so whether the export that wrote it still "
+                "runs cannot be known; remove it yourself once none does")
+            continue
+        stale.unlink(missing_ok=True)  # (its writer is gone: every export holds the lock while its temporaries exist)
         say(f"removed {stale}, what an earlier export that was killed left")
     stops = [token for token in dict.fromkeys([facts.turn_end, tokenizer.eos_token]) if token]
     text = modelfile_text(modelfile(output.name, modelfile_path(output).name, facts, stops))
     written = []
     try:
-        with interrupted_by_termination():
-            gguf_temp, warnings = write_temporary(output, lambda path: _write_file(
-                path, folder, quantization, config, arch, vocab, facts, tensors, types, total))
-            written.append(gguf_temp)
-            modelfile_temp, _ = write_temporary(modelfile_path(output),
-                                                lambda path: path.write_text(text, encoding="utf-8"))
-            written.append(modelfile_temp)
-            check_outputs(output, overwrite)  # again: the paths may have been taken while the model loaded
-            publish([(gguf_temp, output), (modelfile_temp, modelfile_path(output))])
+        gguf_temp, warnings = write_temporary(output, lambda path: _write_file(
+            path, folder, quantization, config, arch, vocab, facts, tensors, types, total))
+        written.append(gguf_temp)
+        modelfile_temp, _ = write_temporary(modelfile_path(output),
+                                            lambda path: path.write_text(text, encoding="utf-8"))
+        written.append(modelfile_temp)
+        check_outputs(output, overwrite)  # again: the paths may have been taken while the model loaded
+        publish([(gguf_temp, output), (modelfile_temp, modelfile_path(output))])
     except BaseException:
         for temp in written:
             temp.unlink(missing_ok=True)
