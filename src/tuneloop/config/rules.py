@@ -249,9 +249,19 @@ def vision_family(cfg) -> Problems:
     """A vision-language config whose family tuneloop cannot train yet is refused by `check` already, naming the
     family (config/vision_names.py reads it from the local config.json or the hub id)."""
     from tuneloop.config.vision_names import (TRAINED_VISION_TYPES, TRAINED_VISION_WORDS, VISION_FAMILY_WHY_NOT,
-                                              asks_for_vision, named_vision_family)
+                                              local_text_model, named_vision_family, vision_keys)
 
-    if not asks_for_vision(cfg):
+    asking = vision_keys(cfg)
+    if not asking:
+        return
+    text = local_text_model(cfg)
+    if text is not None:  # (a text model is no vision-language family at all: the key that asks for images is wrong)
+        model_type, found = text
+        fix = ("remove model_type, or set `model_type: AutoModelForCausalLM`" if asking[0].startswith("model_type")
+               else "remove it")
+        yield (f"`{asking[0]}` asks for a vision-language model (images and text), and `base_model: "
+               f"{cfg.base_model or cfg.base_model_config}` is a text model ({model_type}, by {found}: no "
+               f"vision_config): {fix}")
         return
     named = named_vision_family(cfg)
     if named is not None and named[0] not in TRAINED_VISION_TYPES:

@@ -1,0 +1,29 @@
+"""Every message true (issue "every message true"): each names what is really the matter, one test each, each of
+which failed before its fix. User errors: exit 2, one `error:` line naming the key or path and the fix, no
+traceback. In-process (`check`, `plan`) or pure functions."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_user_error, base_config, run_in_process, tiny_rows, write_config, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_jsonl(tmp_path_factory.mktemp("messages") / "train.jsonl", tiny_rows(24, seed=53))
+
+
+def config_file(tmp_path, model_dir, data_file, name: str = "run.yml", **keys):
+    return write_config(tmp_path / name, **base_config(tmp_path, model_dir, data_file, **keys))
+
+
+@pytest.mark.parametrize("key, value, fix", [
+    ("model_type", "AutoModelForImageTextToText", "remove model_type, or set `model_type: AutoModelForCausalLM`"),
+    ("processor_type", "AutoProcessor", "remove it")])
+def test_a_text_model_under_a_vision_key_is_called_a_text_model(tmp_path, tiny_model_dir, data, key, value, fix):
+    """A text-only LLaMA is no vision-language family: the key that asks for images is what is wrong."""
+    config = config_file(tmp_path, tiny_model_dir, data, **{key: value})
+    result = run_in_process("check", str(config))
+    assert_user_error(result, f"`{key}: {value}` asks for a vision-language model",
+                      f"is a text model (llama, by {tiny_model_dir / 'config.json'}", fix)
+    assert "vision-language model (by" not in result.stderr
