@@ -27,3 +27,22 @@ def test_a_text_model_under_a_vision_key_is_called_a_text_model(tmp_path, tiny_m
     assert_user_error(result, f"`{key}: {value}` asks for a vision-language model",
                       f"is a text model (llama, by {tiny_model_dir / 'config.json'}", fix)
     assert "vision-language model (by" not in result.stderr
+
+
+def test_a_stream_is_refused_for_its_own_reason_and_supervised_chat_rows_stream(tmp_path, tiny_model_dir):
+    """A vision-language config with `streaming` was refused as "preference data (`rl:`)"; `type: chat_template`
+    (a preference type too, under `rl:`) is supervised without it, and streams."""
+    stream = {"streaming": True, "max_steps": 2}
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                                 {"role": "assistant", "content": "hello"}]}] * 8)
+    chat_rows = [{"path": str(chats), "type": "chat_template"}]
+    vision = config_file(tmp_path, "Qwen/Qwen2.5-VL-7B-Instruct", chats, "vision.yml", processor_type="AutoProcessor",
+                         datasets=chat_rows, **stream)
+    result = run_in_process("check", str(vision))
+    assert_user_error(result, "`streaming` reads the training rows as a stream", "`processor_type: AutoProcessor` "
+                      "trains a vision-language model, whose rows are prepared whole", "remove `streaming`")
+    assert "rl:" not in result.stderr
+    supervised = config_file(tmp_path, tiny_model_dir, chats, "chats.yml", chat_template="chatml", datasets=chat_rows,
+                             **stream)
+    result = run_in_process("check", str(supervised))
+    assert result.returncode == 0, result.stderr

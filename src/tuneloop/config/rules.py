@@ -327,11 +327,37 @@ def streaming(cfg) -> Problems:
     for key, why in STREAM_CONFLICTS.items():
         if getattr(cfg, key):
             yield f"`{key}` cannot be used with a streamed dataset: tuneloop does not {why}"
-    if cfg.rl or cfg.reward_model or any(
-            entry.type is not None and not isinstance(entry.type, str) or entry.type in PREFERENCE_FORMATS
-            or entry.type in UNPAIRED_FORMATS or entry.type in REWARD_FORMATS or entry.type in STEPWISE_TYPES
-            for entry in cfg.train_entries):
-        yield "preference data (`rl:`) is prepared whole: remove `streaming`"
+    why_whole = _prepared_whole(cfg)
+    if why_whole:
+        key = "pretraining_dataset" if cfg.pretraining_dataset else "streaming"
+        yield f"`{key}` reads the training rows as a stream, and {why_whole}: remove `{key}`"
+
+
+def _prepared_whole(cfg) -> str | None:
+    """Why this run's training rows cannot be streamed, in words (None: they can): a vision-language model's, a
+    preference or reward model's. (A type both trainings read, `chat_template`, is supervised data without `rl:`.)"""
+    from tuneloop.config.vision_names import vision_keys
+
+    asking = vision_keys(cfg)
+    if asking:
+        return (f"`{asking[0]}` trains a vision-language model, whose rows are prepared whole (their images are "
+                "read per micro-batch from the prepared rows)")
+    for key, what in (("rl", f"`rl: {cfg.rl}` trains on preference data"),
+                      ("reward_model", "`reward_model: true` trains on chosen/rejected pairs"),
+                      ("process_reward_model", "`process_reward_model: true` trains on labelled reasoning steps")):
+        if getattr(cfg, key):
+            return f"{what}, which is prepared whole"
+    for index, entry in enumerate(cfg.train_entries):
+        if isinstance(entry.type, PreferenceFormat):
+            return f"dataset {index}'s `type:` mapping is preference data, which is prepared whole"
+        if not isinstance(entry.type, str) or entry.type in FORMATS:
+            continue  # (supervised rows stream: a custom format's, chat_template's)
+        for formats, what in ((PREFERENCE_FORMATS, "preference pairs"), (UNPAIRED_FORMATS, "labelled preference rows"),
+                              (REWARD_FORMATS, "a reward model's pairs"),
+                              (STEPWISE_TYPES, "a process reward model's steps")):
+            if entry.type in formats:
+                return f"dataset {index} is `type: {entry.type}`, {what}, which are prepared whole"
+    return None
 
 
 def preference(cfg) -> Problems:
