@@ -4,6 +4,8 @@ traceback. In-process (`check`, `plan`) or pure functions."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import assert_user_error, base_config, run_in_process, tiny_rows, write_config, write_jsonl
 
@@ -46,3 +48,24 @@ def test_a_stream_is_refused_for_its_own_reason_and_supervised_chat_rows_stream(
                              **stream)
     result = run_in_process("check", str(supervised))
     assert result.returncode == 0, result.stderr
+
+
+def test_a_byte_order_mark_in_a_deepspeed_file_or_a_data_file_is_read_as_nothing(tmp_path, tiny_model_dir, data):
+    """Windows editors start UTF-8 files with a byte-order mark; YAML reads it as nothing, and so does the rest:
+    the DeepSpeed JSON, a JSON-lines file and a JSON array file (it was Python's "decode using utf-8-sig")."""
+    import codecs
+
+    from tuneloop.config import config_from_dict
+    from tuneloop.data.load import read_rows
+
+    (tmp_path / "ds.json").write_bytes(codecs.BOM_UTF8 + b'{"zero_optimization": {"stage": 2}}')
+    config = config_file(tmp_path, tiny_model_dir, data, deepspeed="ds.json")
+    result = run_in_process("check", str(config))
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    lines, array = tmp_path / "bom.jsonl", tmp_path / "bom.json"
+    lines.write_bytes(codecs.BOM_UTF8 + data.read_bytes())
+    array.write_bytes(codecs.BOM_UTF8 + json.dumps(rows).encode())
+    for path in (lines, array):
+        entry = config_from_dict(base_config(tmp_path, tiny_model_dir, path)).datasets[0]
+        assert [row.values for row in read_rows(entry)] == rows

@@ -9,6 +9,7 @@ A `path` that is no local file or folder is read with `datasets.load_dataset` (a
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
 import re
@@ -112,18 +113,21 @@ class ReadProgress:
 
 
 def _json_rows(file: Path, progress: ReadProgress | None = None) -> Iterator[RawRow]:
-    """Line by line (a JSON-lines file of any size streams); a file that is one JSON array is read whole."""
+    """Line by line (a JSON-lines file of any size streams); a file that is one JSON array is read whole. A UTF-8
+    byte-order mark at the start (Windows editors write one) is read as nothing."""
     with open(file, "rb") as handle:
-        head = handle.read(4096).lstrip()
+        head = handle.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
         handle.seek(0)
         if head.startswith(b"["):
-            yield from _json_array_rows(file, handle.read())
+            yield from _json_array_rows(file, handle.read().removeprefix(codecs.BOM_UTF8))
             if progress:
                 progress.advance(file.stat().st_size)
             return
         for number, raw in enumerate(handle, start=1):
             if progress:
                 progress.advance(len(raw))
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
