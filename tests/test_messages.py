@@ -69,3 +69,14 @@ def test_a_byte_order_mark_in_a_deepspeed_file_or_a_data_file_is_read_as_nothing
     for path in (lines, array):
         entry = config_from_dict(base_config(tmp_path, tiny_model_dir, path)).datasets[0]
         assert [row.values for row in read_rows(entry)] == rows
+
+
+def test_a_lora_adapter_as_base_model_is_said_to_be_one_naming_its_base(tmp_path, tiny_model_dir, data):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()  # what peft's save_pretrained writes beside the weights
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8,
+                                                             "base_model_name_or_path": str(tiny_model_dir)}))
+    config = config_file(tmp_path, adapter, data)
+    assert_user_error(run_in_process("check", str(config)), f"`base_model: {adapter}` is a LoRA adapter",
+                      f"set `base_model: {tiny_model_dir}`", "base_model_name_or_path",
+                      f"`lora_model_dir: {adapter}` with `adapter: lora`")

@@ -278,6 +278,16 @@ def model_source(cfg) -> Problems:
         yield ("`base_model` is required (the model to fine-tune); to train from scratch give `base_model_config` "
                "(a folder with a config.json, or a model type such as t5)")
         return
+    for key in ("base_model", "base_model_config"):
+        adapter = adapter_folder(getattr(cfg, key))
+        if adapter is not None:
+            base, folder = adapter
+            yield (f"`{key}: {getattr(cfg, key)}` is a LoRA adapter ({folder / 'adapter_config.json'}), not a model: "
+                   f"set `base_model: {base or 'its base model'}` (the model it was trained on"
+                   + (", as its base_model_name_or_path says" if base else "") + f") and `lora_model_dir: "
+                   f"{getattr(cfg, key)}` with `adapter: lora` to train on from the adapter, or merge it first "
+                   f"(`tuneloop merge-lora --adapter {getattr(cfg, key)}`)")
+            return
     named = [key for key in ("pad_token", "eos_token", "unk_token") if key in cfg.special_tokens]
     if cfg.train_tokenizer and named:
         yield (f"`special_tokens.{named[0]}` and `train_tokenizer` both name it: a trained tokenizer's special tokens "
@@ -299,6 +309,22 @@ def model_source(cfg) -> Problems:
         if source is None or not Path(source).expanduser().is_dir():
             yield (f"training from scratch with `base_model_config: {source}` needs a tokenizer: `train_tokenizer: "
                    "{type: bpe, vocab_size: 8000}` trains one on the data, or `tokenizer_config` names one")
+
+
+def adapter_folder(source: str | None) -> tuple[str | None, Path] | None:
+    """(the base model its adapter_config.json names, the folder) where `source` is a local folder holding a LoRA
+    adapter and no model (config.json); None otherwise."""
+    import json
+
+    folder = Path(source or "").expanduser()
+    if not source or not (folder / "adapter_config.json").is_file() or (folder / "config.json").is_file():
+        return None
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8-sig")).get(
+            "base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    return (base if isinstance(base, str) and base else None), folder
 
 
 STREAM_CONFLICTS = {"val_set_size": "hold eval rows out of a stream; use `test_datasets`",
