@@ -50,6 +50,17 @@ def test_a_stream_is_refused_for_its_own_reason_and_supervised_chat_rows_stream(
     assert result.returncode == 0, result.stderr
 
 
+def test_a_config_path_that_is_a_folder_is_said_to_be_one_and_its_one_yaml_file_named(tmp_path):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    assert_user_error(run_in_process("check", str(folder)), f"config: {folder} is a folder, not a config file",
+                      "holds none")
+    (folder / "run.yml").write_text("base_model: x\n")
+    assert_user_error(run_in_process("check", str(folder)), f"give the file, {folder / 'run.yml'}")
+    (folder / "other.yaml").write_text("base_model: y\n")
+    assert_user_error(run_in_process("check", str(folder)), "one of its 2 YAML files (other.yaml, run.yml)")
+
+
 def test_a_byte_order_mark_in_a_deepspeed_file_or_a_data_file_is_read_as_nothing(tmp_path, tiny_model_dir, data):
     """Windows editors start UTF-8 files with a byte-order mark; YAML reads it as nothing, and so does the rest:
     the DeepSpeed JSON, a JSON-lines file and a JSON array file (it was Python's "decode using utf-8-sig")."""

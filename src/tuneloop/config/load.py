@@ -236,6 +236,8 @@ def read_yaml(path: Path):
 
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise UserError(f"config: {path} is a folder, not a config file: {_yaml_files_in(path)}")
     if not path.is_file():
         raise UserError(f"config: no such file {path}")
     raw = read_yaml(path)
@@ -251,6 +253,16 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopC
 
         check_reward_functions(cfg)
     return cfg
+
+
+def _yaml_files_in(folder: Path) -> str:
+    """What to give instead of a folder: its one YAML file by name, else what it holds."""
+    found = sorted(path.name for path in folder.iterdir() if path.suffix in (".yml", ".yaml") and path.is_file())
+    if len(found) == 1:
+        return f"give the file, {folder / found[0]} (the one .yml/.yaml file there)"
+    if found:
+        return f"give one of its {len(found)} YAML files ({', '.join(found[:5])}{', …' if len(found) > 5 else ''})"
+    return "give the path of the run's .yml/.yaml file (this folder holds none)"
 
 
 def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
