@@ -210,7 +210,8 @@ class _KeysOnce(yaml.SafeLoader):
 
 
 def read_yaml(path: Path):
-    """The file's YAML; its problems said with file:line and the fix (tabs, non-UTF-8 bytes, a key twice)."""
+    """The file's YAML; its problems said with file:line and the fix (tabs, non-UTF-8 bytes, a key twice). A UTF-8
+    byte-order mark (Windows editors write one) is read as nothing, as YAML itself reads it."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
