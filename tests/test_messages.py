@@ -91,3 +91,20 @@ def test_a_lora_adapter_as_base_model_is_said_to_be_one_naming_its_base(tmp_path
     assert_user_error(run_in_process("check", str(config)), f"`base_model: {adapter}` is a LoRA adapter",
                       f"set `base_model: {tiny_model_dir}`", "base_model_name_or_path",
                       f"`lora_model_dir: {adapter}` with `adapter: lora`")
+
+
+@pytest.mark.parametrize("setting, fragment", [
+    ("datasets.0.type.name=x", "`datasets.0.type` is a string ('alpaca'), which has no `name`: set `datasets.0.type` "
+                               "itself"),
+    ("datasets.2.type=x", "`datasets` is a list of 1 entry, and `2` is not an index of it (0 to 0)")])
+def test_a_set_into_a_value_that_is_not_a_mapping_names_that_value(tmp_path, tiny_model_dir, data, setting, fragment):
+    config = config_file(tmp_path, tiny_model_dir, data)
+    result = run_in_process("check", str(config), "--set", setting)
+    assert_user_error(result, f"--set {setting!r}", fragment)
+
+
+def test_a_set_into_a_blank_key_sets_it():
+    """`trl:` with nothing after it is not set (axolotl's meaning): `--set trl.beta=0.1` makes the mapping."""
+    from tuneloop.config.load import apply_overrides
+
+    assert apply_overrides({"trl": None}, ["trl.beta=0.1"]) == {"trl": {"beta": 0.1}}

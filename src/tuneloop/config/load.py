@@ -111,24 +111,41 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Each `a.b.0.c=value` set in place: a mapping's key (one not set, or blank, becomes a mapping to go into), a
+    list's entry by its index. A path through a value that is neither is said with that value."""
     for text in overrides:
         path, value = parse_override(text)
         node: Any = raw
-        for part in path[:-1]:
-            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
+        for depth, part in enumerate(path):
+            last, where = depth == len(path) - 1, ".".join(path[:depth])
+            if isinstance(node, list):
+                if not (part.isdigit() and int(part) < len(node)):
+                    raise UserError(f"--set {text!r}: `{where}` is a list of {len(node)} "
+                                    f"{'entry' if len(node) == 1 else 'entries'}, and `{part}` is not an index of it "
+                                    f"(0 to {len(node) - 1})" if node else
+                                    f"--set {text!r}: `{where}` is an empty list: set it whole (--set '{where}=[...]')")
+                if last:
+                    node[int(part)] = value
+                else:
+                    node = node[int(part)]
             elif isinstance(node, dict):
-                node = node.setdefault(part, {})
+                if last:
+                    node[part] = value
+                else:
+                    if node.get(part) is None:  # (a blank `key:` is not set: a mapping is made, as for a new key)
+                        node[part] = {}
+                    node = node[part]
             else:
-                raise UserError(f"--set {text!r}: cannot descend into `{part}`")
-        last = path[-1]
-        if isinstance(node, list) and last.isdigit() and int(last) < len(node):
-            node[int(last)] = value
-        elif isinstance(node, dict):
-            node[last] = value
-        else:
-            raise UserError(f"--set {text!r}: `{last}` is not an entry of that list")
+                raise UserError(f"--set {text!r}: `{where}` is {_value_words(node)}, which has no `{part}`: set "
+                                f"`{where}` itself (--set {where}=...)")
     return raw
+
+
+def _value_words(value: Any) -> str:
+    """A YAML scalar in words, with the value: "a string ('alpaca')"."""
+    kind = ("true or false" if isinstance(value, bool) else "a string" if isinstance(value, str)
+            else "a number" if isinstance(value, (int, float)) else f"a {type(value).__name__}")
+    return f"{kind} ({value!r})"
 
 
 def _validation_lines(error: ValidationError) -> list[str]:
