@@ -108,3 +108,29 @@ def test_a_set_into_a_blank_key_sets_it():
     from tuneloop.config.load import apply_overrides
 
     assert apply_overrides({"trl": None}, ["trl.beta=0.1"]) == {"trl": {"beta": 0.1}}
+
+
+def plan_lines(config, *extra) -> dict[str, str]:
+    """`tuneloop plan`'s lines by their label (model, adapter, objective, ...)."""
+    result = run_in_process("plan", str(config), *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {line[:23].strip(): line[23:] for line in result.stdout.splitlines() if line.startswith("  ")}
+
+
+@pytest.mark.parametrize("keys, model_words, adapter_words", [
+    ({"adapter": "qlora", "peft_use_dora": True, "peft_use_rslora": True, "loraplus_lr_ratio": 16},
+     ["loaded in 4-bit by bitsandbytes (NF4, double-quantized, computed in bfloat16: QLoRA)"],
+     [f"scale alpha/√r = {8 / 4 ** 0.5:.3g} (rsLoRA)", "DoRA: each weight's magnitude trained apart",
+      f"LoRA+: the B matrices learn 16× faster (learning rate {1e-3 * 16:g})"]),
+    ({"adapter": "lora", "load_in_8bit": True}, ["loaded in 8-bit by bitsandbytes (LLM.int8)"],
+     [f"scale alpha/r = {8 / 4:.3g}"])])
+def test_the_plan_names_a_quantized_base_and_the_lora_variants(tmp_path, tiny_model_dir, data, keys, model_words,
+                                                               adapter_words):
+    """QLoRA's 4-bit base, an 8-bit one, DoRA, rsLoRA and LoRA+ change what trains; the plan said none of them."""
+    config = config_file(tmp_path, tiny_model_dir, data, lora_r=4, lora_alpha=8, lora_target_linear=True, **keys)
+    lines = plan_lines(config)
+    assert lines["model"].startswith("Llama, ") and all(words in lines["model"] for words in model_words), lines
+    assert lines["adapter"].startswith("LoRA r 4, alpha 8, ") and "on every linear layer" in lines["adapter"]
+    assert all(words in lines["adapter"] for words in adapter_words), lines["adapter"]
+    for absent in ("DoRA", "rsLoRA", "LoRA+") if "peft_use_dora" not in keys else ():
+        assert absent not in lines["adapter"]

@@ -23,7 +23,7 @@ def describe(plan) -> str:
                else f"padding {plan.padding_fraction:.1%} of computed tokens")
     lines = [
         "tuneloop plan",
-        *([f"  model                {plan.model}"] if plan.model else []),
+        *_model_lines(plan),
         f"  world size           {plan.world_size}",
         f"  batch                {at_most}{plan.micro_batch_size} {batch_rows}/micro-batch × "
         f"{plan.gradient_accumulation_steps} accumulation × {data_ranks_words(plan)} = {at_most}"
@@ -43,6 +43,12 @@ def describe(plan) -> str:
     return "\n".join(lines)
 
 
+def _model_lines(plan) -> list[str]:
+    """The model (its class, size and weights, a 4/8-bit base's loading) and the adapter trained on it."""
+    return ([f"  model                {plan.model}"] if plan.model else []) + (
+        [f"  adapter              {plan.adapter}"] if plan.adapter else [])
+
+
 def _describe_streamed(plan) -> str:
     rows = "full rows" if plan.packing_efficiency else "rows"
     tokens = (f"{plan.total_real_tokens // plan.total_steps} tokens per step ({plan.global_batch_size} × "
@@ -50,7 +56,7 @@ def _describe_streamed(plan) -> str:
               else "each row as long as it is (padded to the longest of its micro-batch)")
     lines = [
         "tuneloop plan",
-        *([f"  model                {plan.model}"] if plan.model else []),
+        *_model_lines(plan),
         f"  world size           {plan.world_size}",
         f"  batch                {plan.micro_batch_size} {rows}/micro-batch × {plan.gradient_accumulation_steps} "
         f"accumulation × {data_ranks_words(plan)} = {plan.global_batch_size} {rows} per optimizer step",
@@ -76,7 +82,7 @@ def _describe_online(plan) -> str:
     reference = plan.reference or "none (trl.beta is 0: no KL term)"
     lines = [
         "tuneloop plan",
-        *([f"  model                {plan.model}"] if plan.model else []),
+        *_model_lines(plan),
         f"  world size           {plan.world_size}",
         f"  batch                {plan.micro_batch_size} completions/micro-batch × {plan.gradient_accumulation_steps} "
         f"accumulation × {data_ranks_words(plan)} = {plan.global_batch_size} completions per optimizer step "
