@@ -134,3 +134,17 @@ def test_the_plan_names_a_quantized_base_and_the_lora_variants(tmp_path, tiny_mo
     assert all(words in lines["adapter"] for words in adapter_words), lines["adapter"]
     for absent in ("DoRA", "rsLoRA", "LoRA+") if "peft_use_dora" not in keys else ():
         assert absent not in lines["adapter"]
+
+
+def test_a_process_reward_models_plan_describes_its_own_loss(tmp_path, tiny_model_dir):
+    """Its objective line said "each row's reply and its mismatched reply for the KL estimate" (KTO's)."""
+    rows = [{"prompt": "Count the cats.", "completions": ["one cat", "so seven"], "labels": [True, False]}] * 8
+    steps = write_jsonl(tmp_path / "steps.jsonl", rows)
+    config = config_file(tmp_path, tiny_model_dir, steps, process_reward_model=True,
+                         model_type="AutoModelForTokenClassification",
+                         datasets=[{"path": str(steps), "type": "stepwise_supervised", "step_separator": "\n"}])
+    objective = plan_lines(config)["objective"]
+    assert objective.startswith("token_classification: each reasoning step's end token classified correct or "
+                                "incorrect (2 labels)"), objective
+    assert "averaged over the labelled step ends" in objective and "KL" not in objective
+    assert "reference" in objective and "mismatched" not in objective

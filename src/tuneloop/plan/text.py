@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from tuneloop.rl_methods import PROCESS_REWARD_OBJECTIVE
+
+
 def describe(plan) -> str:
     """The human-readable plan: a short report, numbers first."""
     if plan.streamed:
@@ -161,7 +164,11 @@ def _machine_lines(plan) -> list[str]:
         lines.append(f"  encoder-decoder      encoder {plan.encoder_tokens} tokens (padding "
                      f"{plan.encoder_padding_fraction:.1%}), decoder {plan.decoder_tokens} tokens (padding "
                      f"{plan.decoder_padding_fraction:.1%}) over the run")
-    if plan.objective != "language_model" and plan.rollout is None:
+    if plan.objective == PROCESS_REWARD_OBJECTIVE:  # (train/process_reward_model.py)
+        lines.append(f"  objective            {plan.objective}: each reasoning step's end token classified correct or "
+                     "incorrect (2 labels), the cross-entropy averaged over the labelled step ends of each optimizer "
+                     "step; no reference")
+    elif plan.objective != "language_model" and plan.rollout is None:
         together = ("chosen and rejected" if plan.unit == "pairs"
                     else "each row's reply and its mismatched reply for the KL estimate")
         lines.append(f"  objective            {plan.objective}: loss averaged over the {plan.unit} of each step "
