@@ -148,3 +148,12 @@ def test_a_process_reward_models_plan_describes_its_own_loss(tmp_path, tiny_mode
                                 "incorrect (2 labels)"), objective
     assert "averaged over the labelled step ends" in objective and "KL" not in objective
     assert "reference" in objective and "mismatched" not in objective
+
+
+def test_check_says_which_files_it_reads(tmp_path, tiny_model_dir, data):
+    """It said it "reads no file but the config", and reads a local base model's config.json (its vision family),
+    its adapter_config.json and a DeepSpeed file."""
+    result = run_in_process("check", str(config_file(tmp_path, tiny_model_dir, data)))
+    line = next(line for line in result.stdout.splitlines() if "not checked here" in line)
+    assert "reads no file but the config" not in line
+    assert all(name in line for name in ("DeepSpeed JSON", "config.json", "adapter_config.json", "never data or weights"))
