@@ -117,7 +117,7 @@ def test_keys_that_would_be_half_obeyed_are_refused():
 def test_bad_set_values_are_clear_errors():
     with pytest.raises(UserError, match="not valid YAML"):
         config_from_dict(MINIMAL, ["micro_batch_size=[1,"])
-    with pytest.raises(UserError, match="not an entry of that list"):
+    with pytest.raises(UserError, match=r"`datasets` is a list of 1 entry, and `3` is not an index of it"):
         config_from_dict(MINIMAL, ["datasets.3=1"])
 
 

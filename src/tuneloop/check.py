@@ -91,6 +91,7 @@ def check_report(cfg: TuneloopConfig) -> list[str]:
     lines += [f"  needs                {need}" for need in needs] or ["  needs                nothing special: "
                                                                      "runs on a CPU or a GPU"]
     lines.append("  not checked here     the data, the model and its tokenizer, this machine, trackers' credentials, "
-                 "output_dir's disk (check reads no file but the config and imports no torch): "
-                 "`tuneloop plan CONFIG` checks them, as `train` does when it starts")
+                 "output_dir's disk (check reads the config and the small files it names: a DeepSpeed JSON, a local "
+                 "base model's config.json or adapter_config.json, online RL's reward module; never data or weights, "
+                 "and it imports no torch): `tuneloop plan CONFIG` checks them, as `train` does when it starts")
     return lines

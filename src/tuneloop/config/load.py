@@ -111,24 +111,41 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Each `a.b.0.c=value` set in place: a mapping's key (one not set, or blank, becomes a mapping to go into), a
+    list's entry by its index. A path through a value that is neither is said with that value."""
     for text in overrides:
         path, value = parse_override(text)
         node: Any = raw
-        for part in path[:-1]:
-            if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
+        for depth, part in enumerate(path):
+            last, where = depth == len(path) - 1, ".".join(path[:depth])
+            if isinstance(node, list):
+                if not (part.isdigit() and int(part) < len(node)):
+                    raise UserError(f"--set {text!r}: `{where}` is a list of {len(node)} "
+                                    f"{'entry' if len(node) == 1 else 'entries'}, and `{part}` is not an index of it "
+                                    f"(0 to {len(node) - 1})" if node else
+                                    f"--set {text!r}: `{where}` is an empty list: set it whole (--set '{where}=[...]')")
+                if last:
+                    node[int(part)] = value
+                else:
+                    node = node[int(part)]
             elif isinstance(node, dict):
-                node = node.setdefault(part, {})
+                if last:
+                    node[part] = value
+                else:
+                    if node.get(part) is None:  # (a blank `key:` is not set: a mapping is made, as for a new key)
+                        node[part] = {}
+                    node = node[part]
             else:
-                raise UserError(f"--set {text!r}: cannot descend into `{part}`")
-        last = path[-1]
-        if isinstance(node, list) and last.isdigit() and int(last) < len(node):
-            node[int(last)] = value
-        elif isinstance(node, dict):
-            node[last] = value
-        else:
-            raise UserError(f"--set {text!r}: `{last}` is not an entry of that list")
+                raise UserError(f"--set {text!r}: `{where}` is {_value_words(node)}, which has no `{part}`: set "
+                                f"`{where}` itself (--set {where}=...)")
     return raw
+
+
+def _value_words(value: Any) -> str:
+    """A YAML scalar in words, with the value: "a string ('alpaca')"."""
+    kind = ("true or false" if isinstance(value, bool) else "a string" if isinstance(value, str)
+            else "a number" if isinstance(value, (int, float)) else f"a {type(value).__name__}")
+    return f"{kind} ({value!r})"
 
 
 def _validation_lines(error: ValidationError) -> list[str]:
@@ -210,7 +227,8 @@ class _KeysOnce(yaml.SafeLoader):
 
 
 def read_yaml(path: Path):
-    """The file's YAML; its problems said with file:line and the fix (tabs, non-UTF-8 bytes, a key twice)."""
+    """The file's YAML; its problems said with file:line and the fix (tabs, non-UTF-8 bytes, a key twice). A UTF-8
+    byte-order mark (Windows editors write one) is read as nothing, as YAML itself reads it."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
@@ -236,6 +254,8 @@ def read_yaml(path: Path):
 
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise UserError(f"config: {path} is a folder, not a config file: {_yaml_files_in(path)}")
     if not path.is_file():
         raise UserError(f"config: no such file {path}")
     raw = read_yaml(path)
@@ -251,6 +271,16 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopC
 
         check_reward_functions(cfg)
     return cfg
+
+
+def _yaml_files_in(folder: Path) -> str:
+    """What to give instead of a folder: its one YAML file by name, else what it holds."""
+    found = sorted(path.name for path in folder.iterdir() if path.suffix in (".yml", ".yaml") and path.is_file())
+    if len(found) == 1:
+        return f"give the file, {folder / found[0]} (the one .yml/.yaml file there)"
+    if found:
+        return f"give one of its {len(found)} YAML files ({', '.join(found[:5])}{', …' if len(found) > 5 else ''})"
+    return "give the path of the run's .yml/.yaml file (this folder holds none)"
 
 
 def load_run_config(path: str | os.PathLike, overrides: list[str] = ()) -> TuneloopConfig:

@@ -249,9 +249,19 @@ def vision_family(cfg) -> Problems:
     """A vision-language config whose family tuneloop cannot train yet is refused by `check` already, naming the
     family (config/vision_names.py reads it from the local config.json or the hub id)."""
     from tuneloop.config.vision_names import (TRAINED_VISION_TYPES, TRAINED_VISION_WORDS, VISION_FAMILY_WHY_NOT,
-                                              asks_for_vision, named_vision_family)
+                                              local_text_model, named_vision_family, vision_keys)
 
-    if not asks_for_vision(cfg):
+    asking = vision_keys(cfg)
+    if not asking:
+        return
+    text = local_text_model(cfg)
+    if text is not None:  # (a text model is no vision-language family at all: the key that asks for images is wrong)
+        model_type, found = text
+        fix = ("remove model_type, or set `model_type: AutoModelForCausalLM`" if asking[0].startswith("model_type")
+               else "remove it")
+        yield (f"`{asking[0]}` asks for a vision-language model (images and text), and `base_model: "
+               f"{cfg.base_model or cfg.base_model_config}` is a text model ({model_type}, by {found}: no "
+               f"vision_config): {fix}")
         return
     named = named_vision_family(cfg)
     if named is not None and named[0] not in TRAINED_VISION_TYPES:
@@ -268,6 +278,16 @@ def model_source(cfg) -> Problems:
         yield ("`base_model` is required (the model to fine-tune); to train from scratch give `base_model_config` "
                "(a folder with a config.json, or a model type such as t5)")
         return
+    for key in ("base_model", "base_model_config"):
+        adapter = adapter_folder(getattr(cfg, key))
+        if adapter is not None:
+            base, folder = adapter
+            yield (f"`{key}: {getattr(cfg, key)}` is a LoRA adapter ({folder / 'adapter_config.json'}), not a model: "
+                   f"set `base_model: {base or 'its base model'}` (the model it was trained on"
+                   + (", as its base_model_name_or_path says" if base else "") + f") and `lora_model_dir: "
+                   f"{getattr(cfg, key)}` with `adapter: lora` to train on from the adapter, or merge it first "
+                   f"(`tuneloop merge-lora --adapter {getattr(cfg, key)}`)")
+            return
     named = [key for key in ("pad_token", "eos_token", "unk_token") if key in cfg.special_tokens]
     if cfg.train_tokenizer and named:
         yield (f"`special_tokens.{named[0]}` and `train_tokenizer` both name it: a trained tokenizer's special tokens "
@@ -289,6 +309,22 @@ def model_source(cfg) -> Problems:
         if source is None or not Path(source).expanduser().is_dir():
             yield (f"training from scratch with `base_model_config: {source}` needs a tokenizer: `train_tokenizer: "
                    "{type: bpe, vocab_size: 8000}` trains one on the data, or `tokenizer_config` names one")
+
+
+def adapter_folder(source: str | None) -> tuple[str | None, Path] | None:
+    """(the base model its adapter_config.json names, the folder) where `source` is a local folder holding a LoRA
+    adapter and no model (config.json); None otherwise."""
+    import json
+
+    folder = Path(source or "").expanduser()
+    if not source or not (folder / "adapter_config.json").is_file() or (folder / "config.json").is_file():
+        return None
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8-sig")).get(
+            "base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    return (base if isinstance(base, str) and base else None), folder
 
 
 STREAM_CONFLICTS = {"val_set_size": "hold eval rows out of a stream; use `test_datasets`",
@@ -317,11 +353,37 @@ def streaming(cfg) -> Problems:
     for key, why in STREAM_CONFLICTS.items():
         if getattr(cfg, key):
             yield f"`{key}` cannot be used with a streamed dataset: tuneloop does not {why}"
-    if cfg.rl or cfg.reward_model or any(
-            entry.type is not None and not isinstance(entry.type, str) or entry.type in PREFERENCE_FORMATS
-            or entry.type in UNPAIRED_FORMATS or entry.type in REWARD_FORMATS or entry.type in STEPWISE_TYPES
-            for entry in cfg.train_entries):
-        yield "preference data (`rl:`) is prepared whole: remove `streaming`"
+    why_whole = _prepared_whole(cfg)
+    if why_whole:
+        key = "pretraining_dataset" if cfg.pretraining_dataset else "streaming"
+        yield f"`{key}` reads the training rows as a stream, and {why_whole}: remove `{key}`"
+
+
+def _prepared_whole(cfg) -> str | None:
+    """Why this run's training rows cannot be streamed, in words (None: they can): a vision-language model's, a
+    preference or reward model's. (A type both trainings read, `chat_template`, is supervised data without `rl:`.)"""
+    from tuneloop.config.vision_names import vision_keys
+
+    asking = vision_keys(cfg)
+    if asking:
+        return (f"`{asking[0]}` trains a vision-language model, whose rows are prepared whole (their images are "
+                "read per micro-batch from the prepared rows)")
+    for key, what in (("rl", f"`rl: {cfg.rl}` trains on preference data"),
+                      ("reward_model", "`reward_model: true` trains on chosen/rejected pairs"),
+                      ("process_reward_model", "`process_reward_model: true` trains on labelled reasoning steps")):
+        if getattr(cfg, key):
+            return f"{what}, which is prepared whole"
+    for index, entry in enumerate(cfg.train_entries):
+        if isinstance(entry.type, PreferenceFormat):
+            return f"dataset {index}'s `type:` mapping is preference data, which is prepared whole"
+        if not isinstance(entry.type, str) or entry.type in FORMATS:
+            continue  # (supervised rows stream: a custom format's, chat_template's)
+        for formats, what in ((PREFERENCE_FORMATS, "preference pairs"), (UNPAIRED_FORMATS, "labelled preference rows"),
+                              (REWARD_FORMATS, "a reward model's pairs"),
+                              (STEPWISE_TYPES, "a process reward model's steps")):
+            if entry.type in formats:
+                return f"dataset {index} is `type: {entry.type}`, {what}, which are prepared whole"
+    return None
 
 
 def preference(cfg) -> Problems:

@@ -13,14 +13,37 @@ import json
 from pathlib import Path
 
 from tuneloop.vision_families import (TRAINED_VISION_TYPES, TRAINED_VISION_WORDS,  # noqa: F401 (read from here)
-                                      VISION_FAMILY_WHY_NOT, family_named_by)
+                                      UNTRAINED_FAMILIES, VISION_FAMILIES, VISION_FAMILY_WHY_NOT, family_named_by)
+
+
+def vision_keys(cfg) -> list[str]:
+    """The keys that ask for a vision-language model, as the config writes them (`model_type: ...`)."""
+    model_type = cfg.model_type or ""
+    vision_class = model_type == "AutoModelForImageTextToText" or (
+        model_type.endswith("ForConditionalGeneration") and not model_type.startswith(("T5", "MT5", "UMT5", "Bart")))
+    return [f"{key}: {getattr(cfg, key)}" for key, asks in (("model_type", vision_class),
+                                                            ("processor_type", cfg.processor_type),
+                                                            ("freeze_mm_modules", cfg.freeze_mm_modules)) if asks]
 
 
 def asks_for_vision(cfg) -> bool:
-    model_type = cfg.model_type or ""
-    return bool(cfg.processor_type or cfg.freeze_mm_modules or model_type == "AutoModelForImageTextToText"
-                or (model_type.endswith("ForConditionalGeneration") and not model_type.startswith(("T5", "MT5",
-                                                                                                   "UMT5", "Bart"))))
+    return bool(vision_keys(cfg))
+
+
+def local_text_model(cfg) -> tuple[str, Path] | None:
+    """(model type, config.json) where `base_model` is a local folder whose config.json is a text model's: no
+    `vision_config` (what model/kinds.py reads when the model loads) and no vision family's model type."""
+    local = Path(cfg.base_model or cfg.base_model_config or "").expanduser() / "config.json"
+    try:
+        config = json.loads(local.read_text()) if local.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or config.get("vision_config") is not None:
+        return None
+    model_type = config.get("model_type")
+    if not model_type or model_type in VISION_FAMILIES or model_type in UNTRAINED_FAMILIES:
+        return None
+    return model_type, local
 
 
 def named_vision_family(cfg) -> tuple[str, str, str] | None:

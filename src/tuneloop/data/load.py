@@ -14,6 +14,7 @@ A `path` that is no local file or folder is read with `datasets.load_dataset` (a
 from __future__ import annotations
 
 import bz2
+import codecs
 import contextlib
 import gzip
 import importlib
@@ -193,11 +194,12 @@ def _json_rows(file: Path, progress: ReadProgress | None = None) -> Iterator[Raw
 
 
 def _json_rows_of(file: Path, progress: ReadProgress | None) -> Iterator[RawRow]:
+    """(A UTF-8 byte-order mark at the start, which Windows editors write, is read as nothing.)"""
     with _opened(file) as (handle, _):
-        is_array = handle.read(4096).lstrip().startswith(b"[")
+        is_array = handle.read(4096).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"[")
     with _opened(file) as (handle, raw):
         if is_array:
-            yield from _json_array_rows(file, handle.read())
+            yield from _json_array_rows(file, handle.read().removeprefix(codecs.BOM_UTF8))
             if progress:
                 progress.advance(file.stat().st_size)
             return
@@ -207,6 +209,8 @@ def _json_rows_of(file: Path, progress: ReadProgress | None) -> Iterator[RawRow]
                 read = raw.tell() if compressed else done + len(line_bytes)
                 progress.advance(read - done)
                 done = read
+            if number == 1:
+                line_bytes = line_bytes.removeprefix(codecs.BOM_UTF8)
             try:
                 line = line_bytes.decode("utf-8")
             except UnicodeDecodeError as error:

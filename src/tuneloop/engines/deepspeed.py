@@ -120,7 +120,7 @@ def read_deepspeed_keys(value: Any, config_dir: Path | None = None) -> DeepSpeed
         path = config_file(str(value), config_dir)
         source = str(path)
         try:
-            config = json.loads(path.read_text())
+            config = json.loads(path.read_text(encoding="utf-8-sig"))  # (a Windows editor's byte-order mark: nothing)
         except (OSError, ValueError) as error:
             raise ValueError(f"`deepspeed: {value}`: {path} is not readable JSON ({error})") from None
     if not isinstance(config, dict):

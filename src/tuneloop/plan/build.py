@@ -116,7 +116,8 @@ class TrainingPlan:
         averages over every rank). Tensor-parallel ranks average nothing: theirs are already whole."""
         return self.data_ranks * self.context_ranks
     saved_dtype: str | None = None  # the dtype of the weights the run saves (the same under every engine)
-    model: str | None = None  # the model trained: its class, and where its weights come from
+    model: str | None = None  # the model trained: its class, and where its weights come from (4/8-bit: how loaded)
+    adapter: str | None = None  # the LoRA adapter trained on it, in words: rank, scale, targets, DoRA/rsLoRA/LoRA+
     # save_strategy: best: the metric whose improvement saves (save_steps_at: the evals that may); the final model
     # folder's weights when they are not the last step's (load_best_model_at_end)
     saves_at_best: str | None = None
@@ -363,7 +364,7 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
     from tuneloop.kernels.packed_attention import PER_SEQUENCE_SDPA, split_summary
     from tuneloop.plan.compile_choice import shape_key
 
-    part = {"model": model_line(cfg, facts), "precision": str(resolved.precision),
+    part = {"model": model_line(cfg, facts), "adapter": adapter_line(cfg), "precision": str(resolved.precision),
             "host_allocator": tune_host_allocator() + (f"; {kernel_caches_in_words()}" if estimate.kernel_caches_gb
                                                         else ""),
             "saved_dtype": "fp32" if cfg.adapter else {"bf16": "bf16", "fp16": "fp16"}.get(
@@ -492,7 +493,55 @@ def model_line(cfg, facts) -> str:
         source = f"random weights (from scratch) from the config of {cfg.base_model_config or cfg.base_model}"
     else:
         source = f"weights of {cfg.base_model}"
-    return f"{name}, {facts.parameters:,} parameters; {source}{_dequantized_words(cfg, facts)}"
+    return f"{name}, {facts.parameters:,} parameters; {source}{_quantized_words(cfg)}{_dequantized_words(cfg, facts)}"
+
+
+def _quantized_words(cfg) -> str:
+    """A 4-bit (QLoRA) or 8-bit base, as bitsandbytes loads it (adapters.quantization_config: its defaults, and
+    `bnb_config_kwargs` over them)."""
+    from tuneloop.host.hardware import quantized_loading
+
+    kind, settings = quantized_loading(cfg), cfg.bnb_config_kwargs or {}
+    if kind == "8bit":
+        return ", loaded in 8-bit by bitsandbytes (LLM.int8)"
+    if kind != "4bit":
+        return ""
+    double = ", double-quantized" if settings.get("bnb_4bit_use_double_quant", True) else ""
+    compute = str(settings.get("bnb_4bit_compute_dtype", "bfloat16")).removeprefix("torch.")
+    return (f", loaded in 4-bit by bitsandbytes ({str(settings.get('bnb_4bit_quant_type', 'nf4')).upper()}{double}, "
+            f"computed in {compute}: QLoRA)")
+
+
+def adapter_line(cfg) -> str | None:
+    """What the plan says of the LoRA adapter (adapters.lora_config builds it; LoRA+ is optim.py's): its rank and
+    scale, what it wraps, where it starts, and its variants. None: no adapter."""
+    if not cfg.adapter:
+        return None
+    if cfg.peft_use_rslora:
+        scale = f"scale alpha/√r = {cfg.lora_alpha / math.sqrt(cfg.lora_r):.3g} (rsLoRA)"
+    else:
+        scale = f"scale alpha/r = {cfg.lora_alpha / cfg.lora_r:.3g}"
+    targets = [words for words, given in (
+        ("every linear layer", cfg.lora_target_linear),
+        (f"modules matching {cfg.lora_target_modules!r}" if isinstance(cfg.lora_target_modules, str)
+         else ", ".join(cfg.lora_target_modules or ()), cfg.lora_target_modules),
+        (f"parameters {', '.join(cfg.lora_target_parameters or ())}", cfg.lora_target_parameters)) if given]
+    parts = [f"LoRA r {cfg.lora_r}, alpha {cfg.lora_alpha:g}, {scale}, dropout {cfg.lora_dropout:g}, on "
+             + " and ".join(targets)]
+    if cfg.lora_modules_to_save:
+        parts.append(f"trained whole beside it: {', '.join(cfg.lora_modules_to_save)}")
+    if cfg.lora_model_dir:
+        parts.append(f"starts from the trained adapter in {cfg.lora_model_dir}")
+    elif cfg.peft_init_lora_weights is not True:
+        parts.append(f"starts as peft's `{cfg.peft_init_lora_weights}` initialisation")
+    if cfg.peft_use_dora:
+        parts.append("DoRA: each weight's magnitude trained apart from its direction")
+    if cfg.loraplus_lr_ratio is not None:
+        embedding = (f"; an embedding's LoRA {cfg.loraplus_embedding_lr:g}" if cfg.loraplus_lr_embedding is not None
+                     else "")
+        parts.append(f"LoRA+: the B matrices learn {cfg.loraplus_lr_ratio:g}× faster (learning rate "
+                     f"{cfg.learning_rate * cfg.loraplus_lr_ratio:g}{embedding})")
+    return "; ".join(parts)
 
 
 def _dequantized_words(cfg, facts) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from tuneloop.rl_methods import PROCESS_REWARD_OBJECTIVE
+
+
 def describe(plan) -> str:
     """The human-readable plan: a short report, numbers first."""
     if plan.streamed:
@@ -23,7 +26,7 @@ def describe(plan) -> str:
                else f"padding {plan.padding_fraction:.1%} of computed tokens")
     lines = [
         "tuneloop plan",
-        *([f"  model                {plan.model}"] if plan.model else []),
+        *_model_lines(plan),
         f"  world size           {plan.world_size}",
         f"  batch                {at_most}{plan.micro_batch_size} {batch_rows}/micro-batch × "
         f"{plan.gradient_accumulation_steps} accumulation × {data_ranks_words(plan)} = {at_most}"
@@ -43,6 +46,12 @@ def describe(plan) -> str:
     return "\n".join(lines)
 
 
+def _model_lines(plan) -> list[str]:
+    """The model (its class, size and weights, a 4/8-bit base's loading) and the adapter trained on it."""
+    return ([f"  model                {plan.model}"] if plan.model else []) + (
+        [f"  adapter              {plan.adapter}"] if plan.adapter else [])
+
+
 def _describe_streamed(plan) -> str:
     rows = "full rows" if plan.packing_efficiency else "rows"
     tokens = (f"{plan.total_real_tokens // plan.total_steps} tokens per step ({plan.global_batch_size} × "
@@ -50,7 +59,7 @@ def _describe_streamed(plan) -> str:
               else "each row as long as it is (padded to the longest of its micro-batch)")
     lines = [
         "tuneloop plan",
-        *([f"  model                {plan.model}"] if plan.model else []),
+        *_model_lines(plan),
         f"  world size           {plan.world_size}",
         f"  batch                {plan.micro_batch_size} {rows}/micro-batch × {plan.gradient_accumulation_steps} "
         f"accumulation × {data_ranks_words(plan)} = {plan.global_batch_size} {rows} per optimizer step",
@@ -76,7 +85,7 @@ def _describe_online(plan) -> str:
     reference = plan.reference or "none (trl.beta is 0: no KL term)"
     lines = [
         "tuneloop plan",
-        *([f"  model                {plan.model}"] if plan.model else []),
+        *_model_lines(plan),
         f"  world size           {plan.world_size}",
         f"  batch                {plan.micro_batch_size} completions/micro-batch × {plan.gradient_accumulation_steps} "
         f"accumulation × {data_ranks_words(plan)} = {plan.global_batch_size} completions per optimizer step "
@@ -165,7 +174,11 @@ def _machine_lines(plan) -> list[str]:
         lines.append(f"  encoder-decoder      encoder {plan.encoder_tokens} tokens (padding "
                      f"{plan.encoder_padding_fraction:.1%}), decoder {plan.decoder_tokens} tokens (padding "
                      f"{plan.decoder_padding_fraction:.1%}) over the run")
-    if plan.objective != "language_model" and plan.rollout is None:
+    if plan.objective == PROCESS_REWARD_OBJECTIVE:  # (train/process_reward_model.py)
+        lines.append(f"  objective            {plan.objective}: each reasoning step's end token classified correct or "
+                     "incorrect (2 labels), the cross-entropy averaged over the labelled step ends of each optimizer "
+                     "step; no reference")
+    elif plan.objective != "language_model" and plan.rollout is None:
         together = ("chosen and rejected" if plan.unit == "pairs"
                     else "each row's reply and its mismatched reply for the KL estimate")
         lines.append(f"  objective            {plan.objective}: loss averaged over the {plan.unit} of each step "
