@@ -21,6 +21,7 @@ from tuneloop.data.formats import FORMATS
 from tuneloop.data.mistral_chat import CHAT_TYPES as MISTRAL_CHAT_TYPES
 from tuneloop.data.preference import PREFERENCE_FORMATS, REWARD_FORMATS, UNPAIRED_FORMATS
 from tuneloop.data.stepwise import STEPWISE_TYPES
+from tuneloop.optim import OPTIMIZERS
 from tuneloop.rl_methods import PREFERENCE_KEYS, RL_METHODS, is_online, matches_features
 
 Problems = Iterator[str]
@@ -591,6 +592,12 @@ def sharding(cfg) -> Problems:
     if cfg.optimizer == "muon" and engine.name != "ddp":
         yield (f"`optimizer: muon` orthogonalises whole weight matrices, and {engine.name} hands the optimizer shards "
                "of them: use muon on DDP ranks (no `fsdp`/`deepspeed`), or an AdamW")
+    if engine.name == "fsdp2" and OPTIMIZERS[cfg.optimizer].library == "bitsandbytes":
+        # (DDP steps the module's own tensors, DeepSpeed's ZeRO its flat fp32 partitions: plain tensors both)
+        yield (f"`optimizer: {cfg.optimizer}` with `fsdp` asks for {axolotl.FEATURES['fsdp2_bnb_optimizer'][0]}, which "
+               "tuneloop cannot run: bitsandbytes' kernels step plain tensors, and FSDP2 hands the optimizer DTensor "
+               "shards (the first step would fail on every rank); use `optimizer: adamw_torch_fused` (or "
+               "adamw_torch), or keep it on DDP ranks or DeepSpeed (`deepspeed: zero2`), where it steps plain tensors")
 
 
 def tensor_parallel(cfg, tp: int) -> Problems:
