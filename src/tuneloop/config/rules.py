@@ -198,6 +198,9 @@ def lora_variants(cfg) -> Problems:
     if cfg.loraplus_lr_ratio is not None and cfg.lr_scheduler == "one_cycle":
         yield ("`loraplus_lr_ratio` with `lr_scheduler: one_cycle`: one_cycle drives every parameter group to the one "
                "peak `learning_rate`, which would undo LoRA+'s faster B matrices; use cosine, linear or constant")
+    if cfg.lora_fan_in_fan_out and cfg.lora_target_parameters:
+        yield ("`lora_fan_in_fan_out: true` with `lora_target_parameters`: peft's LoRA on parameters takes them as "
+               "stored and refuses fan_in_fan_out; remove it (on layers, peft reads each one's layout itself)")
     init = cfg.peft_init_lora_weights
     if init == "orthogonal" and cfg.lora_r % 2:
         yield f"`peft_init_lora_weights: orthogonal` needs an even `lora_r` (it pairs rows of A and B): {cfg.lora_r}"
