@@ -179,20 +179,63 @@ def test_the_schedule_scales_every_loraplus_group(tiny_model_dir):
         assert max(multipliers) - min(multipliers) < 1e-12
 
 
-def test_fan_in_fan_out_is_peft_s_for_conv1d_layers_and_refused_where_it_contradicts(tmp_path, tiny_model_dir):
-    """GPT-2's Conv1D stores weights (in, out): fan_in_fan_out true is what peft does there; on LLaMA's nn.Linear
-    peft would silently set it back to false, so tuneloop refuses it rather than ignore it."""
+@pytest.fixture
+def gpt2_dir(tmp_path):
+    """A tiny GPT-2: its Conv1D layers store their weights (in, out), where nn.Linear stores (out, in)."""
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    from tuneloop.errors import UserError
 
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)).save_pretrained(
         tmp_path / "gpt2")
-    ours = tuneloop_step(tmp_path / "gpt2", lora_fan_in_fan_out=True, lora_target_modules=["c_attn"])
-    assert_same_step(ours, peft_step(tmp_path / "gpt2", fan_in_fan_out=True, target_modules=["c_attn"]))
-    with pytest.raises(UserError, match="`lora_fan_in_fan_out: true` contradicts"):
-        tuneloop_step(tiny_model_dir, lora_fan_in_fan_out=True)
+    return tmp_path / "gpt2"
+
+
+def test_fan_in_fan_out_says_how_the_layers_store_weights_and_peft_keeps_to_the_layers(gpt2_dir, tiny_model_dir,
+                                                                                       plain_lora):
+    """peft reads each layer's layout from the layer and overrides a value that contradicts it, so the key never
+    changes what is trained (nor in axolotl, which hands it to peft): a contradicting value trains as without the
+    key, with a warning, where it used to pass `check` and stop `train` (check cannot see the layers)."""
+    from tuneloop.adapters import add_adapter, fan_in_fan_out_note
+
+    ours = tuneloop_step(gpt2_dir, lora_fan_in_fan_out=True, lora_target_modules=["c_attn"])
+    assert_same_step(ours, peft_step(gpt2_dir, fan_in_fan_out=True, target_modules=["c_attn"]))
+    for value in (False, None):
+        assert_same_step(tuneloop_step(gpt2_dir, lora_fan_in_fan_out=value, lora_target_modules=["c_attn"]), ours)
+    assert_same_step(tuneloop_step(tiny_model_dir, lora_fan_in_fan_out=True), plain_lora)
+    for value, model_dir, targets, note in (
+            (True, tiny_model_dir, TARGETS, "`lora_fan_in_fan_out: true` does not match how this model's q_proj, "
+                                            "v_proj store their weights (out, in)"),
+            (False, gpt2_dir, ["c_attn"], "`lora_fan_in_fan_out: false` does not match how this model's c_attn store "
+                                          "their weights (in, out)"),
+            (True, gpt2_dir, ["c_attn"], None), (None, tiny_model_dir, TARGETS, None)):
+        cfg = config_of(model_dir, lora_fan_in_fan_out=value, lora_target_modules=targets)
+        with warnings.catch_warnings():  # (peft's own warning is not said: the note says it in the config's words)
+            warnings.filterwarnings("error", message="fan_in_fan_out")
+            said = fan_in_fan_out_note(cfg, add_adapter(cfg, fresh_model(model_dir), "CAUSAL_LM"))
+        assert said is None if note is None else said.startswith(note), (value, said)
+
+
+def test_check_and_plan_both_accept_a_fan_in_fan_out_the_layers_contradict(tmp_path, tiny_model_dir, alpaca_file):
+    config = write_config(tmp_path / "run.yml", **base_config(
+        tmp_path, tiny_model_dir, alpaca_file, adapter="lora", lora_target_modules=TARGETS, lora_fan_in_fan_out=True))
+    assert run_in_process("check", str(config)).returncode == 0
+    planned = run_in_process("plan", str(config), "--json")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert any("`lora_fan_in_fan_out: true` does not match" in warning
+               for warning in json.loads(planned.stdout)["warnings"])
+
+
+def test_a_gpt2_adapter_continues_with_lora_model_dir_without_the_key(tmp_path, gpt2_dir):
+    """peft saved the adapter with fan_in_fan_out true (its Conv1D layers'); the config without the key asks for the
+    same adapter, and used to be refused as differing from it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(SEED)
+    get_peft_model(fresh_model(gpt2_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"])).save_pretrained(
+        tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    continued = tuneloop_step(gpt2_dir, lora_target_modules=["c_attn"], lora_model_dir=str(tmp_path / "adapter"))
+    assert set(continued[1]) == {name for name in continued[1] if "lora_" in name} and continued[1]
 
 
 def test_dora_run_continues_from_its_adapter_with_lora_model_dir(tmp_path, tiny_model_dir, alpaca_file):
@@ -264,6 +307,8 @@ def test_lora_model_dir_refuses_settings_its_adapter_was_not_made_with(tmp_path,
     ({"peft_init_lora_weights": "orthogonal", "lora_r": 5}, "needs an even `lora_r`"),
     ({"peft_init_lora_weights": "gaussian", "lora_model_dir": "/tmp"}, "remove one of them"),
     ({"adapter": None, "peft_use_dora": True}, "`peft_use_dora` shapes a LoRA adapter, and this run trains none"),
+    ({"lora_target_parameters": ["mlp.down_proj.weight"], "lora_fan_in_fan_out": True},
+     "`lora_fan_in_fan_out: true` with `lora_target_parameters`"),
 ])
 def test_bad_lora_variant_settings_are_refused_in_one_line(tmp_path, tiny_model_dir, alpaca_file, keys, message):
     config = write_config(tmp_path / "run.yml", **base_config(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -273,6 +274,54 @@ def test_sharding_keys_that_cannot_run_are_refused_naming_the_key(tmp_path, tiny
     from conftest import assert_user_error
 
     assert_user_error(check_config(tmp_path, tiny_model_dir, data, **keys), *fragments)
+
+
+BITSANDBYTES_OPTIMIZERS = ["adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"]
+
+
+@pytest.mark.parametrize("optimizer", BITSANDBYTES_OPTIMIZERS)
+def test_a_bitsandbytes_optimizer_under_fsdp2_is_refused_by_check_and_train_alike(tmp_path, tiny_model_dir, data,
+                                                                                   optimizer):
+    """It used to pass `check` and stop at the first optimizer step with a traceback on every rank (the test below
+    says why); DDP ranks and DeepSpeed step plain tensors, and keep it."""
+    from conftest import assert_user_error
+
+    from tuneloop.config import config_from_dict
+
+    keys = base_config(tmp_path, tiny_model_dir, data, **{**STEPS, **FSDP, "optimizer": optimizer})
+    config = write_config(tmp_path / "run.yml", **keys)
+    fragments = (f"`optimizer: {optimizer}` with `fsdp` asks for a bitsandbytes optimizer under FSDP2",
+                 "`optimizer: adamw_torch_fused`", "DDP ranks or DeepSpeed")
+    assert_user_error(run_in_process("check", str(config)), *fragments)
+    assert_user_error(run_in_process("train", str(config)), *fragments)
+    assert not (tmp_path / "out").exists()
+    for engine in ({}, {"deepspeed": "zero2"}):
+        others = {key: value for key, value in keys.items() if key not in FSDP}
+        assert config_from_dict({**others, **engine}).optimizer == optimizer
+
+
+@pytest.mark.parametrize("optimizer", BITSANDBYTES_OPTIMIZERS)
+@pytest.mark.filterwarnings("ignore:Paged optimizers are not supported on CPU")
+def test_bitsandbytes_optimizers_cannot_step_fsdp2_shards(optimizer):
+    """Why the rule above is there: FSDP2 hands the optimizer DTensor shards, which bitsandbytes' kernels refuse
+    (on this CPU as on a GPU). The day they step them, this fails, and the refusal can go."""
+    from torch.distributed.fsdp import fully_shard
+
+    from tuneloop.engines.base import join_process_group, leave_the_group
+    from tuneloop.engines.fsdp2 import read_fsdp_keys
+    from tuneloop.optim import OPTIMIZERS
+
+    join_process_group(read_fsdp_keys(None, 2, {}))
+    try:
+        model = fully_shard(torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128)))
+        # (a weight of 128 × 128 is above bitsandbytes' min_8bit_size: the 8-bit kernels, not a 32-bit fallback)
+        step = OPTIMIZERS[optimizer].build(list(model.parameters()), SimpleNamespace(
+            learning_rate=1e-3, adamw_betas=(0.9, 0.999), adam_epsilon=1e-8))
+        model(torch.randn(4, 128)).sum().backward()
+        with pytest.raises((RuntimeError, NotImplementedError), match="DTensor|sharding strategy"):
+            step.step()
+    finally:
+        leave_the_group()
 
 
 def test_a_deepspeed_file_that_disagrees_with_the_yaml_is_refused_by_the_plan(tmp_path, tiny_model_dir, data):

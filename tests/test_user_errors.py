@@ -225,6 +225,34 @@ def test_lora_target_modules_that_match_nothing_name_the_layers_that_exist(tmp_p
                       "q_proj", "v_proj", "lora_target_linear")
 
 
+def _unknown_normalizer(tokenizer: dict) -> None:
+    tokenizer["normalizer"] = {"type": "NoSuchNormalizer"}
+
+
+def _vocabulary_of_a_number(tokenizer: dict) -> None:
+    tokenizer["model"]["vocab"] = 5
+
+
+@pytest.mark.parametrize("breaks, tokenizer_type, first_line", [
+    (_unknown_normalizer, None, "Exception: data did not match any variant of untagged enum NormalizerUntagged"),
+    (lambda tokenizer: tokenizer.pop("added_tokens"), None, "KeyError: 'added_tokens'"),
+    # (a Code Llama config names its class; this error runs on over several lines: the first is kept)
+    (_vocabulary_of_a_number, "CodeLlamaTokenizer", "TypeError: failed to extract enum PyVocab ('Vocab | Filename')"),
+])
+def test_a_tokenizer_that_does_not_load_is_one_line_naming_its_source_and_the_error(tmp_path, tiny_model_dir, data,
+                                                                                    breaks, tokenizer_type,
+                                                                                    first_line):
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    breaks(tokenizer)
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    keys = {"tokenizer_type": tokenizer_type} if tokenizer_type else {}
+    result = run_in_process("plan", str(config_file(tmp_path, model, data, **keys)))
+    assert_user_error(result, f"model: cannot load a tokenizer from `base_model: {model}`", first_line)
+    message = result.stderr[result.stderr.index("error: "):].rstrip("\n")
+    assert "\n" not in message, message
+
+
 # ---- 9. a user error on rank 0 under torchrun ----------------------------------------------------------------
 
 @pytest.mark.slow

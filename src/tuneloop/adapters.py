@@ -54,16 +54,14 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None, checkpointing:
     with warnings.catch_warnings():
         # peft asks is_gradient_checkpointing, which transformers 5 deprecates: not the user's concern
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        if cfg.lora_fan_in_fan_out is not None:  # peft overrides a value the layers contradict: say so instead
-            warnings.filterwarnings("error", message="fan_in_fan_out is set to", category=UserWarning)
+        # (peft sets fan_in_fan_out to what each layer stores; the plan says so where the config said otherwise:
+        # fan_in_fan_out_note)
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)
         try:
             if start is not None:
                 adapted = PeftModel.from_pretrained(model, str(start), is_trainable=True)
             else:
                 adapted = get_peft_model(model, lora)
-        except UserWarning as warning:
-            raise UserError(f"config: `lora_fan_in_fan_out: {str(cfg.lora_fan_in_fan_out).lower()}` contradicts how "
-                            f"this model's layers store their weights (peft: {warning}); remove the key") from None
         except ValueError as error:  # peft's "Target modules {...} not found in the base model"
             if "not found in the base model" in str(error) or "NoMatchingPeftModule" in type(error).__name__:
                 raise UserError(f"config: `lora_target_modules: {cfg.lora_target_modules}` matches no module of "
@@ -76,6 +74,28 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None, checkpointing:
     if checkpointing:
         require_input_grads_where_trained(adapted.get_base_model())
     return adapted
+
+
+# peft's LoRA layers over a weight matrix, whose fan_in_fan_out peft sets from the layer it wraps: (in, out) for
+# GPT-2's Conv1D, (out, in) for nn.Linear and bitsandbytes' 4/8-bit layers
+LAYOUT_LAYERS = ("Linear", "Linear8bitLt", "Linear4bit")
+
+
+def fan_in_fan_out_note(cfg, adapted) -> str | None:
+    """`lora_fan_in_fan_out` states how the adapted layers store their weights, and peft keeps to the layers: a value
+    they contradict trains as without the key (in axolotl too, which hands it to peft). `check` cannot see the
+    layers, so the run accepts it as check does, and the plan (which `train` prints too) says so; None otherwise."""
+    if cfg.lora_fan_in_fan_out is None:
+        return None
+    contradicting = sorted({name.rsplit(".", 1)[-1] for name, module in adapted.named_modules()
+                            if type(module).__name__ in LAYOUT_LAYERS and hasattr(module, "lora_A")
+                            and module.fan_in_fan_out != cfg.lora_fan_in_fan_out})
+    if not contradicting:
+        return None
+    layout = "(out, in)" if cfg.lora_fan_in_fan_out else "(in, out)"
+    return (f"`lora_fan_in_fan_out: {str(cfg.lora_fan_in_fan_out).lower()}` does not match how this model's "
+            f"{', '.join(contradicting)} store their weights {layout}: peft trains them as they store them, as "
+            "without the key (as axolotl's run would); remove it")
 
 
 def require_input_grads_where_trained(model) -> None:
@@ -140,7 +160,8 @@ def adapter_folder(cfg):
 AGREEING_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
                    "use_dora": "peft_use_dora", "use_rslora": "peft_use_rslora",
                    "target_modules": "lora_target_modules", "target_parameters": "lora_target_parameters",
-                   "modules_to_save": "lora_modules_to_save", "fan_in_fan_out": "lora_fan_in_fan_out",
+                   "modules_to_save": "lora_modules_to_save",
+                   # (not fan_in_fan_out: peft sets it from the layers when it loads the adapter, whatever either says)
                    # (settings tuneloop refuses: an adapter made with them is refused as differing from the config)
                    "rank_pattern": "lora_rank_pattern", "alpha_pattern": "lora_alpha_pattern",
                    "layers_to_transform": "peft_layers_to_transform", "lora_bias": "lora_bias"}

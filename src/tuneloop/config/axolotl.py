@@ -38,6 +38,10 @@ FEATURES = {
     "fsdp2_8bit": ("8-bit weights under FSDP2", "8-bit weights (`load_in_8bit`) sharded by FSDP2 (bitsandbytes keeps "
                    "an 8-bit weight's scales on the parameter FSDP2 replaces; QLoRA under FSDP2 or ZeRO-3, and 8-bit "
                    "under DeepSpeed or DDP, work)"),
+    "fsdp2_bnb_optimizer": ("a bitsandbytes optimizer under FSDP2", "bitsandbytes' optimizers (`adamw_bnb_8bit`, "
+                            "`paged_adamw_8bit`, `paged_adamw_32bit`) under FSDP2 (their kernels step plain tensors, and "
+                            "FSDP2 hands the optimizer DTensor shards; torch's AdamW under FSDP2, and bitsandbytes' "
+                            "optimizers on DDP ranks or DeepSpeed, work)"),
     "parallelism": ("expert parallelism", "expert parallelism, tensor parallel of adapters, 4/8-bit weights or "
                     "streams, context parallel of preference or reward losses (axolotl's device mesh otherwise "
                     "works: `dp_shard_size`, `dp_replicate_size` (HSDP), `tensor_parallel_size` of a whole model "

@@ -21,6 +21,7 @@ from tuneloop.data.formats import FORMATS
 from tuneloop.data.mistral_chat import CHAT_TYPES as MISTRAL_CHAT_TYPES
 from tuneloop.data.preference import PREFERENCE_FORMATS, REWARD_FORMATS, UNPAIRED_FORMATS
 from tuneloop.data.stepwise import STEPWISE_TYPES
+from tuneloop.optim import OPTIMIZERS
 from tuneloop.rl_methods import PREFERENCE_KEYS, RL_METHODS, is_online, matches_features
 
 Problems = Iterator[str]
@@ -197,6 +198,9 @@ def lora_variants(cfg) -> Problems:
     if cfg.loraplus_lr_ratio is not None and cfg.lr_scheduler == "one_cycle":
         yield ("`loraplus_lr_ratio` with `lr_scheduler: one_cycle`: one_cycle drives every parameter group to the one "
                "peak `learning_rate`, which would undo LoRA+'s faster B matrices; use cosine, linear or constant")
+    if cfg.lora_fan_in_fan_out and cfg.lora_target_parameters:
+        yield ("`lora_fan_in_fan_out: true` with `lora_target_parameters`: peft's LoRA on parameters takes them as "
+               "stored and refuses fan_in_fan_out; remove it (on layers, peft reads each one's layout itself)")
     init = cfg.peft_init_lora_weights
     if init == "orthogonal" and cfg.lora_r % 2:
         yield f"`peft_init_lora_weights: orthogonal` needs an even `lora_r` (it pairs rows of A and B): {cfg.lora_r}"
@@ -653,6 +657,12 @@ def sharding(cfg) -> Problems:
     if cfg.optimizer == "muon" and engine.name != "ddp":
         yield (f"`optimizer: muon` orthogonalises whole weight matrices, and {engine.name} hands the optimizer shards "
                "of them: use muon on DDP ranks (no `fsdp`/`deepspeed`), or an AdamW")
+    if engine.name == "fsdp2" and OPTIMIZERS[cfg.optimizer].library == "bitsandbytes":
+        # (DDP steps the module's own tensors, DeepSpeed's ZeRO its flat fp32 partitions: plain tensors both)
+        yield (f"`optimizer: {cfg.optimizer}` with `fsdp` asks for {axolotl.FEATURES['fsdp2_bnb_optimizer'][0]}, which "
+               "tuneloop cannot run: bitsandbytes' kernels step plain tensors, and FSDP2 hands the optimizer DTensor "
+               "shards (the first step would fail on every rank); use `optimizer: adamw_torch_fused` (or "
+               "adamw_torch), or keep it on DDP ranks or DeepSpeed (`deepspeed: zero2`), where it steps plain tensors")
 
 
 def tensor_parallel(cfg, tp: int) -> Problems:

@@ -594,12 +594,12 @@ class TuneloopConfig(Strict):
     @field_validator("hub_model_id")
     @classmethod
     def _hub_repo_id(cls, value):
-        """A malformed repo id is said here and refused when `train` starts (before the hub is reached): axolotl's
-        own example configs carry placeholders (`<your-hub-model-id>`) that `check` accepts as axolotl does."""
+        """A malformed repo id is refused here, so `check` says what `train` would stop at (axolotl's own example
+        placeholder, `<your-hub-model-id>`, stops axolotl's train too, when the Trainer makes the repo)."""
         problem = repo_id_problem(value) if value else None
         if problem:
-            warnings.warn(f"`hub_model_id: {value}` is not a Hub repo id ({problem}); `tuneloop train` refuses it: "
-                          "write NAME or OWNER/NAME", UserWarning, stacklevel=2)
+            raise ValueError(f"got {value!r}: not a Hub repo id ({problem}); write NAME or OWNER/NAME, or remove "
+                             "hub_model_id to train without pushing")
         return value
 
     @field_validator("plugins")

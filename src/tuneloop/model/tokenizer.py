@@ -44,13 +44,20 @@ def load_tokenizer(cfg: TuneloopConfig, *, encoder_decoder: bool):
         only_transformers = {"mistral_format": False} if tokenizer_class is transformers.AutoTokenizer else {}
         tokenizer = tokenizer_class.from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
                                                     **revision_options(cfg, key), **only_transformers)
-    except (OSError, ValueError, TypeError) as error:
-        raise UserError(f"model: cannot load a tokenizer from {source!r}"
-                        f"{f' as {cfg.tokenizer_type}' if cfg.tokenizer_type else ''}: {error}") from None
+    except Exception as error:  # (tokenizers raises bare Exceptions for a tokenizer.json it cannot read)
+        raise UserError(f"model: cannot load a tokenizer from `{key}: {source}`"
+                        f"{f' as {cfg.tokenizer_type}' if cfg.tokenizer_type else ''}: {first_line_of(error)}") from None
     if not getattr(tokenizer, "is_fast", False):
         raise UserError(f"model: the tokenizer of {source!r} is not a fast tokenizer; tuneloop needs character "
                         "offsets to mask prompts exactly")
     return _with_added_tokens(cfg, tokenizer)
+
+def first_line_of(error: Exception) -> str:
+    """The error's type and first line: a tokenizer's errors run on over many lines (tokenizers lists every variant
+    it tried), and the first says what failed."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
 
 def _with_added_tokens(cfg: TuneloopConfig, tokenizer):
     if cfg.special_tokens:

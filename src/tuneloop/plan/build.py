@@ -408,7 +408,8 @@ def _model_part(cfg, resolved, facts, counts, world_size: int, device_memory_gb,
         part["torch_compile"] = f"torch.compile ({cfg.torch_compile_backend or 'inductor'}" + (
             f", mode {cfg.torch_compile_mode})" if cfg.torch_compile_mode else ")")
     notes = [note for note in (too_long, grown, resolved.packing_note, resolved.attention.note,
-                                slow_bf16_note(cfg, resolved.precision), memory_warning(estimate)) if note]
+                                slow_bf16_note(cfg, resolved.precision), memory_warning(estimate),
+                                facts.fan_in_fan_out_note) if note]
     return part, notes
 
 

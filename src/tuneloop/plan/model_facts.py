@@ -39,6 +39,7 @@ class ModelFacts:
     vision: object = None  # a vision-language model's image side as plan/flops.py counts it (VisionWeights)
     # what LLaMA-formula decoder layers keep for the backward (plan/activations.py); None for other models
     decoder_layers: object = None
+    fan_in_fan_out_note: str | None = None  # `lora_fan_in_fan_out` the layers contradict (adapters.py), in words
 
     @property
     def text_config(self):
@@ -65,7 +66,7 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
     will train with, so the counts are the real ones."""
     import torch
 
-    from tuneloop.adapters import add_adapter, freeze_all_but
+    from tuneloop.adapters import add_adapter, fan_in_fan_out_note, freeze_all_but
     from tuneloop.engines.masters import matmul_only_weights
     from tuneloop.quant.mxfp4 import dequantizes_mxfp4
     from tuneloop.kernels.output_head import loss_meets_head_in_chunks, output_head
@@ -106,8 +107,10 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
     learned = max_positions is not None and any(
         isinstance(module, torch.nn.Embedding) and module is not inputs and module.num_embeddings == max_positions
         for module in model.modules())
+    layout_note = None
     if cfg.adapter:
         model = add_adapter(cfg, model, kind.peft_task_type)
+        layout_note = fan_in_fan_out_note(cfg, model)
     elif cfg.unfrozen_parameters:
         freeze_all_but(model, cfg.unfrozen_parameters)
     if cfg.freeze_mm_modules:
@@ -127,7 +130,8 @@ def model_facts(cfg: TuneloopConfig, kind: ModelKind, tokenizer=None) -> ModelFa
                       matmul_only_frozen=sum(p.numel() for p in matmul_only_weights(model, cfg, trained=False)),
                       hidden_matrices_trained=hidden_matrices_trained(model),
                       module_classes=classes, layer_classes=layer_classes, quantizable=quantizable, experts=experts,
-                      vision=_vision_weights(cfg, kind, model, config, tokenizer), decoder_layers=decoder_layers)
+                      vision=_vision_weights(cfg, kind, model, config, tokenizer), decoder_layers=decoder_layers,
+                      fan_in_fan_out_note=layout_note)
 
 def _vision_weights(cfg: TuneloopConfig, kind: ModelKind, model, config, tokenizer=None):
     """A vision-language model's image side, stage by stage, for the plan's FLOPs (plan/flops.py), with the run's
