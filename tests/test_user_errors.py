@@ -253,6 +253,27 @@ def test_a_tokenizer_that_does_not_load_is_one_line_naming_its_source_and_the_er
     assert "\n" not in message, message
 
 
+@pytest.mark.parametrize("breaks, first_line", [
+    (_unknown_normalizer, "Exception: data did not match any variant of untagged enum NormalizerUntagged"),
+    (lambda tokenizer: tokenizer.pop("added_tokens"), "KeyError: 'added_tokens'"),
+])
+def test_a_saved_tokenizer_that_does_not_load_is_one_line_for_the_model_commands(tmp_path, tiny_model_dir, breaks,
+                                                                                  first_line):
+    """merge/export/quantize/infer load a model folder's tokenizer (use/folders.py): a damaged one is said, naming
+    the folder, not a traceback and not passed over for another folder's."""
+    from tuneloop.errors import UserError
+    from tuneloop.use.folders import find_model_folder, load_tokenizer_of
+
+    model = shutil.copytree(tiny_model_dir, tmp_path / "model")
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    breaks(tokenizer)
+    (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(UserError) as raised:
+        load_tokenizer_of(find_model_folder(model, "--model"))
+    message = str(raised.value)
+    assert f"cannot load the tokenizer saved in {model}" in message and first_line in message and "\n" not in message
+
+
 # ---- 9. a user error on rank 0 under torchrun ----------------------------------------------------------------
 
 @pytest.mark.slow

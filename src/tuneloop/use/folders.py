@@ -88,12 +88,27 @@ def load_tokenizer_of(folder: ModelFolder):
         try:
             # (with mistral-common installed, AutoTokenizer would pick it for a folder that also holds tekken.json)
             tokenizer = AutoTokenizer.from_pretrained(source, mistral_format=False)
-        except (OSError, ValueError, TypeError):
-            continue
+        except Exception as error:  # (tokenizers raises its bare Exception, a KeyError, a TypeError of many lines)
+            if not holds_tokenizer_files(source):
+                continue  # (nothing saved here: the next source's)
+            # a tokenizer saved here that does not load is said, not passed over for another folder's (the run's
+            # own may have tokens the base's lacks)
+            first = (str(error).splitlines() or [""])[0]
+            raise UserError(f"model: cannot load the tokenizer saved in {source}: {type(error).__name__}: {first} "
+                            "(its tokenizer.json or tokenizer_config.json is damaged or from a newer library: copy "
+                            "them again from the model it was saved from)") from None
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token  # padded positions are masked: any id will do
         return tokenizer
     raise UserError(f"model: no tokenizer in {folder.path}" + (f" nor in {folder.base}" if folder.is_adapter else ""))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def holds_tokenizer_files(source) -> bool:
+    folder = Path(source).expanduser()
+    return folder.is_dir() and any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 def load_model_from(folder: ModelFolder, dtype, *, attn_implementation: str | None = None, model_class=None,
