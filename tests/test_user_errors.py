@@ -180,6 +180,11 @@ def test_a_damaged_checkpoint_named_in_resume_from_checkpoint_is_refused(tmp_pat
     result = run_in_process("train", str(config), "--set", f"resume_from_checkpoint={tmp_path / 'out' / 'checkpoint-3'}",
                             "--set", "output_dir=" + str(tmp_path / "out2"))
     assert_user_error(result, "checkpoint-3 is damaged: model.safetensors is damaged", "the one before it is checkpoint-2")
+    # the run's folder itself, a common slip: its newest sound checkpoint is named (checkpoint-3 is the damaged one)
+    result = run_in_process("train", str(config), "--set", f"resume_from_checkpoint={tmp_path / 'out'}",
+                            "--set", "output_dir=" + str(tmp_path / "out2"))
+    assert_user_error(result, f"{tmp_path / 'out'} is a run's output_dir, not a checkpoint",
+                      f"its newest sound checkpoint is {tmp_path / 'out' / 'checkpoint-2'}")
 
 
 # ---- 7. trust_remote_code ------------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ def choose_checkpoint(cfg, output_dir: Path, overwrite: bool, notices: list[str]
         path = Path(cfg.resume_from_checkpoint).expanduser()
         if not path.is_dir():
             raise UserError(f"resume: no checkpoint folder {path}")
+        if not (path / run_files.STATE).is_file() and (path / run_files.WRITTEN).is_file():
+            raise UserError(_run_folder_not_a_checkpoint(path))
         checkpoint.read_state(path)  # refuses a torn one
         problem = checkpoint.damage(path)
         if problem:
@@ -55,6 +57,17 @@ def choose_checkpoint(cfg, output_dir: Path, overwrite: bool, notices: list[str]
         raise UserError(f"resume: every checkpoint in {output_dir} is damaged ({'; '.join(notices)}). Pass "
                         "--overwrite to start the run over, or point resume_from_checkpoint at a sound copy.")
     return None
+
+
+def _run_folder_not_a_checkpoint(path: Path) -> str:
+    """`resume_from_checkpoint` naming a run's output_dir (a common slip): its newest sound checkpoint named."""
+    saved = [candidate for candidate in complete_checkpoints(path) if checkpoint.damage(candidate) is None]
+    if saved:
+        return (f"resume: {path} is a run's output_dir, not a checkpoint: its newest sound checkpoint is "
+                f"{saved[-1]}; set resume_from_checkpoint to it (or `auto_resume_from_checkpoints: true`, which "
+                "takes the newest)")
+    return (f"resume: {path} is a run's output_dir, not a checkpoint, and it holds no sound checkpoint to resume "
+            "from; remove resume_from_checkpoint to start over (with --overwrite)")
 
 
 def check_output_dir_apart(cfg) -> None:
