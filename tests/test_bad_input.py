@@ -81,6 +81,23 @@ def assert_only_the_first_checkpoint_stays(out):
     assert not list(out.glob(".tmp-*")) and not list(out.glob(".rng-*"))
 
 
+def test_a_full_disk_while_preparing_says_how_much_had_been_written(tmp_path, tiny_model_dir):
+    """A real full disk under the prepared rows (a 24 KB tmpfs): the message says the disk is full and what had been
+    written when it filled (a floor of what the rows need), and leaves nothing half-written. numpy's short write
+    ("N requested and M written", no errno) counts as a full disk too."""
+    from tuneloop.data.prepare import _looks_full
+
+    rows = write_jsonl(tmp_path / "rows.jsonl", tiny_rows(400, seed=3))
+    with small_disk(tmp_path, "24k") as disk:
+        keys = dict(dataset_prepared_path=str(disk / "prepared"), dataset_processes=1)
+        config = write_config(tmp_path / "run.yml", **base_config(tmp_path, tiny_model_dir, rows, **keys))
+        result = run_in_process("preprocess", str(config))
+        assert_user_error(result, "the disk is full while writing the prepared data", "it filled with",
+                          "of prepared rows written and", "need more than that")
+        assert not [path for path in (disk / "prepared").iterdir() if path.name.startswith(".tmp-")]
+    assert _looks_full(OSError("4096 requested and 0 written")) and not _looks_full(OSError("Permission denied"))
+
+
 @pytest.mark.slow
 def test_full_disk_during_a_save_is_a_clear_error_and_the_old_checkpoint_stays(tmp_path, tiny_model_dir, data):
     with small_disk(tmp_path) as disk:
