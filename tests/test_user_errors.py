@@ -230,6 +230,16 @@ def test_lora_target_modules_that_match_nothing_name_the_layers_that_exist(tmp_p
                       "q_proj", "v_proj", "lora_target_linear")
 
 
+def test_lora_target_parameters_that_match_nothing_name_that_key(tmp_path, tiny_model_dir, data):
+    """axolotl's MiniMax config adapts expert parameters alone: on a model without them the message names
+    `lora_target_parameters` (it named `lora_target_modules: None`, which the config never set)."""
+    config = config_file(tmp_path, tiny_model_dir, data, adapter="lora",
+                         lora_target_parameters=["mlp.experts.gate_up_proj"])
+    assert_user_error(run_in_process("plan", str(config)),
+                      "`lora_target_parameters: ['mlp.experts.gate_up_proj']` names no parameter of this "
+                      "LlamaForCausalLM", "q_proj", "`lora_target_modules` takes")
+
+
 def _unknown_normalizer(tokenizer: dict) -> None:
     tokenizer["normalizer"] = {"type": "NoSuchNormalizer"}
 

@@ -63,6 +63,11 @@ def add_adapter(cfg, model, peft_task_type: str, checkpoint=None, checkpointing:
             else:
                 adapted = get_peft_model(model, lora)
         except ValueError as error:  # peft's "Target modules {...} not found in the base model"
+            if cfg.lora_target_parameters and "target_parameters" in str(error):  # (say the key that missed)
+                raise UserError(f"config: `lora_target_parameters: {cfg.lora_target_parameters}` names no parameter "
+                                f"of this {type(model).__name__} (the key adapts parameters such as a "
+                                "mixture-of-experts model's experts.gate_up_proj); its linear layers are named "
+                                f"{', '.join(linear_layer_names(model))}, which `lora_target_modules` takes") from None
             if "not found in the base model" in str(error) or "NoMatchingPeftModule" in type(error).__name__:
                 raise UserError(f"config: `lora_target_modules: {cfg.lora_target_modules}` matches no module of "
                                 f"this model; its linear layers are named {', '.join(linear_layer_names(model))} "
