@@ -25,6 +25,7 @@ import numpy as np
 from tuneloop.data.formats import _messages
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.data.load import SourceRow
+from tuneloop.data.tool_calls import refuse_row_tools
 from tuneloop.errors import UserError
 
 TEKKEN_FILE = "tekken.json"  # mistral-common's Tekken tokenizer: vocabulary, control tokens, pattern, version
@@ -115,6 +116,7 @@ class MistralChats:
         if entry.type not in CHAT_TYPES:  # (config/rules.py refuses these first; a row must never miss it)
             raise UserError(f"config: `tokenizer_use_mistral_common: true` encodes chat rows (type "
                             f"{', '.join(CHAT_TYPES)}), and {entry.path} is `type: {entry.type}`")
+        refuse_row_tools(row, entry, "tokenizer_use_mistral_common's encoding")  # (its messages refuse tool calls)
         messages = [_as_openai(message, entry) for message in _messages(row, entry)]
         ids, turns = self._encoded(messages, row)
         labels = np.array(ids, dtype=np.int64) if train_on_inputs else self._labels(ids, turns, entry, row)
