@@ -87,12 +87,19 @@ def test_a_tool_calling_row_renders_as_the_models_own_template_and_trains_the_ca
     assert "get_weather" in shown and shown.count("It is sunny.") == 1
 
 
+def with_empty_content(messages: list[dict]) -> list[dict]:
+    """The call's turn as other exports write it: content "" (a plain template renders it as an empty turn)."""
+    messages = copy.deepcopy(messages)
+    messages[2]["content"] = ""
+    return messages
+
+
 def test_train_on_eos_none_trains_the_call_without_its_turn_end(tmp_path, tokenizer):
     family_tokenizer = with_template(tokenizer, "qwen2_5")
-    row = prepared(tmp_path, family_tokenizer, [{"messages": ROW_MESSAGES, "functions": TOOLS}],
+    row = prepared(tmp_path, family_tokenizer, [{"messages": with_empty_content(ROW_MESSAGES), "functions": TOOLS}],
                    {"type": "chat_template", "field_tools": "functions", "train_on_eos": "none"})[0]
     assert family_tokenizer.decode(row["input_ids"]) == family_tokenizer.apply_chat_template(
-        reference_messages(), tools=TOOLS, tokenize=False)
+        with_empty_content(reference_messages()), tools=TOOLS, tokenize=False)
     assert trained_text(row, family_tokenizer) == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": '
                                                    '"Paris"}}\n</tool_call>|It is sunny.')
 
@@ -100,11 +107,12 @@ def test_train_on_eos_none_trains_the_call_without_its_turn_end(tmp_path, tokeni
 def test_a_template_that_cannot_write_tools_refuses_the_row_naming_it(tmp_path, tokenizer):
     """chatml writes role and content only: the tools and the call would vanish, the call's turn trained empty."""
     with pytest.raises(UserError, match=r"rows.jsonl:1: chat template `chatml` does not render the row's `tools`"):
-        prepared(tmp_path / "tools", tokenizer, [{"messages": ROW_MESSAGES, "tools": TOOLS}],
+        prepared(tmp_path / "tools", tokenizer, [{"messages": with_empty_content(ROW_MESSAGES), "tools": TOOLS}],
                  {"type": "chat_template"}, chat_template="chatml")
     with pytest.raises(UserError, match=r"rows.jsonl:1: the tokenizer's own chat template does not render the tool "
                                         r"calls of message 3; use a template that writes tools"):
-        prepared(tmp_path / "calls", tokenizer, [{"messages": ROW_MESSAGES}], {"type": "chat_template"})
+        prepared(tmp_path / "calls", tokenizer, [{"messages": with_empty_content(ROW_MESSAGES)}],
+                 {"type": "chat_template"})
 
 
 def test_tool_calls_where_they_are_not_rendered_refuse_the_row(tmp_path, tokenizer):
