@@ -12,6 +12,7 @@ import copy
 from importlib import resources
 
 import pytest
+from conftest import assert_user_error, base_config, run_in_process, write_config, write_jsonl
 from test_axolotl_keys import prepared, trained_text
 from transformers import AutoTokenizer
 
@@ -121,3 +122,20 @@ def test_tool_calls_where_they_are_not_rendered_refuse_the_row(tmp_path, tokeniz
     with pytest.raises(UserError, match=r"rows.jsonl:1: message 3 carries tool calls, which tuneloop renders in "
                                         r"supervised chat rows"):
         prepared(tmp_path, with_template(tokenizer, "qwen2_5"), [row], {"type": "chat_template"}, rl="dpo")
+
+
+def test_preprocess_shows_the_trained_call_and_refuses_a_plain_template_with_exit_2(tmp_path, tiny_model_dir):
+    """The command line: `--show` marks the call as trained; a template without tools is one error line, exit 2."""
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"messages": ROW_MESSAGES, "tools": TOOLS}])
+    keys = base_config(tmp_path, tiny_model_dir, data, sequence_len=1024)
+    keys["datasets"] = [{"path": str(data), "type": "chat_template"}]
+    shown = run_in_process("preprocess", str(write_config(tmp_path / "own.yml", **keys,
+                                                          chat_template_jinja=family_template("qwen2_5"))),
+                           "--show", "1")
+    assert shown.returncode == 0, shown.stderr
+    assert '<|im_start|>assistant\n⟦<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+           '</tool_call><|im_end|>⟧\n<|im_start|>user\n<tool_response>\nsunny, 21 C' in shown.stdout
+    keys["dataset_prepared_path"] = str(tmp_path / "prepared_chatml")
+    refused = run_in_process("preprocess", str(write_config(tmp_path / "chatml.yml", **keys, chat_template="chatml")))
+    assert_user_error(refused, "rows.jsonl:1: chat template `chatml` does not render the row's `tools`",
+                      "chat_template: tokenizer_default")

@@ -4,8 +4,9 @@ published format (chat_templates.py registers them by axolotl's names).
 A template renders a list of `{"role", "content"}` messages (and `reasoning_content` where a family has
 reasoning) to text. tuneloop finds the trained turns by rendering growing prefixes (formats.py), so every
 template here renders a conversation's first k turns as a prefix of the whole, and its generation prompt (what
-`add_generation_prompt` appends) as a prefix of the assistant turn that follows. The text side only: images,
-tools and documents are the vision-language and tool-use work's; a family that writes fixed roles refuses
+`add_generation_prompt` appends) as a prefix of the assistant turn that follows. The text side only: images
+are the vision-language work's, and none writes tools or tool calls (a row with them is refused under these
+templates, data/tool_calls.py; the model's own template writes them); a family that writes fixed roles refuses
 another role (a `tool` turn would otherwise vanish from the text) rather than drop it.
 
 Where a family's own template does something the prefix rule forbids, or depends on the day, tuneloop writes:
