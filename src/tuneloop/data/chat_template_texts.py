@@ -5,8 +5,8 @@ A template renders a list of `{"role", "content"}` messages (and `reasoning_cont
 reasoning) to text. tuneloop finds the trained turns by rendering growing prefixes (formats.py), so every
 template here renders a conversation's first k turns as a prefix of the whole, and its generation prompt (what
 `add_generation_prompt` appends) as a prefix of the assistant turn that follows. The text side only: images
-are the vision-language work's, and none writes tools or tool calls (a row with them is refused under these
-templates, data/tool_calls.py; the model's own template writes them); a family that writes fixed roles refuses
+are the vision-language work's, and only qwen_25 writes tools and tool calls, in Qwen2.5's format (a row with
+them is refused under the others, data/tool_calls.py; the model's own template writes them); a family that writes fixed roles refuses
 another role (a `tool` turn would otherwise vanish from the text) rather than drop it.
 
 Where a family's own template does something the prefix rule forbids, or depends on the day, tuneloop writes:
@@ -137,10 +137,33 @@ CHATML = (
     "{% endfor %}" + _generation("<|im_start|>assistant\\n")
 )
 
+_QWEN_25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# Qwen2.5's tool format (Hermes-style): the tools listed in the system turn, a call as JSON in <tool_call> tags,
+# the results of consecutive tool messages in one user turn, each in <tool_response> tags
+_QWEN_25_TOOLS = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are "
+                  "provided with function signatures within <tools></tools> XML tags:\n<tools>")
+_QWEN_25_TOOLS_END = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                      "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+                      "\"arguments\": <args-json-object>}\n</tool_call>")
 QWEN_25 = (
-    "{% if not messages or messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
-    "{% endif %}" + CHATML
+    "{% set has_system = messages and messages[0]['role'] == 'system' %}"
+    "{% if tools or not has_system %}{{ '<|im_start|>system\n' }}"
+    "{{ messages[0]['content'] if has_system else " + json.dumps(_QWEN_25_SYSTEM) + " }}"
+    "{% if tools %}{{ " + json.dumps(_QWEN_25_TOOLS) + " }}{% for tool in tools %}{{ '\n' + tool | tojson }}"
+    "{% endfor %}{{ " + json.dumps(_QWEN_25_TOOLS_END) + " }}{% endif %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if loop.first and has_system and tools %}"  # (written above, with the tools)
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant' }}{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}{% set call = call.function if call.function is defined else call %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + call.name + '\", \"arguments\": ' + call.arguments | tojson + "
+    "'}\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
+    "{% endfor %}" + _generation("<|im_start|>assistant\\n")
 )
 
 QWEN2_VL = (
