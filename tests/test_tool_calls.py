@@ -103,6 +103,30 @@ def test_the_named_qwen_25_template_writes_qwen_25s_tool_format(tmp_path, tokeni
         assert trained_text(row, tokenizer) == TRAINED["qwen2_5"]
 
 
+# written for this test in DeepSeek-V3's call format, whose template concatenates the arguments as JSON text (its own
+# template renders no tools list, and its generation prompt opens a <think> block no turn starts with); the second
+# writes them with `{{ }}`, which prints a mapping as Python's repr
+TEXT_ARGUMENTS = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ '<|im_start|>assistant\n' + m.content }}"
+                  "{% for c in m.tool_calls or [] %}{{ '<tool_call>' + c.function.name + '\n```json\n' + "
+                  "c.function.arguments + '\n```</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}{% else %}"
+                  "{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endif %}{% endfor %}"
+                  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+PRINTED_ARGUMENTS = TEXT_ARGUMENTS.replace("' + c.function.arguments + '", "' }}{{ c.function.arguments }}{{ '")
+
+
+@pytest.mark.parametrize("template", [TEXT_ARGUMENTS, PRINTED_ARGUMENTS], ids=["concatenated", "printed"])
+def test_a_template_that_takes_the_arguments_as_text_gets_json_text(tmp_path, tokenizer, template):
+    assert template.count("c.function.arguments") == 1
+    messages = with_empty_content(ROW_MESSAGES)  # (the templates concatenate the content: "" rather than null)
+    row = prepared(tmp_path, tokenizer, [{"messages": messages}], {"type": "chat_template"},
+                   chat_template_jinja=template)[0]
+    # the row's arguments as it writes them, JSON text
+    assert tokenizer.decode(row["input_ids"]) == tokenizer.apply_chat_template(messages, chat_template=template,
+                                                                               tokenize=False)
+    assert trained_text(row, tokenizer) == ('<tool_call>get_weather\n```json\n{"city": "Paris"}\n```</tool_call>'
+                                            '<|im_end|>|It is sunny.<|im_end|>')
+
+
 def with_empty_content(messages: list[dict]) -> list[dict]:
     """The call's turn as other exports write it: content "" (a plain template renders it as an empty turn)."""
     messages = copy.deepcopy(messages)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tuneloop.data.load import SourceRow
-from tuneloop.data.tool_calls import TOOL_MESSAGE_KEYS, check_rendered, row_tools, tool_calls_of
+from tuneloop.data.tool_calls import (TOOL_MESSAGE_KEYS, arguments_for_template, check_rendered, row_tools,
+                                      tool_calls_of)
 from tuneloop.errors import UserError
 from tuneloop.registry import Registry
 
@@ -270,6 +271,8 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
         return _apply_template(tokenizer, some, template, False, row, given_tools) if some else ""
 
     if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = arguments_for_template(messages, lambda some: tokenizer.apply_chat_template(
+            some, tools=tools, tokenize=False, chat_template=template))
         check_rendered(messages, tools, render_some, row, context.template_name)
     full = render(len(messages), False)
     option = entry.train_on_eot or entry.train_on_eos or "turn"
@@ -327,6 +330,9 @@ def _apply_template(tokenizer, messages: list[dict], template: str | None, gener
                                              add_generation_prompt=generation_prompt)
     except TemplateError as error:
         raise UserError(f"data: {row.where}: the chat template refuses this conversation: {error}") from None
+    except TypeError as error:  # the template's own expression fails on the row's values (text + a mapping)
+        raise UserError(f"data: {row.where}: the chat template fails on this conversation ({error}); is the "
+                        "row in the form the template expects?") from None
 
 
 def _content_span(messages: list[dict], k: int, end_text: str, header_end: int, tokenizer,

@@ -1,12 +1,12 @@
 """Tool-calling chat rows read into the form chat templates take, and the check that a template wrote them.
 
 A row's `tools` are JSON-schema function definitions, an assistant message's `tool_calls` its calls, and a
-`tool` message a call's result. A template is handed the tools as `apply_chat_template(..., tools=...)` and the calls as each message's
-`tool_calls` in OpenAI's shape, `[{"type": "function", "function": {"name", "arguments"}}]`, with the arguments
-a mapping: templates write them with `tojson`, so a row's JSON-string arguments are parsed first (as axolotl
-does). A template that ignores the tools or a call (one written for plain turns, such as most named templates)
-would train an empty or partial assistant turn: such a row is refused, naming the template, never rendered
-without them.
+`tool` message a call's result. A template is handed the tools as `apply_chat_template(..., tools=...)` and the
+calls as each message's `tool_calls` in OpenAI's shape, `[{"type": "function", "function": {"name",
+"arguments"}}]`, with the arguments a mapping: most templates write them with `tojson`, so a row's JSON-text
+arguments are parsed first (as axolotl does; a template that wants text gets text back). A template that
+ignores the tools or a call (one written for plain turns, such as most named templates) would train an empty
+or partial assistant turn: such a row is refused, naming the template, never rendered without them.
 """
 
 from __future__ import annotations
@@ -60,6 +60,35 @@ def tool_calls_of(calls, row: SourceRow, number: int) -> list[dict]:
         converted.append({**call, "type": call.get("type", "function"), "function": {**function,
                                                                                     "arguments": arguments}})
     return converted
+
+
+def arguments_for_template(messages: list[dict], render: Callable) -> list[dict]:
+    """Templates disagree on a call's arguments: most write a mapping with `tojson` (transformers' convention,
+    and axolotl parses JSON text into one), some concatenate JSON text (DeepSeek-V3's). The mapping is tried
+    first; a template that fails on it (a TypeError) or writes it as Python's repr of a dict gets the arguments
+    as JSON text instead. `render(messages)` is the template's text, its errors unhandled."""
+    from jinja2.exceptions import TemplateError
+
+    mappings = [call["function"]["arguments"] for message in messages for call in message.get("tool_calls", ())
+                if isinstance(call["function"]["arguments"], dict) and call["function"]["arguments"]]
+    if not mappings:
+        return messages
+    try:
+        if not any(repr(arguments) in render(messages) for arguments in mappings):
+            return messages
+    except TypeError:
+        pass
+    except TemplateError:
+        return messages  # (refused for another reason: the caller's rendering says why)
+
+    def as_text(call: dict) -> dict:
+        arguments = call["function"]["arguments"]
+        if isinstance(arguments, dict):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        return {**call, "function": {**call["function"], "arguments": arguments}}
+
+    return [{**message, "tool_calls": [as_text(call) for call in message["tool_calls"]]}
+            if message.get("tool_calls") else message for message in messages]
 
 
 def describe_template(name: str | None) -> str:
