@@ -156,11 +156,15 @@ def test_a_template_that_cannot_write_tools_refuses_the_row_naming_it(tmp_path, 
 
 
 def test_tool_calls_where_they_are_not_rendered_refuse_the_row(tmp_path, tokenizer):
-    """Preference rows are rendered without tools: a call in one is refused, not dropped."""
+    """Preference rows are rendered without tools: a call or tools in one are refused, not dropped."""
     row = {"messages": ROW_MESSAGES[:4], "chosen": "It is sunny.", "rejected": "It rains."}
     with pytest.raises(UserError, match=r"rows.jsonl:1: message 3 carries tool calls, which tuneloop renders in "
                                         r"supervised chat rows"):
         prepared(tmp_path, with_template(tokenizer, "qwen2_5"), [row], {"type": "chat_template"}, rl="dpo")
+    row = {"messages": ROW_MESSAGES[:2], "tools": TOOLS, "chosen": "It is sunny.", "rejected": "It rains."}
+    with pytest.raises(UserError, match=r"rows.jsonl:1: the row has tools \(field `tools`\), which a preference row "
+                                        r"does not render yet"):
+        prepared(tmp_path / "tools", with_template(tokenizer, "qwen2_5"), [row], {"type": "chat_template"}, rl="dpo")
 
 
 def test_preprocess_shows_the_trained_call_and_refuses_a_plain_template_with_exit_2(tmp_path, tiny_model_dir):
