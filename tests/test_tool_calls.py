@@ -127,6 +127,15 @@ def test_a_template_that_takes_the_arguments_as_text_gets_json_text(tmp_path, to
                                             '<|im_end|>|It is sunny.<|im_end|>')
 
 
+def test_a_template_that_needs_tools_is_not_taken_for_one_that_drops_them(tmp_path, tokenizer):
+    """The tools are checked by rendering without them; a template that refuses that renders them."""
+    template = "{% if not tools %}{{ raise_exception('this template needs tools') }}{% endif %}" + family_template(
+        "qwen2_5")
+    row = prepared(tmp_path, tokenizer, [{"messages": ROW_MESSAGES, "tools": TOOLS}], {"type": "chat_template"},
+                   chat_template_jinja=template)[0]
+    assert trained_text(row, tokenizer) == TRAINED["qwen2_5"]
+
+
 def with_empty_content(messages: list[dict]) -> list[dict]:
     """The call's turn as other exports write it: content "" (a plain template renders it as an empty turn)."""
     messages = copy.deepcopy(messages)

@@ -111,7 +111,7 @@ def check_rendered(messages: list[dict], tools: list[dict] | None, render: Calla
                          "does, or `chat_template: jinja` with one in `chat_template_jinja`), or remove the tools "
                          "from the row")
 
-    if tools and render(messages, tools) == render(messages, None):
+    if tools and render(messages, tools) == _without_tools(messages, render):
         raise refuse("the row's `tools`")
     for k, message in enumerate(messages):
         if message.get("tool_calls"):
@@ -126,6 +126,14 @@ def check_rendered(messages: list[dict], tools: list[dict] | None, render: Calla
             with_result = render(messages[:k + 1], tools)
             if with_result == (render(messages[:k], tools) if k else ""):
                 raise refuse(f"the tool result in message {k + 1}")
+
+
+def _without_tools(messages: list[dict], render: Callable) -> str | None:
+    """The conversation rendered with no tools; None where the template refuses that (it needs them)."""
+    try:
+        return render(messages, None)
+    except UserError:
+        return None
 
 
 def refuse_row_tools(row: SourceRow, entry, rendered_as: str) -> None:
