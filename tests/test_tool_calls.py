@@ -88,16 +88,19 @@ def test_a_tool_calling_row_renders_as_the_models_own_template_and_trains_the_ca
     assert "get_weather" in shown and shown.count("It is sunny.") == 1
 
 
-def test_the_named_qwen_25_template_writes_qwen_25s_tool_format(tmp_path, tokenizer):
-    """`chat_template: qwen_25` renders a tool row as Qwen2.5's own template does: its system turn with the tools,
-    the calls, consecutive results in one user turn; with and without a system message."""
-    qwen = with_template(tokenizer, "qwen2_5")
+@pytest.mark.parametrize(("name", "family"), [("qwen_25", "qwen2_5"), ("qwen3", "qwen3_instruct_2507")])
+def test_the_named_qwen_templates_write_their_familys_tool_format(tmp_path, tokenizer, name, family):
+    """`chat_template: qwen_25` (`qwen3`) renders a tool row as Qwen2.5's (Qwen3-Instruct-2507's) own template
+    does: its system turn with the tools, the calls, consecutive results in one user turn; with and without a
+    system message. (Qwen3's thinking template differs from tuneloop's qwen3 in reasoning only, where
+    chat_template_texts.py says.)"""
+    qwen = with_template(tokenizer, family)
     second = {"role": "tool", "tool_call_id": "c2", "content": "wind 10 km/h"}
     references = [*reference_messages()[:-1], second, ROW_MESSAGES[-1]]
-    for name, first in (("with_system", 0), ("without", 1)):
+    for folder, first in (("with_system", 0), ("without", 1)):
         messages = [*ROW_MESSAGES[first:-1], second, ROW_MESSAGES[-1]]
-        row = prepared(tmp_path / name, tokenizer, [{"messages": messages, "tools": TOOLS}],
-                       {"type": "chat_template"}, chat_template="qwen_25")[0]
+        row = prepared(tmp_path / folder, tokenizer, [{"messages": messages, "tools": TOOLS}],
+                       {"type": "chat_template"}, chat_template=name)[0]
         reference = references[first:]
         assert tokenizer.decode(row["input_ids"]) == qwen.apply_chat_template(reference, tools=TOOLS, tokenize=False)
         assert trained_text(row, tokenizer) == TRAINED["qwen2_5"]
