@@ -141,6 +141,35 @@ def test_an_answer_repeated_in_a_question_is_trained_where_the_assistant_says_it
     assert ids[first_trained - 1] == CONTROL_TOKENS.index("[/INST]")  # the first answer, not the first question
 
 
+def test_a_tool_calling_row_is_mistral_commons_encoding_with_the_calls_trained(mistral_dir):
+    """The row's tools, a call (content null, arguments as JSON text) and its result reach mistral-common: the
+    ids are its encoding of the same request, the call and the answer are trained, the tools and the result not."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                               "parameters": {"type": "object", "properties": {"city": {}}}}}]
+    call = {"id": "abcdefghi", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "abcdefghi", "content": "sunny"},
+                {"role": "assistant", "content": "It is sunny."}]
+    from tuneloop.data.mistral_chat import MistralChats, load_mistral_common_tokenizer
+
+    cfg = config_from_dict({"base_model": str(mistral_dir), "tokenizer_use_mistral_common": True,
+                            "datasets": [{"path": "rows.jsonl", "type": "chat_template"}]})
+    chats = MistralChats(load_mistral_common_tokenizer(str(mistral_dir), "base_model"))
+    ids, labels = chats.tokens(SourceRow({"messages": messages, "tools": tools}, "rows.jsonl:1"), cfg.datasets[0],
+                               False)
+    parsed = [messages[0], {**messages[1], "tool_calls": [{**call, "function": {**call["function"],
+                                                                                "arguments": {"city": "Paris"}}}]},
+              *messages[2:]]
+    request = ChatCompletionRequest.from_openai(parsed, tools=tools)
+    assert ids.tolist() == mistral_tokenizer(mistral_dir).encode_chat_completion(request).tokens
+    assert trained_texts(mistral_dir, ids, labels) == ['[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}</s>',
+                                                      "It is sunny.</s>"]
+
+
 def test_a_conversation_mistral_common_refuses_names_the_row(mistral_dir):
     from tuneloop.errors import UserError
 

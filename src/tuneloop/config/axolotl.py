@@ -61,7 +61,7 @@ FEATURES = {
     "pretraining": ("a pretraining stream option", "pretraining stream options (attention across packed documents, "
                     "sample concatenation)"),
     "data_options": ("a dataset option", "dataset options tuneloop does not have yet (custom transforms, "
-                     "per-message training flags, tools, sharded hub datasets, length strategies, a default system "
+                     "per-message training flags, sharded hub datasets, length strategies, a default system "
                      "message)"),
     "model_options": ("a model option", "model options tuneloop does not have yet (model kwargs, custom model or "
                       "trainer classes, half-precision weights, embedding resizing, attention scaling)"),
@@ -229,7 +229,7 @@ REMOVED = _keys("gptq_groupsize gptq_model_v1 eta_min landmark_attention xpos_ro
 DATASET_REFUSED = {key: feature for feature, text in {
     "data_options": """
         input_transform shards shards_idx preprocess_shards conversation input_format field_human field_model
-        field_tools split_thinking message_field_training message_field_training_detail skip length
+        split_thinking message_field_training message_field_training_detail skip length
         sequence_length min_input_id max_input_id seed train_on_split trust_remote_code""",
     "training_methods": """logprobs_field temperature""",
     "pretraining": """text_column""",

@@ -79,7 +79,7 @@ UNPAIRED_ONLY_KEYS = ("field_completion", "field_label", "completion_format")
 # dataset keys that only a chat dataset reads (set on another type, they would be ignored: refused instead)
 CHAT_ONLY_KEYS = ("field_messages", "message_field_role", "message_field_content", "message_property_mappings",
                   "roles", "roles_to_train", "train_on_eos", "train_on_eot", "drop_system_message", "field_thinking",
-                  "template_thinking_key", "chat_template", "chat_template_jinja")
+                  "template_thinking_key", "chat_template", "chat_template_jinja", "field_tools")
 
 
 def jinja_means_jinja(holder) -> None:
@@ -116,6 +116,7 @@ class DatasetConfig(Strict):
     train_on_eot: Optional[str] = None
     drop_system_message: bool = False
     field_thinking: Optional[str] = None  # the row's key for a message's reasoning
+    field_tools: Optional[str] = None  # the row's key for its tool definitions (default `tools`, data/tool_calls.py)
     template_thinking_key: Optional[str] = None  # the template's name for it (reasoning_content)
     chat_template: Optional[str] = None  # this dataset's own template, instead of the run's
     chat_template_jinja: Optional[str] = None

@@ -4,9 +4,11 @@ published format (chat_templates.py registers them by axolotl's names).
 A template renders a list of `{"role", "content"}` messages (and `reasoning_content` where a family has
 reasoning) to text. tuneloop finds the trained turns by rendering growing prefixes (formats.py), so every
 template here renders a conversation's first k turns as a prefix of the whole, and its generation prompt (what
-`add_generation_prompt` appends) as a prefix of the assistant turn that follows. The text side only: images,
-tools and documents are the vision-language and tool-use work's; a family that writes fixed roles refuses
-another role (a `tool` turn would otherwise vanish from the text) rather than drop it.
+`add_generation_prompt` appends) as a prefix of the assistant turn that follows. The text side only: images
+are the vision-language work's, and only qwen_25 and qwen3 write tools and tool calls, in Qwen's format (a row
+with them is refused under the others, data/tool_calls.py; the model's own template writes them); a family
+that writes fixed roles refuses another role (a `tool` turn would otherwise vanish from the text) rather than
+drop it.
 
 Where a family's own template does something the prefix rule forbids, or depends on the day, tuneloop writes:
 - qwen3: a reasoning block (`<think>…</think>`) on every assistant turn that carries `reasoning_content`, none
@@ -136,10 +138,37 @@ CHATML = (
     "{% endfor %}" + _generation("<|im_start|>assistant\\n")
 )
 
+_QWEN_25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# Qwen's tool format (Hermes-style; Qwen2.5 and Qwen3 alike): the tools listed in the system turn, a call as JSON
+# in <tool_call> tags, the results of consecutive tool messages in one user turn, each in <tool_response> tags
+_QWEN_TOOLS = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+               "with function signatures within <tools></tools> XML tags:\n<tools>")
+_QWEN_TOOLS_END = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                   "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+                   "\"arguments\": <args-json-object>}\n</tool_call>")
+_QWEN_TOOL_LIST = ("{{ " + json.dumps(_QWEN_TOOLS) + " }}{% for tool in tools %}{{ '\n' + tool | tojson }}{% endfor %}"
+                   "{{ " + json.dumps(_QWEN_TOOLS_END) + " }}")
+_QWEN_TOOL_RESULT = (
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}")
+_QWEN_CALL = ("{% set call = call.function if call.function is defined else call %}"
+              "{{ '<tool_call>\n{\"name\": \"' + call.name + '\", \"arguments\": ' + (call.arguments if "
+              "call.arguments is string else (call.arguments | tojson)) + '}\n</tool_call>' }}")
+_HAS_SYSTEM = "{% set has_system = messages and messages[0]['role'] == 'system' %}"
 QWEN_25 = (
-    "{% if not messages or messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}"
-    "{% endif %}" + CHATML
+    _HAS_SYSTEM + "{% if tools or not has_system %}{{ '<|im_start|>system\n' }}"
+    "{{ messages[0]['content'] if has_system else " + json.dumps(_QWEN_25_SYSTEM) + " }}"
+    "{% if tools %}{{ '\n\n' }}" + _QWEN_TOOL_LIST + "{% endif %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if loop.first and has_system and tools %}"  # (written above, with the tools)
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant' }}{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] %}{{ '\n' }}" + _QWEN_CALL + "{% endfor %}{{ '<|im_end|>\n' }}"
+    + _QWEN_TOOL_RESULT +
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
+    "{% endfor %}" + _generation("<|im_start|>assistant\\n")
 )
 
 QWEN2_VL = (
@@ -148,10 +177,16 @@ QWEN2_VL = (
 )
 
 QWEN3 = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    _HAS_SYSTEM + "{% if tools %}{{ '<|im_start|>system\n' + (messages[0]['content'] + '\n\n' if has_system else "
+    "'') }}" + _QWEN_TOOL_LIST + "{{ '<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if loop.first and has_system and tools %}"  # (written above, with the tools)
+    + _QWEN_TOOL_RESULT + "{% else %}{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% if message['role'] == 'assistant' and message.get('reasoning_content') %}"
     "{{ '<think>\n' + message['reasoning_content'].strip('\n') + '\n</think>\n\n' }}{% endif %}"
-    "{{ message['content'] + '<|im_end|>\n' }}{% endfor %}" + _generation("<|im_start|>assistant\\n")
+    "{{ message['content'] }}{% for call in message.get('tool_calls') or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}" + _QWEN_CALL + "{% endfor %}"
+    "{{ '<|im_end|>\n' }}{% endif %}{% endfor %}" + _generation("<|im_start|>assistant\\n")
 )
 
 QWEN3_5 = (

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tuneloop.data.load import SourceRow
+from tuneloop.data.tool_calls import (TOOL_MESSAGE_KEYS, arguments_for_template, check_rendered, row_tools,
+                                      tool_calls_of)
 from tuneloop.errors import UserError
 from tuneloop.registry import Registry
 
@@ -70,6 +72,7 @@ class RenderContext:
     template: str | None = None  # the chat template text, for chat rows
     eot_tokens: tuple[str, ...] = ()  # axolotl's `eot_tokens`: the text that ends a turn
     image_placeholder: str | None = None  # a vision-language model's text for an image part (data/images.py)
+    template_name: str | None = None  # the config's `chat_template` value, to name the template in an error
 
 
 @dataclass
@@ -143,23 +146,28 @@ def render_completion(row: SourceRow, entry, context: RenderContext) -> Rendered
     return Rendered(text, [(0, len(text))])
 
 
-def _messages(row: SourceRow, entry, context: RenderContext | None = None, images: list | None = None) -> list[dict]:
+def _messages(row: SourceRow, entry, context: RenderContext | None = None, images: list | None = None,
+              tool_calls: bool = False) -> list[dict]:
     """The row's conversation as template messages: dataset keys mapped (message_property_mappings, or
     message_field_role/content; sharegpt's from/value found by itself), roles mapped (`roles`, else
-    human/gpt -> user/assistant), a first system message dropped on request."""
+    human/gpt -> user/assistant), a first system message dropped on request; assistant `tool_calls` kept where
+    the caller renders them (`tool_calls`), refused otherwise."""
     sharegpt = entry.type == "sharegpt"
     name = entry.field_messages or ("conversations" if sharegpt or "messages" not in row.values else "messages")
     raw = row.values.get(name)
     if not isinstance(raw, list) or not raw:
         raise UserError(f"data: {row.where}: field `{name}` must be a non-empty list of messages")
     placeholder = context.image_placeholder if context is not None else None
-    return convert_messages(raw, row, entry, sharegpt, placeholder, images)
+    return convert_messages(raw, row, entry, sharegpt, placeholder, images, tool_calls)
 
 
 def convert_messages(raw: list, row: SourceRow, entry, sharegpt: bool = False, image_placeholder: str | None = None,
-                     images: list | None = None) -> list[dict]:
+                     images: list | None = None, tool_calls: bool = False) -> list[dict]:
     """Messages as the row writes them -> template messages (the mapping rules of `_messages`); with an
-    `image_placeholder` (a vision-language model), image parts become that text and are appended to `images`."""
+    `image_placeholder` (a vision-language model), image parts become that text and are appended to `images`.
+    With `tool_calls`, an assistant message's calls are kept (its content may then be null or absent) and a tool
+    message keeps `tool_call_id` and `name`; without, a message with calls is refused: the caller's rendering
+    would drop them."""
     mapping = {"role": entry.message_field_role, "content": entry.message_field_content,
                **(entry.message_property_mappings or {})}
     if sharegpt or (not entry.message_property_mappings and isinstance(raw[0], dict)
@@ -171,14 +179,25 @@ def convert_messages(raw: list, row: SourceRow, entry, sharegpt: bool = False, i
              else DEFAULT_ROLES)
     messages = []
     for number, message in enumerate(raw, start=1):
-        if not isinstance(message, dict) or mapping["role"] not in message or mapping["content"] not in message:
+        calls = (message.get(mapping.get("tool_calls", "tool_calls")) or None) if isinstance(message, dict) else None
+        if not isinstance(message, dict) or mapping["role"] not in message or (mapping["content"] not in message
+                                                                               and not calls):
             raise UserError(f"data: {row.where}: message {number} needs `{mapping['role']}` and "
                             f"`{mapping['content']}`")
         converted = {key: message[source] for key, source in mapping.items()
-                     if key not in ("role", "content") and message.get(source) is not None}
-        role = message[mapping["role"]]
-        converted.update(role=roles.get(role, role),
-                         content=_content_text(message[mapping["content"]], row, number, image_placeholder, images))
+                     if key not in ("role", "content", "tool_calls") and message.get(source) is not None}
+        role = roles.get(message[mapping["role"]], message[mapping["role"]])
+        content = message.get(mapping["content"])
+        if calls:
+            if not tool_calls:
+                raise UserError(f"data: {row.where}: message {number} carries tool calls, which tuneloop renders "
+                                "in supervised chat rows (type chat_template, through a Jinja chat template) only; "
+                                "remove them from this row rather than train it without them")
+            converted["tool_calls"] = tool_calls_of(calls, row, number)
+            content = "" if content is None else content  # (OpenAI writes null beside the calls)
+        if role == "tool":
+            converted.update({key: message[key] for key in TOOL_MESSAGE_KEYS if message.get(key) is not None})
+        converted.update(role=role, content=_content_text(content, row, number, image_placeholder, images))
         messages.append(converted)
     if entry.drop_system_message and messages[0]["role"] == "system":
         messages = messages[1:]
@@ -231,17 +250,30 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
     ...; the newline after it is not the model's to predict). `train_on_eos`/`train_on_eot` say whose end
     markers are trained: the trained turns' (`turn`, the default), every turn's (`all`), the last turn's
     (`last`) or none (`none`).
+
+    A tool-calling row (tools, assistant `tool_calls`, `tool` results: data/tool_calls.py) is rendered with the
+    template's own tool format; an assistant turn with calls trains everything from its generation prompt to
+    its end marker (its content and its calls), and tool results are another role's turns, trained only when
+    `roles_to_train` names `tool`. A template that leaves out the tools or a call refuses the row.
     """
     images = []
-    messages = _messages(row, entry, context, images)
+    messages = _messages(row, entry, context, images, tool_calls=True)
+    tools = row_tools(row, entry)
     tokenizer, template = context.tokenizer, context.template
     if not (template or getattr(tokenizer, "chat_template", None)):
         raise UserError("config: `type: chat_template` needs a chat template, and this tokenizer has none: "
                         "set `chat_template: chatml` (or another name, or `jinja` with `chat_template_jinja`)")
 
     def render(upto: int, generation_prompt: bool) -> str:
-        return _apply_template(tokenizer, messages[:upto], template, generation_prompt, row)
+        return _apply_template(tokenizer, messages[:upto], template, generation_prompt, row, tools)
 
+    def render_some(some: list[dict], given_tools: list[dict] | None) -> str:
+        return _apply_template(tokenizer, some, template, False, row, given_tools) if some else ""
+
+    if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        messages = arguments_for_template(messages, lambda some: tokenizer.apply_chat_template(
+            some, tools=tools, tokenize=False, chat_template=template))
+        check_rendered(messages, tools, render_some, row, context.template_name)
     full = render(len(messages), False)
     option = entry.train_on_eot or entry.train_on_eos or "turn"
     spans, markers = [], []
@@ -259,8 +291,12 @@ def render_chat(row: SourceRow, entry, context: RenderContext) -> Rendered:
                 and (not assistant or full.startswith(render(k, True)))):
             raise UserError(f"data: {row.where}: the chat template does not render conversations as growing "
                             "prefixes, so trained turns cannot be located; use `chat_template: chatml`")
-        content = _content_span(messages, k, end_text, header_end, tokenizer, template, row)
         end = len(end_text.rstrip())
+        if assistant and message.get("tool_calls"):
+            content = (header_end, _tool_turn_content_end(messages, k, end_text, header_end, end, tokenizer,
+                                                          template, tools, context.eot_tokens, row))
+        else:
+            content = _content_span(messages, k, end_text, header_end, tokenizer, template, row, tools)
         if content is None:  # the template rewrote the content: train the whole turn, end marker included
             if trained:
                 spans.append((header_end, end))
@@ -284,27 +320,30 @@ CONTENT_MARK = "\u27e6tuneloop-content\u27e7"  # stands in for a message's conte
 
 
 def _apply_template(tokenizer, messages: list[dict], template: str | None, generation_prompt: bool,
-                    row: SourceRow) -> str:
+                    row: SourceRow, tools: list[dict] | None = None) -> str:
     """The conversation rendered by the template; a template that refuses it (`raise_exception`: a role it does
     not write, roles that do not alternate) is the row's error, not a traceback."""
     from jinja2.exceptions import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=template,
                                              add_generation_prompt=generation_prompt)
     except TemplateError as error:
         raise UserError(f"data: {row.where}: the chat template refuses this conversation: {error}") from None
+    except TypeError as error:  # the template's own expression fails on the row's values (text + a mapping)
+        raise UserError(f"data: {row.where}: the chat template fails on this conversation ({error}); is the "
+                        "row in the form the template expects?") from None
 
 
 def _content_span(messages: list[dict], k: int, end_text: str, header_end: int, tokenizer,
-                  template: str | None, row: SourceRow) -> tuple[int, int] | None:
+                  template: str | None, row: SourceRow, tools: list[dict] | None = None) -> tuple[int, int] | None:
     """Where message k's content sits in `end_text` (the conversation rendered through turn k): rendered once
     more with a mark in place of the content, the text around the mark is what the template adds, so the
     content is what lies between (a template that trims it included). Searching for the content itself would
     find an earlier copy of it (in the reasoning, or the role's header). None when the template transforms
     the content beyond that."""
     marked = [*messages[:k], {**messages[k], "content": CONTENT_MARK}]
-    text = _apply_template(tokenizer, marked, template, False, row)
+    text = _apply_template(tokenizer, marked, template, False, row, tools)
     if text.count(CONTENT_MARK) != 1:
         return None
     head, tail = text.split(CONTENT_MARK)
@@ -312,6 +351,27 @@ def _content_span(messages: list[dict], k: int, end_text: str, header_end: int, 
     if not (end_text.startswith(head) and end_text.endswith(tail) and header_end <= start <= end):
         return None
     return start, end
+
+
+def _tool_turn_content_end(messages: list[dict], k: int, end_text: str, header_end: int, turn_end: int, tokenizer,
+                           template: str | None, tools: list[dict] | None, eot_tokens: tuple[str, ...],
+                           row: SourceRow) -> int:
+    """Where the model's words end in an assistant turn with tool calls (its content and its calls, in the
+    template's tool format), so the end marker after them goes by `train_on_eos`. The calls are not content, so
+    the content mark cannot find them; the marker is what the template writes after a plain assistant turn in
+    the same place (or the first of `eot_tokens`). A turn that does not end with it is trained whole."""
+    if eot_tokens:
+        found = [at for at in (end_text.find(token, header_end, turn_end + len(token)) for token in eot_tokens)
+                 if at >= 0]
+        return min(found, default=turn_end)
+    probe = [*messages[:k], {"role": "assistant", "content": CONTENT_MARK}]
+    text = _apply_template(tokenizer, probe, template, False, row, tools)
+    if text.count(CONTENT_MARK) != 1:
+        return turn_end
+    marker = text.split(CONTENT_MARK)[1].rstrip()
+    if marker and end_text[header_end:turn_end].endswith(marker):
+        return turn_end - len(marker)
+    return turn_end
 
 
 def _end_marker(text: str, content_end: int, turn_end: int, eot_tokens: tuple[str, ...], row: SourceRow,

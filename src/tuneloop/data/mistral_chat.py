@@ -25,6 +25,7 @@ import numpy as np
 from tuneloop.data.formats import _messages
 from tuneloop.data.labels import IGNORE_INDEX
 from tuneloop.data.load import SourceRow
+from tuneloop.data.tool_calls import row_tools
 from tuneloop.errors import UserError
 
 TEKKEN_FILE = "tekken.json"  # mistral-common's Tekken tokenizer: vocabulary, control tokens, pattern, version
@@ -115,18 +116,19 @@ class MistralChats:
         if entry.type not in CHAT_TYPES:  # (config/rules.py refuses these first; a row must never miss it)
             raise UserError(f"config: `tokenizer_use_mistral_common: true` encodes chat rows (type "
                             f"{', '.join(CHAT_TYPES)}), and {entry.path} is `type: {entry.type}`")
-        messages = [_as_openai(message, entry) for message in _messages(row, entry)]
-        ids, turns = self._encoded(messages, row)
+        # (tools and calls in OpenAI's form: mistral-common writes [AVAILABLE_TOOLS], [TOOL_CALLS] and [TOOL_RESULTS])
+        messages = [_as_openai(message, entry) for message in _messages(row, entry, tool_calls=True)]
+        ids, turns = self._encoded(messages, row_tools(row, entry), row)
         labels = np.array(ids, dtype=np.int64) if train_on_inputs else self._labels(ids, turns, entry, row)
         return np.asarray(ids, dtype=np.int64), labels
 
-    def _encoded(self, messages: list[dict], row: SourceRow) -> tuple[list[int], list]:
-        """mistral-common's tokens of the conversation, and its normalized messages."""
+    def _encoded(self, messages: list[dict], tools: list[dict] | None, row: SourceRow) -> tuple[list[int], list]:
+        """mistral-common's tokens of the conversation (and the row's tools), and its normalized messages."""
         from mistral_common.exceptions import MistralCommonException
         from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
         try:
-            request = ChatCompletionRequest.from_openai(messages)
+            request = ChatCompletionRequest.from_openai(messages, tools=tools)
             ids = self.mistral.encode_chat_completion(request).tokens
             turns = self.normalizer.from_chat_completion_request(self.validator.validate_request(request)).messages
         except (MistralCommonException, ValueError, AssertionError, TypeError) as error:  # (pydantic's: ValueError)

@@ -24,6 +24,7 @@ from typing import Callable
 
 from tuneloop.data.formats import RenderContext, Rendered, _field, convert_messages
 from tuneloop.data.load import SourceRow
+from tuneloop.data.tool_calls import refuse_row_tools
 from tuneloop.errors import UserError
 from tuneloop.registry import Registry
 
@@ -264,6 +265,8 @@ def render_unpaired(rows: list[SourceRow], entry, context: RenderContext) -> tup
     """A chunk of KTO rows as (2 rendered sequences per row, each row's label). A row's second sequence is its
     prompt with another row's reply (the next row's in the chunk): what KTO's KL estimate compares, as TRL builds
     it from mismatched prompts and completions."""
+    for row in rows:
+        refuse_row_tools(row, entry, "a preference row")
     texts = [render_user_defined_unpaired(row, entry.type) if not isinstance(entry.type, str)
              else UNPAIRED_FORMATS[entry.type](row, entry, context) for row in rows]
     rendered = []
@@ -322,6 +325,7 @@ REWARD_FORMATS.add("bradley_terry.chat_template", render_bradley_terry)
 
 
 def render_preference(row: SourceRow, entry, context: RenderContext) -> tuple[Rendered, Rendered]:
+    refuse_row_tools(row, entry, "a preference row")
     if not isinstance(entry.type, str):
         return as_pair(render_user_defined(row, entry.type))
     if entry.type in REWARD_FORMATS:

@@ -128,7 +128,8 @@ def _training_texts(cfg, spec, encoder_decoder: bool) -> Iterator[str]:
                             "ids (no `type`); give its text with a `type`, or a tokenizer with `tokenizer_config`")
         template = resolve_template(entry.chat_template or cfg.chat_template,
                                     entry.chat_template_jinja or cfg.chat_template_jinja, shell)
-        contexts.append(RenderContext(shell, template, tuple(cfg.eot_tokens or ())))
+        contexts.append(RenderContext(shell, template, tuple(cfg.eot_tokens or ()),
+                                      template_name=entry.chat_template or cfg.chat_template))
     for job in read_jobs(entries, None, shard):
         entry, context = entries[job.entry_index], contexts[job.entry_index]
         for raw in job.rows:
