@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import re
 import os
 import pickle
 import shutil
@@ -95,7 +96,6 @@ class EntryRules:
     entry: object  # a DatasetConfig
     template: str | None
     eot_tokens: tuple[str, ...]
-    template_name: str | None = None  # the `chat_template` value the text came from (None: the tokenizer's)
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,7 @@ class ChunkTokenizer:
         self.sequence_len, self.train_on_inputs = limits.sequence_len, limits.train_on_inputs
         self.vision = image_inputs_of(tokenizer)  # a vision-language model's image side, or None
         placeholder = self.vision.family.placeholder if self.vision else None
-        self.contexts = [RenderContext(tokenizer, rules.template, rules.eot_tokens, placeholder, rules.template_name)
-                         for rules in entries]
+        self.contexts = [RenderContext(tokenizer, rules.template, rules.eot_tokens, placeholder) for rules in entries]
         # a mistral-common tokenizer encodes chat rows itself (tokens, not text); it has no Rust backend
         self.chats = MistralChats(tokenizer) if is_mistral_common(tokenizer) else None
         self.encoder = None if self.chats else plain_encoder(tokenizer)
@@ -438,7 +437,7 @@ def entry_rules(cfg, entries: list, tokenizer) -> list[EntryRules]:
     """Each entry's chat template (its own, else the run's) resolved to text once, here: workers get text."""
     return [EntryRules(entry, resolve_template(entry.chat_template or cfg.chat_template,
                                                entry.chat_template_jinja or cfg.chat_template_jinja, tokenizer),
-                       tuple(cfg.eot_tokens or ()), entry.chat_template or cfg.chat_template)
+                       tuple(cfg.eot_tokens or ()))
             for entry in entries]
 
 
@@ -637,6 +636,7 @@ def _build(cfg, tokenizer, target: Path, report=None, notice=None, encoder_decod
     """Builds the cache in `target`; returns how many worker processes tokenized rows."""
     stats = PrepareStats()
     temp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    progress = None
     try:
         progress = ReadProgress(_bytes_to_read(cfg.datasets + cfg.test_datasets), report)
         shard = (cfg.dataset_shard_num, cfg.dataset_shard_idx) if cfg.dataset_shard_num else None
@@ -669,7 +669,10 @@ def _build(cfg, tokenizer, target: Path, report=None, notice=None, encoder_decod
             raise UserError("data: the eval set is empty after filtering; check test_datasets or sequence_len")
         (temp / "stats.json").write_text(json.dumps(asdict(stats), indent=2))
         make_readable(temp)  # mkdtemp made it private
-    except BaseException:
+    except BaseException as error:
+        if isinstance(error, OSError):  # (what a full disk's message estimates the need from, before it goes)
+            error.cache_bytes_written = _folder_bytes(temp)
+            error.data_fraction_read = progress.fraction if progress is not None else None
         shutil.rmtree(temp, ignore_errors=True)
         raise
     try:
@@ -698,16 +701,39 @@ def check_cache_apart_from_data(cfg, root: Path) -> None:
                                 "data rows: give the cache a folder of its own (the default is last_run_prepared)")
 
 
-def cache_write_failure(error: OSError, root: Path) -> str:
-    """The message for a cache that could not be written (a full disk, a quota, a file that cannot be read)."""
+def _folder_bytes(folder: Path) -> int:
+    try:
+        return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+    except OSError:
+        return 0
+
+
+def _looks_full(error: OSError) -> bool:
+    """A full disk or quota: by its errno, or numpy's short write ("4096 requested and 0 written", no errno)."""
     import errno
 
+    return (error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or "No space left" in str(error)
+            or re.search(r"\d+ requested and \d+ written", str(error)) is not None)
+
+
+def _megabytes(count: float) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e9 else f"{count / 1e6:.1f} MB"
+
+
+def cache_write_failure(error: OSError, root: Path) -> str:
+    """The message for a cache that could not be written (a full disk, a quota, a file that cannot be read); on a
+    full disk, how much had been written when it filled."""
     where = error.filename or root
-    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        free = shutil.disk_usage(root).free / 1e9 if root.exists() else 0.0
+    if _looks_full(error):
+        free = shutil.disk_usage(root).free if root.exists() else 0
+        written, fraction = getattr(error, "cache_bytes_written", 0), getattr(error, "data_fraction_read", None)
+        # (what was written is a floor of the need, not an estimate of it: tokenizing workers run ahead of the
+        # writer, and splitting an eval set off copies the rows once more)
+        had = (f"; it filled with {_megabytes(written)} of prepared rows written and {fraction:.0%} of the data "
+               "read, so they need more than that" if written and fraction is not None else "")
         return (f"data: the disk is full while writing the prepared data in `dataset_prepared_path: {root}` "
-                f"({free:.2f} GB free); nothing half-written was left. Free space, or point dataset_prepared_path at "
-                "a larger disk, and run again")
+                f"({_megabytes(free)} free now{had}); nothing half-written was left. Free space, or point "
+                "dataset_prepared_path at a larger disk, and run again")
     return (f"data: could not prepare the data: {where}: {error.strerror or error}; nothing half-written was left in "
             f"{root}")
 
