@@ -224,17 +224,38 @@ def linear_layer_names(model) -> list[str]:
                    if isinstance(module, torch.nn.Linear) and module is not head})
 
 
+def four_bit_compute_dtype(cfg) -> str:
+    """The dtype a 4-bit layer dequantizes its weight to and multiplies in: `bnb_config_kwargs.bnb_4bit_compute_dtype`
+    where given, else the run's own, the dtype its activations arrive in (axolotl's choice too): bf16 under bf16
+    mixed precision (`bf16: true`, or `auto` where the machine has native bf16, as resolved.precision decides), fp16
+    under `fp16`, else the weights' (`bfloat16`/`float16`, or float32: an fp32 run computes in fp32). Before, an fp32
+    run's 4-bit layers computed in bf16 unasked: rounding every product to bf16 made 2 ranks' adapter 2e-4 away from
+    one process's after 4 steps (any engine: the ranks' gradients added in another order, then rounded), 1e-7 in
+    fp32."""
+    from tuneloop.host.hardware import mixed_precision, native_bf16
+
+    given = (cfg.bnb_config_kwargs or {}).get("bnb_4bit_compute_dtype")
+    if given is not None:
+        return str(given).removeprefix("torch.")
+    mixed, _ = mixed_precision(cfg.fp16, cfg.bf16, native_bf16() if cfg.bf16 == "auto" and not cfg.fp16 else None)
+    if mixed != "no":
+        return {"bf16": "bfloat16", "fp16": "float16"}[mixed]
+    return "bfloat16" if cfg.bfloat16 else "float16" if cfg.float16 else "float32"
+
+
 def quantization_config(cfg, kind: str):
-    """bitsandbytes' loading config for QLoRA (4-bit NF4, double quantization, bf16 compute: QLoRA's own
-    choices) or 8-bit; `bnb_config_kwargs` overrides any of them."""
+    """bitsandbytes' loading config for QLoRA (4-bit NF4 and double quantization, QLoRA's own choices, computed in
+    the run's dtype: four_bit_compute_dtype) or 8-bit; `bnb_config_kwargs` overrides any of them."""
     import torch
     from transformers import BitsAndBytesConfig
 
+    given = cfg.bnb_config_kwargs or {}
     if kind == "8bit":
-        settings = {"load_in_8bit": True, **(cfg.bnb_config_kwargs or {})}
+        settings = {"load_in_8bit": True, **given}
     else:
-        settings = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                    "bnb_4bit_compute_dtype": torch.bfloat16, **(cfg.bnb_config_kwargs or {})}
+        settings = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, **given}
+        if given.get("bnb_4bit_compute_dtype") is None:  # (a given one is checked by the config's rules and below)
+            settings["bnb_4bit_compute_dtype"] = getattr(torch, four_bit_compute_dtype(cfg))
     try:
         return BitsAndBytesConfig(**settings)
     except (ValueError, TypeError, AttributeError) as error:  # (the config's rules catch the usual mistakes first)

@@ -500,6 +500,7 @@ def model_line(cfg, facts) -> str:
 def _quantized_words(cfg) -> str:
     """A 4-bit (QLoRA) or 8-bit base, as bitsandbytes loads it (adapters.quantization_config: its defaults, and
     `bnb_config_kwargs` over them)."""
+    from tuneloop.adapters import four_bit_compute_dtype
     from tuneloop.host.hardware import quantized_loading
 
     kind, settings = quantized_loading(cfg), cfg.bnb_config_kwargs or {}
@@ -508,7 +509,7 @@ def _quantized_words(cfg) -> str:
     if kind != "4bit":
         return ""
     double = ", double-quantized" if settings.get("bnb_4bit_use_double_quant", True) else ""
-    compute = str(settings.get("bnb_4bit_compute_dtype", "bfloat16")).removeprefix("torch.")
+    compute = four_bit_compute_dtype(cfg)
     return (f", loaded in 4-bit by bitsandbytes ({str(settings.get('bnb_4bit_quant_type', 'nf4')).upper()}{double}, "
             f"computed in {compute}: QLoRA)")
 
