@@ -119,7 +119,7 @@ def plan_lines(config, *extra) -> dict[str, str]:
 
 @pytest.mark.parametrize("keys, model_words, adapter_words", [
     ({"adapter": "qlora", "peft_use_dora": True, "peft_use_rslora": True, "loraplus_lr_ratio": 16},
-     ["loaded in 4-bit by bitsandbytes (NF4, double-quantized, computed in bfloat16: QLoRA)"],
+     ["loaded in 4-bit by bitsandbytes (NF4, double-quantized, computed in float32: QLoRA)"],  # bf16: false
      [f"scale alpha/√r = {8 / 4 ** 0.5:.3g} (rsLoRA)", "DoRA: each weight's magnitude trained apart",
       f"LoRA+: the B matrices learn 16× faster (learning rate {1e-3 * 16:g})"]),
     ({"adapter": "lora", "load_in_8bit": True}, ["loaded in 8-bit by bitsandbytes (LLM.int8)"],

@@ -80,6 +80,48 @@ def test_a_qlora_step_equals_a_hand_written_peft_and_bitsandbytes_step(qlora_run
         assert float((saved[key] - expected).norm() / expected.norm()) < 1e-5, key  # relative L2, per tensor
 
 
+def test_a_4_bit_layer_computes_in_the_runs_dtype_an_fp32_runs_in_fp32(tmp_path, tiny_model_dir):
+    """Without `bnb_4bit_compute_dtype`, a 4-bit layer multiplies in the run's dtype (adapters.four_bit_compute_dtype):
+    under `bf16: false` each of the loaded model's 4-bit layers, in training, gives the fp32 product of its
+    dequantized NF4 weight to 1e-6 — the forward every engine computes (one process's, DDP's, FSDP2's gathered
+    weight), so that 2 ranks end where one process does (test_sharded_qlora.py). Before, it computed in bf16 unasked:
+    layers up to 3.0e-3 off, and 2 ranks' adapter 2.2e-4 off one process's after 4 AdamW steps, under DDP and FSDP2
+    alike. bf16 runs (and `bfloat16` weights) compute in bf16; a given `bnb_4bit_compute_dtype` wins."""
+    import torch.nn.functional as F
+    from bitsandbytes.functional import dequantize_4bit
+    from transformers import AutoModelForCausalLM
+
+    from tuneloop.adapters import four_bit_compute_dtype, keep_4bit_layout, quantization_config
+    from tuneloop.config import config_from_dict
+    from tuneloop.host.hardware import native_bf16
+
+    data = write_jsonl(tmp_path / "train.jsonl", tiny_rows(4))
+    plain = {key: value for key, value in QLORA.items() if key != "bnb_config_kwargs"}
+
+    def cfg_of(**keys):
+        return config_from_dict(base_config(tmp_path, tiny_model_dir, data, **{**plain, **keys}))
+
+    assert four_bit_compute_dtype(cfg_of()) == "float32"
+    assert four_bit_compute_dtype(cfg_of(bf16=True)) == four_bit_compute_dtype(cfg_of(bfloat16=True)) == "bfloat16"
+    assert four_bit_compute_dtype(cfg_of(bf16="auto")) == ("bfloat16" if native_bf16() else "float32")
+    assert four_bit_compute_dtype(cfg_of(bnb_config_kwargs={"bnb_4bit_compute_dtype": "float16"})) == "float16"
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quantization_config(cfg_of(),
+                                                                                                          "4bit"),
+                                                 dtype=torch.float32)
+    keep_4bit_layout(model)
+    model.train()
+    layers = [module for module in model.modules() if type(module).__name__ == "Linear4bit"]
+    assert len(layers) == 14  # q, k, v, o, gate, up, down in each of the 2 layers
+    generator = torch.Generator().manual_seed(0)
+    for layer in layers:
+        x = torch.randn(2, 9, layer.in_features, generator=generator).requires_grad_()
+        got = layer(x)
+        expected = F.linear(x, dequantize_4bit(layer.weight.data, layer.weight.quant_state).to(torch.float32))
+        assert got.dtype == torch.float32
+        assert float((got - expected).detach().norm() / expected.detach().norm()) < 1e-6, type(layer)
+
+
 def test_the_plan_counts_the_4_bit_weights_as_the_process_holds_them(qlora_run):
     """NF4 data, its absmax (quantized twice) and code books, the unquantized embedding, norms and head, the adapter:
     the plan's weight bytes are the bytes the run's tensors held (0.1%); the optimizer's, the adapter's AdamW."""

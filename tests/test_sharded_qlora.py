@@ -1,8 +1,8 @@
 """QLoRA with its 4-bit weights divided over ranks: FSDP2 and DeepSpeed ZeRO-3 on 2 real gloo ranks end with the
 adapter one process trains on the same global batch, resume bit for bit after a SIGKILL mid-save, and hold per rank
 what the plan says. The seed's two recipes (QLoRA + FSDP, QLoRA + ZeRO-3: bf16, the quant storage in bf16,
-re-entrant gradient checkpointing, packing) train on the tiny model. Equality is asserted in fp32 (`bf16: false`,
-compute dtype float32)."""
+re-entrant gradient checkpointing, packing) train on the tiny model. Equality is asserted in fp32 (`bf16: false`, and
+no `bnb_4bit_compute_dtype`: the 4-bit layers compute in the run's fp32, adapters.four_bit_compute_dtype)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip("bitsandbytes")
 pytestmark = pytest.mark.slow
 
 QLORA = {"adapter": "qlora", "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
-         "lora_target_linear": True, "bnb_config_kwargs": {"bnb_4bit_compute_dtype": "float32"}}
+         "lora_target_linear": True}
 # 8 steps of a global batch of 8 (one process: 2 × 4 accumulated; 2 ranks: 2 × 2 each), checkpoints at 3 and 6
 STEPS = {"optimizer": "adamw_torch", "learning_rate": 1e-2, "max_grad_norm": 1.0, "max_steps": 8,
          "lr_scheduler": "cosine", "warmup_steps": 1, "micro_batch_size": 2, "save_strategy": None, "save_steps": 3,
@@ -107,8 +107,9 @@ def launched(tmp_path_factory, tiny_model_dir, data) -> tuple:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_two_sharded_qlora_ranks_equal_one_process_and_resume_bit_identical_after_a_kill(
         launched, tiny_model_dir, one_process, engine):
-    """The uninterrupted 2-rank run: its adapter within 1e-4 relative L2 of one process's (the same NF4 weights on
-    both sides, the gradients summed in another order), the plan's bytes per rank those each rank held (the packed
+    """The uninterrupted 2-rank run: its adapter within 1e-5 relative L2 of one process's (the same NF4 weights on
+    both sides, the gradients summed in another order; with the 4-bit layers computing in bf16, as they did unasked
+    in an fp32 run before, it was 2e-4 off after 4 steps), the plan's bytes per rank those each rank held (the packed
     values divided, their scales whole on every rank), and its checkpoints the adapter's alone. Then the run is
     stopped (STOPS: ZeRO-3's rank 0 SIGKILLed while writing checkpoint-6, FSDP2's by SIGTERM on rank 0 after step 4); the
     resume from the checkpoint before ends with the uninterrupted adapter, bit for bit."""
@@ -122,7 +123,7 @@ def test_two_sharded_qlora_ranks_equal_one_process_and_resume_bit_identical_afte
     adapter = load_file(out / "adapter_model.safetensors")
     trained_b = {key: value for key, value in adapter.items() if "lora_B" in key}
     assert trained_b and all(float(value.abs().max()) > 0 for value in trained_b.values())
-    assert relative_l2({key: one_process[key] for key in trained_b}, trained_b) < 1e-4
+    assert relative_l2({key: one_process[key] for key in trained_b}, trained_b) < 1e-5
     assert not (out / "model.safetensors").exists()  # the adapter, with its base named in adapter_config.json
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model_dir)
 
