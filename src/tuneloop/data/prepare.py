@@ -96,6 +96,7 @@ class EntryRules:
     entry: object  # a DatasetConfig
     template: str | None
     eot_tokens: tuple[str, ...]
+    template_name: str | None = None  # the `chat_template` value the text came from (None: the tokenizer's)
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ class ChunkTokenizer:
         self.sequence_len, self.train_on_inputs = limits.sequence_len, limits.train_on_inputs
         self.vision = image_inputs_of(tokenizer)  # a vision-language model's image side, or None
         placeholder = self.vision.family.placeholder if self.vision else None
-        self.contexts = [RenderContext(tokenizer, rules.template, rules.eot_tokens, placeholder) for rules in entries]
+        self.contexts = [RenderContext(tokenizer, rules.template, rules.eot_tokens, placeholder, rules.template_name)
+                         for rules in entries]
         # a mistral-common tokenizer encodes chat rows itself (tokens, not text); it has no Rust backend
         self.chats = MistralChats(tokenizer) if is_mistral_common(tokenizer) else None
         self.encoder = None if self.chats else plain_encoder(tokenizer)
@@ -437,7 +439,7 @@ def entry_rules(cfg, entries: list, tokenizer) -> list[EntryRules]:
     """Each entry's chat template (its own, else the run's) resolved to text once, here: workers get text."""
     return [EntryRules(entry, resolve_template(entry.chat_template or cfg.chat_template,
                                                entry.chat_template_jinja or cfg.chat_template_jinja, tokenizer),
-                       tuple(cfg.eot_tokens or ()))
+                       tuple(cfg.eot_tokens or ()), entry.chat_template or cfg.chat_template)
             for entry in entries]
 
 
