@@ -194,3 +194,29 @@ def test_preprocess_shows_the_trained_call_and_refuses_a_plain_template_with_exi
     refused = run_in_process("preprocess", str(write_config(tmp_path / "chatml.yml", **keys, chat_template="chatml")))
     assert_user_error(refused, "rows.jsonl:1: chat template `chatml` does not render the row's `tools`",
                       "chat_template: tokenizer_default")
+
+
+def test_a_grpo_prompts_tools_are_rendered_into_it_or_the_row_is_refused(tmp_path, tiny_model_dir):
+    """Online RL's prompts (online_rl/prompts.py): a row's `tools` reach the policy through the template's tool
+    format, as SFT rows do; a template that drops them, or a text prompt, refuses the row instead of asking the
+    policy to call tools it was never shown."""
+    import json
+
+    from test_grpo import grpo_config
+
+    rows = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": ROW_MESSAGES[1:2], "tools": TOOLS, "word": "sunny"}] * 8)
+    config = grpo_config(tmp_path, tiny_model_dir, datasets=[{"path": str(rows)}], sequence_len=1024,
+                         chat_template="jinja", chat_template_jinja=family_template("qwen2_5"))
+    planned = run_in_process("plan", str(config), "--json")
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = tokenizer.apply_chat_template(ROW_MESSAGES[1:2], tools=TOOLS, chat_template=family_template("qwen2_5"),
+                                             tokenize=False, add_generation_prompt=True)
+    assert "get_weather" in expected
+    assert json.loads(planned.stdout)["train_tokens"] == 8 * len(tokenizer(expected, add_special_tokens=False)[
+        "input_ids"])
+    plain = grpo_config(tmp_path, tiny_model_dir, name="plain.yml", datasets=[{"path": str(rows)}], sequence_len=1024)
+    assert_user_error(run_in_process("plan", str(plain)), "prompts.jsonl:1", "does not render the row's `tools`")
+    text = write_jsonl(tmp_path / "text.jsonl", [{"prompt": "Weather in Paris?", "tools": TOOLS, "word": "x"}] * 8)
+    as_text = grpo_config(tmp_path, tiny_model_dir, name="text.yml", datasets=[{"path": str(text)}])
+    assert_user_error(run_in_process("plan", str(as_text)), "text.jsonl:1", "its prompt is a text")

@@ -132,8 +132,19 @@ def transformed(row: dict, where: str, transform, removed: list[str], tokenizer,
     return values
 
 
-def prompt_text(prompt, where: str, tokenizer, template: str | None, template_kwargs: dict) -> str:
+def prompt_text(prompt, where: str, tokenizer, template: str | None, template_kwargs: dict, tools=None,
+                template_name: str | None = None, values: dict | None = None) -> str:
+    """The prompt as the policy reads it. A row's `tools` (and any tool calls and results in its messages) are
+    rendered by the template's own tool format (data/tool_calls.py), or the row is refused naming the template:
+    never dropped, or the policy would be asked to call tools it was never shown."""
+    from tuneloop.data.load import SourceRow
+    from tuneloop.data.tool_calls import check_rendered, tool_calls_of
+
     if isinstance(prompt, str):
+        if tools:
+            raise UserError(f"data: {where}: the row has `tools`, and its prompt is a text, used as it is (no chat "
+                            "template renders the tools into it): give the prompt as a list of messages, or remove "
+                            "the tools")
         return prompt
     if not isinstance(prompt, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                for m in prompt):
@@ -142,13 +153,28 @@ def prompt_text(prompt, where: str, tokenizer, template: str | None, template_kw
     if template is None:
         raise UserError(f"data: {where}: the prompt is a list of messages and the tokenizer has no chat template: set "
                         "`chat_template` (chatml, llama3, ...) or give the prompt as text")
-    return tokenizer.apply_chat_template(prompt, chat_template=template, tokenize=False, add_generation_prompt=True,
-                                         **template_kwargs)
+    row = SourceRow(values or {}, where)
+    messages = [{**message, "tool_calls": tool_calls_of(message["tool_calls"], row, number)}
+                if message.get("tool_calls") else message for number, message in enumerate(prompt, start=1)]
+
+    def render(conversation, with_tools):
+        try:
+            return tokenizer.apply_chat_template(conversation, tools=with_tools, chat_template=template,
+                                                 tokenize=False, add_generation_prompt=True, **template_kwargs)
+        except Exception as error:  # the template's own complaint (Jinja's raise_exception), in one line
+            first = (str(error).splitlines() or [""])[0]
+            raise UserError(f"data: {where}: the chat template cannot render this prompt: {type(error).__name__}: "
+                            f"{first}") from None
+
+    if tools or any(message.get("tool_calls") or message["role"] == "tool" for message in messages):
+        check_rendered(messages, tools, render, row, template_name)
+    return render(messages, tools)
 
 
 def read_prompts(cfg, tokenizer) -> PromptSet:
     from tuneloop.data.chat_templates import resolve_template
-    from tuneloop.data.load import read_rows
+    from tuneloop.data.load import SourceRow, read_rows
+    from tuneloop.data.tool_calls import row_tools
     from tuneloop.rl_methods import matches_features
 
     settings = cfg.trl_settings
@@ -172,7 +198,9 @@ def read_prompts(cfg, tokenizer) -> PromptSet:
             if ebft:
                 check_ebft_row(values, row.where)
             prompt = values["prompt"]
-            text = prompt_text(prompt, row.where, tokenizer, template, settings.chat_template_kwargs or {})
+            tools = row_tools(SourceRow(values, row.where), entry)
+            text = prompt_text(prompt, row.where, tokenizer, template, settings.chat_template_kwargs or {}, tools,
+                               cfg.chat_template, values)
             # a chat template writes its own BOS; a text prompt gets the tokenizer's special tokens, as TRL's
             ids = np.asarray(tokenizer(text, add_special_tokens=isinstance(prompt, str))["input_ids"], dtype=np.int32)
             if len(ids) == 0:
